@@ -1,0 +1,213 @@
+"""The `idlegrad` command: parsing, and dispatch to the sides.
+
+Heavy imports (torch) happen inside the subcommands that need them, so `idlegrad --help` and the
+demo's front end start instantly. Every error a user can cause ends as one line on stderr and a
+non-zero exit status, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+from .. import __version__
+from ..common.errors import ConfigError, IdlegradError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not usage plus a line
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _non_negative(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="how much to log on stderr (default: info)")
+
+
+def _add_job(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--job", required=required, metavar="SPEC",
+                   help="built-in name (digits, synthetic), module:attr or path/to/file.py:attr")
+    p.add_argument("--job-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument for the job's factory (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="idlegrad", description="Train PyTorch models on idle computers.")
+    parser.add_argument("--version", action="version", version=f"idlegrad {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    c = sub.add_parser("coordinator", help="hold the model and hand out gradient tasks",
+                       description="Hold the model, the optimizer and the data plan; hand out "
+                                   "gradient tasks to workers and apply their results.")
+    _add_job(c, required=True)
+    c.add_argument("--bind", default="tcp://127.0.0.1:5555", metavar="ADDR",
+                   help="ZeroMQ address to listen on (default: tcp://127.0.0.1:5555; "
+                        "tcp://*:5555 for other machines)")
+    c.add_argument("--checkpoint-dir", metavar="DIR", help="save and resume here")
+    c.add_argument("--checkpoint-every", type=_positive(float), default=60.0, metavar="SECONDS",
+                   help="seconds between checkpoints (default: 60)")
+    c.add_argument("--metrics", metavar="FILE",
+                   help="JSON-lines metrics log (default: DIR/metrics.jsonl with --checkpoint-dir)")
+    c.add_argument("--epochs", type=_positive(int), metavar="N", help="stop after N epochs")
+    c.add_argument("--target", metavar="METRIC=VALUE",
+                   help="stop when a test metric reaches VALUE, e.g. accuracy=0.95 or loss<=0.1")
+    c.add_argument("--seed", type=_non_negative(int), default=0, help="model and data seed")
+    c.add_argument("--heartbeat", type=_positive(float), default=1.0, metavar="SECONDS",
+                   help="heartbeat interval; a worker silent for 3 beats is evicted (default: 1)")
+    c.add_argument("--partitions", type=_positive(int), default=1, metavar="K",
+                   help="partitions (tasks) per round (default: 1)")
+    c.add_argument("--open-rounds", type=_non_negative(int), default=0, metavar="N",
+                   help="rounds open at once; 0: as many as the workers ask for (default)")
+    c.add_argument("--staleness", choices=["inverse", "sqrt", "constant"], default="inverse",
+                   help="step weight of a gradient tau versions old: 1/(1+tau), 1/sqrt(1+tau), 1")
+    c.add_argument("--max-staleness", type=_non_negative(int), default=32, metavar="TAU",
+                   help="gradients staler than this are replanned, not applied (default: 32)")
+    c.add_argument("--eval-every", type=_positive(float), metavar="SECONDS",
+                   help="seconds between evaluations (default: adaptive, ~10%% of the time)")
+    c.add_argument("--task-timeout", type=_positive(float), default=30.0, metavar="SECONDS",
+                   help="least time before a slow task is handed to another worker (default: 30)")
+    c.add_argument("--threads", type=_positive(int), metavar="N", help="torch threads")
+    _add_common(c)
+    c.set_defaults(func=_run_coordinator)
+
+    w = sub.add_parser("worker", help="compute gradient tasks for a coordinator",
+                       description="Compute gradient tasks for a coordinator. Runs only job code "
+                                   "installed on this machine; the coordinator only names the job.")
+    w.add_argument("--coordinator", default="tcp://127.0.0.1:5555", metavar="ADDR",
+                   help="the coordinator's address (default: tcp://127.0.0.1:5555)")
+    w.add_argument("--job", metavar="SPEC",
+                   help="the job's code on this machine (default: built-in jobs only)")
+    w.add_argument("--threads", type=_positive(int), metavar="N",
+                   help="torch threads (default: every core this process may use)")
+    w.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default: auto)")
+    w.add_argument("--credits", type=_positive(int), default=2, metavar="N",
+                   help="tasks held at once, so the next one is ready (default: 2)")
+    w.add_argument("--connect-timeout", type=_non_negative(float), default=60.0, metavar="SECONDS",
+                   help="give up when the coordinator cannot be reached this long; 0: never "
+                        "(default: 60)")
+    w.add_argument("--id", dest="worker_id", metavar="NAME",
+                   help="this worker's name (default: HOST-PID)")
+    _add_common(w)
+    w.set_defaults(func=_run_worker)
+
+    d = sub.add_parser("demo", help="a coordinator and workers on this machine, training digits",
+                       description="Start a coordinator and N workers on loopback, train until "
+                                   "the target is reached, stop them all, and summarise.")
+    d.add_argument("--workers", type=_positive(int), default=3, metavar="N",
+                   help="worker processes (default: 3)")
+    d.add_argument("--job", default="digits", metavar="SPEC", help="the job (default: digits)")
+    d.add_argument("--job-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument for the job's factory (repeatable)")
+    d.add_argument("--target", default="accuracy=0.95", metavar="METRIC=VALUE",
+                   help="stop when reached (default: accuracy=0.95)")
+    d.add_argument("--epochs", type=_positive(int), default=50, metavar="N",
+                   help="stop after N epochs if the target is not reached (default: 50)")
+    d.add_argument("--json", action="store_true",
+                   help="print the summary as one JSON object on the last line")
+    d.add_argument("--keep", metavar="DIR", help="keep checkpoint, metrics and logs in DIR")
+    d.add_argument("--timeout", type=_positive(float), default=600.0, metavar="SECONDS",
+                   help="give up after this long (default: 600)")
+    _add_common(d)
+    d.set_defaults(func=_run_demo)
+    return parser
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+
+
+def _run_coordinator(args) -> int:
+    import os
+
+    from ..common.job import parse_job_args
+    from ..coordinator.aggregator import StalenessRule
+    from ..coordinator.server import Coordinator, CoordinatorConfig
+    from ..coordinator.target import Target
+
+    metrics = args.metrics
+    if metrics is None and args.checkpoint_dir:
+        metrics = os.path.join(args.checkpoint_dir, "metrics.jsonl")
+    config = CoordinatorConfig(
+        job=args.job, job_args=parse_job_args(args.job_arg), bind=args.bind,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        metrics_path=metrics, epochs=args.epochs,
+        target=Target.parse(args.target) if args.target else None, seed=args.seed,
+        heartbeat_s=args.heartbeat, partitions=args.partitions, open_rounds=args.open_rounds,
+        staleness=StalenessRule(args.staleness, args.max_staleness), eval_every=args.eval_every,
+        min_deadline_s=args.task_timeout, threads=args.threads)
+    coordinator = Coordinator(config)
+    reason = coordinator.run()
+    logging.getLogger("idlegrad.coordinator").info(
+        "done (%s): version %d, %d samples, metrics %s", reason, coordinator.aggregator.version,
+        coordinator.samples_applied, coordinator.metrics)
+    return EXIT_FAILED if reason == "bad target" else EXIT_OK
+
+
+def _run_worker(args) -> int:
+    from ..worker.daemon import Worker, WorkerConfig
+
+    worker = Worker(WorkerConfig(
+        coordinator=args.coordinator, job=args.job, threads=args.threads, device=args.device,
+        credits=args.credits, connect_timeout=args.connect_timeout, worker_id=args.worker_id))
+    reason = worker.run()
+    logging.getLogger("idlegrad.worker").info("stopped (%s) after %d results", reason,
+                                              worker.results_sent)
+    return EXIT_OK
+
+
+def _run_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except ConfigError as exc:
+        print(f"idlegrad {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except IdlegradError as exc:
+        print(f"idlegrad {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

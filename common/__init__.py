@@ -1,0 +1,1 @@
+"""What every side speaks: protocol, wire tensors, jobs, coding math, errors."""

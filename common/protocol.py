@@ -1,0 +1,380 @@
+"""The wire: message dataclasses, one encode/decode pair, limits and schema checks.
+
+A message is multipart: one msgpack header `{"v": PROTOCOL_VERSION, "type": ..., fields...}` and zero
+or more raw frames that carry flat tensors (`Blob`). A blob field appears in the header as a
+descriptor `{"dtype": ..., "numel": ..., "frames": k}`; its k frames follow the header in the order
+the fields are declared. No pickle anywhere: the header is plain msgpack without ext types.
+
+Each message class *is* its schema: `decode` checks every header field against the dataclass's
+type hints, so adding a field is one line. This module is pure and imports no torch, so monitors and
+the demo front end stay light; `common.tensors` converts blobs to and from torch tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional, Sequence, Union
+
+import msgpack
+
+from .errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+MAX_FRAME_BYTES = 16 * 1024 * 1024  # tensor frames are cut to this; larger zero-copy frames slow down
+MAX_HEADER_BYTES = 1024 * 1024
+MAX_BLOB_FRAMES = 1024  # 16 GiB per blob at most
+MAX_STR = 4096
+MAX_LIST = 65536
+# ZMQ_MAXMSGSIZE for every socket: the peer is disconnected by ZeroMQ itself past this.
+SOCKET_MAX_MSG_BYTES = max(MAX_FRAME_BYTES, MAX_HEADER_BYTES) + 4096
+
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class Blob:
+    """A flat tensor on the wire: dtype, element count and the frames (buffers) that hold it."""
+
+    dtype: str
+    numel: int
+    frames: tuple = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Message:
+    TYPE: ClassVar[str] = ""
+
+
+# worker -> coordinator ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """First words of a worker: who it is and what it has."""
+
+    TYPE: ClassVar[str] = "hello"
+    worker_id: str
+    host: str
+    cores: int
+    threads: int
+    device: str
+    memory_mb: int
+    versions: dict[str, str]
+    job: Optional[str] = None  # the job the worker was configured with; None: any built-in job
+
+
+@dataclass(frozen=True)
+class Ready(Message):
+    """How many slots the worker will hold at once (0 while paused), for the job it built."""
+
+    TYPE: ClassVar[str] = "ready"
+    credits: int
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class Result(Message):
+    """A slot's coded gradient: sum_j coefficient_j * (summed gradient of partition j)."""
+
+    TYPE: ClassVar[str] = "result"
+    slot: int
+    version: int
+    samples: int
+    loss: float
+    compute_s: float
+    gradient: Blob
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Liveness, both ways. A worker says what it is doing."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    state: str = "idle"
+
+    STATES: ClassVar[frozenset] = frozenset({"working", "paused", "idle", "coordinator"})
+
+
+@dataclass(frozen=True)
+class Bye(Message):
+    TYPE: ClassVar[str] = "bye"
+    reason: str = ""
+
+
+# coordinator -> worker ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    """The job by name, arguments and fingerprint (never code), and the session's settings."""
+
+    TYPE: ClassVar[str] = "welcome"
+    job: str
+    job_args: dict[str, Any]
+    fingerprint: str
+    seed: int
+    heartbeat_s: float
+    liveness: int
+
+
+@dataclass(frozen=True)
+class Task(Message):
+    """Compute sum_j coefficients[j] * g_j at `version`, g_j the summed gradient of parts[j].
+
+    Each part is [epoch, offset, count] into the seeded permutation of that epoch. The model is
+    attached when the worker's cached version differs from `version`.
+    """
+
+    TYPE: ClassVar[str] = "task"
+    slot: int
+    round: int
+    version: int
+    parts: list[list[int]]
+    coefficients: list[float]
+    deadline_s: float
+    model: Optional[Blob] = None
+
+
+@dataclass(frozen=True)
+class Cancel(Message):
+    TYPE: ClassVar[str] = "cancel"
+    slots: list[int]
+
+
+@dataclass(frozen=True)
+class Reject(Message):
+    """A refusal. `code` is stable for programs ("hello_first", "job", "version", ...)."""
+
+    TYPE: ClassVar[str] = "reject"
+    code: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Shutdown(Message):
+    TYPE: ClassVar[str] = "shutdown"
+    reason: str
+
+
+# monitor <-> coordinator -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StatusRequest(Message):
+    TYPE: ClassVar[str] = "status_request"
+    cursor: int = 0  # events after this id are returned
+
+
+@dataclass(frozen=True)
+class Status(Message):
+    TYPE: ClassVar[str] = "status"
+    snapshot: dict[str, Any]
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (Hello, Ready, Result, Heartbeat, Bye, Welcome, Task, Cancel, Reject, Shutdown,
+                StatusRequest, Status)
+}
+
+
+# schema ---------------------------------------------------------------------------------------
+
+
+def _schema(cls: type[Message]) -> list[tuple[str, Any, bool]]:
+    hints = typing.get_type_hints(cls)
+    return [
+        (f.name, hints[f.name],
+         f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        for f in dataclasses.fields(cls)
+    ]
+
+
+_SCHEMAS = {name: _schema(cls) for name, cls in MESSAGE_TYPES.items()}
+
+
+def _is_optional(hint) -> tuple[bool, Any]:
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(hint)) == 2:
+            return True, args[0]
+    return False, hint
+
+
+def _check(value, hint, where: str):
+    """Raise ProtocolError unless `value` (already msgpack-decoded) fits `hint`."""
+    optional, hint = _is_optional(hint)
+    if value is None:
+        if optional:
+            return
+        raise ProtocolError("schema", f"{where} is missing")
+    if hint is Any:
+        return  # bounded by msgpack's own limits
+    origin = typing.get_origin(hint)
+    if origin is list:
+        if not isinstance(value, list) or len(value) > MAX_LIST:
+            raise ProtocolError("schema", f"{where} must be a list")
+        (item,) = typing.get_args(hint)
+        for i, v in enumerate(value):
+            _check(v, item, f"{where}[{i}]")
+        return
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError("schema", f"{where} must be a map")
+        _, item = typing.get_args(hint)
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ProtocolError("schema", f"{where} keys must be strings")
+            _check(v, item, f"{where}.{k}")
+        return
+    if hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
+    elif hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    elif hint is str:
+        ok = isinstance(value, str) and len(value) <= MAX_STR
+    else:
+        raise TypeError(f"unsupported schema type {hint!r} at {where}")
+    if not ok:
+        raise ProtocolError("schema", f"{where} must be {hint.__name__}, got {type(value).__name__}")
+
+
+# encode / decode ------------------------------------------------------------------------------
+
+
+def encode(msg: Message) -> list:
+    """Message -> [header bytes, blob frames...], ready for send_multipart(copy=False)."""
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.TYPE}
+    frames: list = []
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        if isinstance(value, Blob):
+            header[f.name] = {"dtype": value.dtype, "numel": value.numel, "frames": len(value.frames)}
+            frames.extend(value.frames)
+        else:
+            header[f.name] = value
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def _no_ext(code, data):
+    raise ProtocolError("schema", "msgpack ext types are not allowed")
+
+
+def _frame_bytes(frame) -> memoryview:
+    buf = getattr(frame, "buffer", frame)  # zmq.Frame or bytes-like
+    return memoryview(buf)
+
+
+def decode(frames: Sequence) -> Message:
+    """[header, blob frames...] -> Message, or ProtocolError. Never anything else."""
+    if not frames:
+        raise ProtocolError("empty", "no frames")
+    raw = _frame_bytes(frames[0])
+    if raw.nbytes > MAX_HEADER_BYTES:
+        raise ProtocolError("oversize", f"header of {raw.nbytes} bytes")
+    try:
+        header = msgpack.unpackb(
+            raw, raw=False, strict_map_key=True, ext_hook=_no_ext, use_list=True,
+            max_str_len=MAX_HEADER_BYTES,
+            max_bin_len=MAX_HEADER_BYTES, max_array_len=MAX_LIST, max_map_len=MAX_LIST,
+            max_ext_len=0)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises a zoo of types; all mean "not a valid header"
+        raise ProtocolError("msgpack", f"{type(exc).__name__}: {exc}"[:200]) from None
+    if not isinstance(header, dict):
+        raise ProtocolError("schema", "header must be a map")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError("version", f"protocol {version!r}, expected {PROTOCOL_VERSION}")
+    kind = header.get("type")
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError("type", f"unknown message type {str(kind)[:40]!r}")
+    unknown = set(header) - {"v", "type"} - {name for name, _, _ in _SCHEMAS[kind]}
+    if unknown:
+        raise ProtocolError("schema", f"{kind}: unknown fields {sorted(map(str, unknown))[:5]}")
+
+    values: dict[str, Any] = {}
+    next_frame = 1
+    for name, hint, required in _SCHEMAS[kind]:
+        value = header.get(name)
+        if name not in header and not required:
+            continue
+        optional, base = _is_optional(hint)
+        if base is Blob:
+            if value is None and optional:
+                values[name] = None
+                continue
+            blob, next_frame = _take_blob(value, frames, next_frame, f"{kind}.{name}")
+            values[name] = blob
+            continue
+        _check(value, hint, f"{kind}.{name}")
+        values[name] = value
+    if next_frame != len(frames):
+        raise ProtocolError("frames", f"{kind}: {len(frames) - next_frame} unexpected frames")
+    msg = cls(**values)
+    _semantic_checks(msg)
+    return msg
+
+
+def _take_blob(desc, frames: Sequence, start: int, where: str) -> tuple[Blob, int]:
+    if not isinstance(desc, dict) or set(desc) != {"dtype", "numel", "frames"}:
+        raise ProtocolError("schema", f"{where} must be a tensor descriptor")
+    dtype, numel, count = desc["dtype"], desc["numel"], desc["frames"]
+    if dtype not in DTYPE_SIZES:
+        raise ProtocolError("dtype", f"{where}: dtype {str(dtype)[:20]!r} not allowed")
+    for key, v in (("numel", numel), ("frames", count)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ProtocolError("schema", f"{where}.{key} must be a non-negative int")
+    if count > MAX_BLOB_FRAMES:
+        raise ProtocolError("oversize", f"{where}: {count} frames")
+    end = start + count
+    if end > len(frames):
+        raise ProtocolError("frames", f"{where}: {count} frames announced, {len(frames) - start} sent")
+    parts = tuple(_frame_bytes(f) for f in frames[start:end])
+    nbytes = sum(p.nbytes for p in parts)
+    if nbytes != numel * DTYPE_SIZES[dtype]:
+        raise ProtocolError("frames", f"{where}: {nbytes} bytes for {numel} x {dtype}")
+    if any(p.nbytes > MAX_FRAME_BYTES for p in parts):
+        raise ProtocolError("oversize", f"{where}: frame over {MAX_FRAME_BYTES} bytes")
+    return Blob(dtype, numel, parts), end
+
+
+def _semantic_checks(msg: Message) -> None:
+    """Range checks the type hints cannot say."""
+    def non_negative(*names):
+        for n in names:
+            if getattr(msg, n) < 0:
+                raise ProtocolError("schema", f"{msg.TYPE}.{n} must be >= 0")
+
+    if isinstance(msg, Heartbeat) and msg.state not in Heartbeat.STATES:
+        raise ProtocolError("schema", f"heartbeat.state {msg.state[:20]!r} unknown")
+    elif isinstance(msg, Hello):
+        non_negative("cores", "threads", "memory_mb")
+    elif isinstance(msg, Ready):
+        non_negative("credits")
+        if msg.credits > 1024:
+            raise ProtocolError("schema", "ready.credits over 1024")
+    elif isinstance(msg, Result):
+        non_negative("slot", "version", "samples", "compute_s")
+    elif isinstance(msg, Task):
+        non_negative("slot", "round", "version", "deadline_s")
+        if len(msg.parts) != len(msg.coefficients) or not msg.parts:
+            raise ProtocolError("schema", "task.parts and task.coefficients must match")
+        for part in msg.parts:
+            if len(part) != 3 or min(part) < 0:
+                raise ProtocolError("schema", "task.parts items are [epoch, offset, count] >= 0")
+    elif isinstance(msg, StatusRequest):
+        non_negative("cursor")

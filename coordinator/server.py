@@ -1,0 +1,542 @@
+"""The coordinator's I/O shell: one ROUTER socket, one asyncio loop.
+
+It decodes messages, hands them to the scheduler (pure), performs the actions the scheduler
+returns, applies decoded rounds through the aggregator, and around that evaluates, checkpoints and
+logs metrics. Every inbound message is untrusted: a bad one is counted, logged with its sender and
+dropped, and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import signal
+import socket as pysocket
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import zmq
+import zmq.asyncio
+
+from .. import __version__
+from ..common import protocol as proto
+from ..common.errors import CheckpointError, ConfigError, GradientRejected, ProtocolError
+from ..common.job import BuiltJob, FlatModel, build, evaluate, load_job
+from ..common.tensors import from_blob, to_blob
+from . import checkpoint
+from .aggregator import Aggregator, StalenessRule
+from .sampler import Sampler
+from .scheduler import Assign, CancelSlots, Decoded, Evicted, Scheduler, SchedulerConfig
+from .target import Target
+
+log = logging.getLogger("idlegrad.coordinator")
+
+
+@dataclass
+class CoordinatorConfig:
+    job: str
+    job_args: dict[str, Any] = field(default_factory=dict)
+    bind: str = "tcp://127.0.0.1:5555"
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: float = 60.0
+    metrics_path: Optional[str] = None
+    epochs: Optional[int] = None
+    target: Optional[Target] = None
+    seed: int = 0
+    heartbeat_s: float = 1.0
+    liveness: int = 3
+    partitions: int = 1
+    open_rounds: int = 0
+    staleness: StalenessRule = field(default_factory=StalenessRule)
+    eval_every: Optional[float] = None  # None: adaptive, at most ~10% of the time
+    min_deadline_s: float = 30.0
+    threads: Optional[int] = None
+
+
+class Coordinator:
+    EVENTS_KEPT = 1000
+    EVENTS_PER_STATUS = 200
+
+    def __init__(self, config: CoordinatorConfig):
+        self.config = config
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        job = load_job(config.job, config.job_args)
+        self.built: BuiltJob = build(job, seed=config.seed)
+        self.model: FlatModel = self.built.model
+        self.optimizer = job.build_optimizer(self.model.module.parameters())
+        self._eval_model = FlatModel(job.build_model())
+        self.sampler = Sampler(len(self.built.train), config.epochs)
+        self.samples_applied = 0
+        self.elapsed_before = 0.0  # training time of earlier runs resumed from a checkpoint
+        version, next_id = 0, 1
+        resumed = self._resume() if config.checkpoint_dir else None
+        if resumed:
+            version, next_id = resumed
+        self.aggregator = Aggregator(self.model, self.optimizer, config.staleness, version)
+        self.scheduler = Scheduler(
+            SchedulerConfig(batch_size=job.batch_size, partitions=config.partitions,
+                            open_rounds=config.open_rounds, heartbeat_s=config.heartbeat_s,
+                            liveness=config.liveness, min_deadline_s=config.min_deadline_s),
+            self.sampler, version=version, next_id=next_id)
+
+        self.routes: dict[str, bytes] = {}  # worker id -> routing id
+        self.peers: dict[bytes, str] = {}  # routing id -> worker id
+        self._grads: dict[int, torch.Tensor] = {}  # arrived slot gradients of open rounds
+        self._snapshots: dict[int, tuple[torch.Tensor, proto.Blob]] = {}  # version -> model
+        self.bad_messages: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter()
+        self.events: deque[dict] = deque(maxlen=self.EVENTS_KEPT)
+        self._event_id = 0
+        self.metrics: dict[str, float] = {}
+        self.train_loss: Optional[float] = None
+        self._rate: deque[tuple[float, int]] = deque(maxlen=512)
+        self._bad_logged_at = 0.0
+        self.stop_reason: Optional[str] = None
+        self.started = time.monotonic()
+        self._metrics_file = None
+
+    # setup ----------------------------------------------------------------------------------
+
+    def _resume(self) -> Optional[tuple[int, int]]:
+        state = checkpoint.load(self.config.checkpoint_dir)
+        if state is None:
+            return None
+        if state["fingerprint"] != self.built.fingerprint:
+            raise CheckpointError(
+                f"the checkpoint in {self.config.checkpoint_dir} is for job {state['job']!r} "
+                f"(fingerprint {state['fingerprint']}), not this one ({self.built.fingerprint})")
+        self.model.load(state["params"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        if state["seed"] != self.config.seed:
+            log.warning("using the checkpoint's data seed %d, not %d", state["seed"], self.config.seed)
+            self.config.seed = int(state["seed"])
+        self.samples_applied = int(state["samples"])
+        self.elapsed_before = float(state["elapsed"])
+        self.metrics = {str(k): float(v) for k, v in state.get("metrics", {}).items()}
+        log.info("resumed from %s at version %d (%d samples applied)",
+                 checkpoint.path_in(self.config.checkpoint_dir), state["version"], self.samples_applied)
+        return int(state["version"]), int(state["next_id"])
+
+    def save_checkpoint(self) -> Optional[str]:
+        if not self.config.checkpoint_dir:
+            return None
+        sampler_state = self.sampler.state_dict()
+        # Rounds still open are replanned on resume: their samples are not lost.
+        sampler_state["replan"] = ([[list(p) for p in parts] for parts in self.scheduler.open_parts()]
+                                   + sampler_state["replan"])
+        path = checkpoint.save(self.config.checkpoint_dir, {
+            "job": self.built.job.name,
+            "fingerprint": self.built.fingerprint,
+            "version": self.aggregator.version,
+            "params": self.model.params.detach().clone(),
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": sampler_state,
+            "seed": self.config.seed,
+            "samples": self.samples_applied,
+            "next_id": self.scheduler.next_id(),
+            "elapsed": self.elapsed(),
+            "metrics": dict(self.metrics),
+        })
+        self.counters["checkpoints"] += 1
+        self._event("checkpoint", f"version {self.aggregator.version} saved")
+        return path
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.monotonic() - self.started
+
+    # the loop -------------------------------------------------------------------------------
+
+    def run(self) -> str:
+        """Serve until training ends or a signal arrives. Returns why it stopped."""
+        return asyncio.run(self._serve())
+
+    async def _serve(self) -> str:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.MAXMSGSIZE, proto.SOCKET_MAX_MSG_BYTES)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        try:
+            sock.bind(self.config.bind)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            ctx.term()
+            raise ConfigError(f"cannot bind {self.config.bind}: {exc}") from None
+        self.sock = sock
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._on_signal, sig)
+            except (NotImplementedError, RuntimeError):
+                pass
+        if self.config.metrics_path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.config.metrics_path)), exist_ok=True)
+            self._metrics_file = open(self.config.metrics_path, "a", buffering=1)
+        self.started = time.monotonic()
+        self._event("start", f"job {self.built.job.name} at version {self.aggregator.version}, "
+                             f"listening on {self.config.bind}")
+        try:
+            await self._loop()
+            await self._finish()
+        finally:
+            if self._metrics_file:
+                self._metrics_file.close()
+            sock.close()
+            ctx.term()
+        return self.stop_reason or "stopped"
+
+    def _on_signal(self, sig) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = "interrupted"
+            self._event("stop", f"{signal.Signals(sig).name} received")
+
+    async def _loop(self) -> None:
+        sock = self.sock
+        tick_every = self.config.heartbeat_s / 2
+        next_tick = time.monotonic() + tick_every
+        next_checkpoint = time.monotonic() + self.config.checkpoint_every
+        next_eval = time.monotonic()
+        eval_task: Optional[asyncio.Task] = None
+        recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
+        try:
+            while self.stop_reason is None:
+                now = time.monotonic()
+                wait = max(0.0, min(next_tick, next_checkpoint) - now)
+                waiting = {recv} if eval_task is None else {recv, eval_task}
+                await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                if recv.done():
+                    await self._handle(recv.result())
+                    for _ in range(256):  # drain what is queued before the periodic work
+                        try:
+                            frames = await sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        await self._handle(frames)
+                    recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
+                now = time.monotonic()
+                if now >= next_tick:
+                    await self._perform(self.scheduler.tick(now))
+                    next_tick = now + tick_every
+                if eval_task is not None and eval_task.done():
+                    self._record_eval(*eval_task.result())
+                    eval_task = None
+                    next_eval = time.monotonic() + self._eval_interval()
+                if (eval_task is None and now >= next_eval and self.stop_reason is None
+                        and self._last_eval_version != self.aggregator.version):
+                    eval_task = self._start_eval()
+                if self.config.checkpoint_dir and now >= next_checkpoint:
+                    self.save_checkpoint()
+                    next_checkpoint = time.monotonic() + self.config.checkpoint_every
+                if self.scheduler.finished and self.stop_reason is None:
+                    self.stop_reason = "epochs"
+        finally:
+            recv.cancel()
+            if eval_task is not None:
+                await asyncio.wait({eval_task})
+
+    async def _finish(self) -> None:
+        if self.stop_reason != "interrupted":
+            # Training is over: withdraw the work and send everyone home.
+            await self._perform(self.scheduler.stop())
+            for worker_id, route in list(self.routes.items()):
+                await self._send(route, proto.Shutdown(reason=f"training finished ({self.stop_reason})"))
+        if self._last_eval_version != self.aggregator.version:
+            self._record_eval(*self._evaluate_now())
+        self.save_checkpoint()
+        self._write_metrics(final=True)
+        self._event("stop", f"stopped: {self.stop_reason}")
+
+    # evaluation -----------------------------------------------------------------------------
+
+    _last_eval_version: Optional[int] = None
+    _last_eval_s: float = 0.0
+
+    def _eval_interval(self) -> float:
+        if self.config.eval_every is not None:
+            return self.config.eval_every
+        return max(0.2, 10 * self._last_eval_s)  # evaluation takes at most ~10% of the time
+
+    def _start_eval(self) -> asyncio.Task:
+        self._eval_model.load(self.model.params)
+        version, samples = self.aggregator.version, self.samples_applied
+        return asyncio.ensure_future(asyncio.to_thread(self._evaluate_copy, version, samples))
+
+    def _evaluate_copy(self, version: int, samples: int) -> tuple[int, int, dict, float]:
+        t0 = time.perf_counter()
+        metrics = evaluate(self.built.job, self._eval_model.module, self.built.test)
+        return version, samples, metrics, time.perf_counter() - t0
+
+    def _evaluate_now(self) -> tuple[int, int, dict, float]:
+        self._eval_model.load(self.model.params)
+        return self._evaluate_copy(self.aggregator.version, self.samples_applied)
+
+    def _record_eval(self, version: int, samples: int, metrics: dict, seconds: float) -> None:
+        self._last_eval_s = seconds
+        self._last_eval_version = version
+        self.metrics = metrics
+        self._write_metrics(version=version, samples=samples)
+        target = self.config.target
+        if target is not None and target.metric not in metrics and self.stop_reason is None:
+            self.stop_reason = "bad target"
+            log.error("target metric %r is not among the job's metrics %s",
+                      target.metric, sorted(metrics))
+        elif target is not None and target.reached(metrics) and self.stop_reason is None:
+            self.stop_reason = "target"
+            self._event("target", f"{target} reached at version {version}: "
+                                  f"{target.metric}={metrics[target.metric]:.4f}")
+
+    def _write_metrics(self, version: Optional[int] = None, samples: Optional[int] = None,
+                       final: bool = False) -> None:
+        if self._metrics_file is None:
+            return
+        record = {
+            "time": time.time(), "elapsed": round(self.elapsed(), 4),
+            "version": self.aggregator.version if version is None else version,
+            "samples": self.samples_applied if samples is None else samples,
+            "epoch": round(self.sampler.progress, 4), "loss": self.train_loss,
+            "metrics": self.metrics, "workers": len(self.scheduler.workers),
+            "samples_per_s": round(self.samples_per_s(), 2),
+        }
+        if final:
+            record["final"] = True
+            record["reason"] = self.stop_reason
+        self._metrics_file.write(json.dumps(record) + "\n")
+
+    # messages -------------------------------------------------------------------------------
+
+    async def _handle(self, frames: list) -> None:
+        if len(frames) < 2:
+            self._bad(b"?", ProtocolError("frames", "no routing id or no header"))
+            return
+        route = bytes(frames[0].buffer)
+        try:
+            msg = proto.decode(frames[1:])
+        except ProtocolError as exc:
+            self._bad(route, exc)
+            if exc.reason == "version":
+                await self._send(route, proto.Reject(
+                    code="version", reason=f"coordinator speaks protocol {proto.PROTOCOL_VERSION} "
+                                           f"(idlegrad {__version__}): {exc.detail}"))
+            return
+        handler = self._HANDLERS.get(type(msg))
+        if handler is None:
+            self._bad(route, ProtocolError("unexpected", f"{msg.TYPE} is not for the coordinator"))
+            return
+        try:
+            await handler(self, route, msg)
+        except _NeedHello:
+            # A worker of an earlier coordinator process (or one we evicted): it re-handshakes.
+            self.counters["hello_first"] += 1
+            await self._send(route, proto.Reject(code="hello_first", reason="say hello first"))
+        except ProtocolError as exc:
+            self._bad(route, exc)
+
+    def _bad(self, route: bytes, exc: ProtocolError) -> None:
+        self.bad_messages[exc.reason] += 1
+        who = self.peers.get(route, route.hex()[:16])
+        now = time.monotonic()
+        if now - self._bad_logged_at > 1.0:  # at most one line a second, however hostile the peer
+            self._bad_logged_at = now
+            self._event("rejected", f"bad message from {who}: {exc} "
+                                    f"({sum(self.bad_messages.values())} so far)", level=logging.WARNING)
+
+    def _worker_of(self, route: bytes) -> str:
+        worker_id = self.peers.get(route)
+        if worker_id is None:
+            raise _NeedHello()
+        return worker_id
+
+    async def _on_hello(self, route: bytes, msg: proto.Hello) -> None:
+        old_route = self.routes.get(msg.worker_id)
+        await self._perform(self.scheduler.join(msg.worker_id, {
+            "host": msg.host, "cores": msg.cores, "threads": msg.threads, "device": msg.device,
+            "memory_mb": msg.memory_mb, "versions": msg.versions, "job": msg.job}, time.monotonic()))
+        if old_route is not None:
+            self.peers.pop(old_route, None)
+        self.peers.pop(route, None)
+        self.routes[msg.worker_id] = route
+        self.peers[route] = msg.worker_id
+        self._event("join", f"{msg.worker_id} joined from {msg.host} ({msg.device}, "
+                            f"{msg.threads} threads)", worker=msg.worker_id)
+        await self._send(route, proto.Welcome(
+            job=self.config.job, job_args=self.config.job_args, fingerprint=self.built.fingerprint,
+            seed=self.config.seed, heartbeat_s=self.config.heartbeat_s,
+            liveness=self.config.liveness))
+
+    async def _on_ready(self, route: bytes, msg: proto.Ready) -> None:
+        worker_id = self._worker_of(route)
+        if msg.fingerprint != self.built.fingerprint:
+            reason = (f"this coordinator trains job {self.built.job.name!r} with fingerprint "
+                      f"{self.built.fingerprint}; the worker built fingerprint {msg.fingerprint}: "
+                      "start it with the same job and version")
+            await self._send(route, proto.Reject(code="job", reason=reason))
+            await self._perform(self.scheduler.leave(worker_id, time.monotonic(), "wrong job"))
+            return
+        await self._perform(self.scheduler.ready(worker_id, msg.credits, time.monotonic()))
+
+    async def _on_result(self, route: bytes, msg: proto.Result) -> None:
+        worker_id = self._worker_of(route)
+        now = time.monotonic()
+        try:
+            grad = from_blob(msg.gradient, self.model.numel, self.model.dtype)
+        except ProtocolError:
+            await self._perform(self.scheduler.failed(worker_id, msg.slot, now))
+            raise
+        if not bool(torch.isfinite(grad).all()):
+            self.counters["gradients_rejected"] += 1
+            self._event("rejected", f"non-finite gradient from {worker_id} for slot {msg.slot}",
+                        worker=worker_id, level=logging.WARNING)
+            await self._perform(self.scheduler.failed(worker_id, msg.slot, now))
+            return
+        accepted, actions = self.scheduler.result(worker_id, msg.slot, msg.compute_s, now)
+        if accepted:
+            self._grads[msg.slot] = grad
+            if msg.samples and math.isfinite(msg.loss):
+                self.train_loss = msg.loss if self.train_loss is None else (
+                    0.9 * self.train_loss + 0.1 * msg.loss)
+        else:
+            self.counters["results_dropped"] += 1
+        await self._perform(actions)
+
+    async def _on_heartbeat(self, route: bytes, msg: proto.Heartbeat) -> None:
+        worker_id = self._worker_of(route)
+        self.scheduler.seen(worker_id, time.monotonic(), msg.state)
+        await self._send(route, proto.Heartbeat(state="coordinator"))
+
+    async def _on_bye(self, route: bytes, msg: proto.Bye) -> None:
+        worker_id = self.peers.get(route)
+        if worker_id is not None:
+            await self._perform(self.scheduler.leave(worker_id, time.monotonic(),
+                                                     f"said bye: {msg.reason}"[:200]))
+
+    async def _on_status(self, route: bytes, msg: proto.StatusRequest) -> None:
+        await self._send(route, proto.Status(snapshot=self.snapshot(msg.cursor)))
+
+    _HANDLERS = {proto.Hello: _on_hello, proto.Ready: _on_ready, proto.Result: _on_result,
+                 proto.Heartbeat: _on_heartbeat, proto.Bye: _on_bye,
+                 proto.StatusRequest: _on_status}
+
+    # actions --------------------------------------------------------------------------------
+
+    async def _send(self, route: bytes, msg: proto.Message) -> None:
+        await self.sock.send_multipart([route, *proto.encode(msg)], copy=False)
+
+    async def _perform(self, actions: list) -> None:
+        for action in actions:
+            if isinstance(action, Assign):
+                route = self.routes[action.worker]
+                model = self._model_blob(action.version) if action.send_model else None
+                await self._send(route, proto.Task(
+                    slot=action.slot, round=action.round, version=action.version,
+                    parts=action.parts, coefficients=action.coefficients,
+                    deadline_s=min(action.deadline_s, 1e9), model=model))
+            elif isinstance(action, CancelSlots):
+                route = self.routes.get(action.worker)
+                if route is not None:
+                    await self._send(route, proto.Cancel(slots=action.slots))
+            elif isinstance(action, Decoded):
+                self._apply(action)
+            elif isinstance(action, Evicted):
+                route = self.routes.pop(action.worker, None)
+                if route is not None:
+                    self.peers.pop(route, None)
+                self._event("leave", f"{action.worker} left ({action.reason}); "
+                                     f"{action.requeued} slots requeued", worker=action.worker)
+
+    def _model_blob(self, version: int) -> proto.Blob:
+        """The model at `version`, as an immutable copy: frames go out zero-copy, asynchronously,
+        so the live parameters must not be what they point at."""
+        snap = self._snapshots.get(version)
+        if snap is None:
+            if version != self.aggregator.version:
+                raise RuntimeError(f"no snapshot of version {version}")  # a scheduler bug
+            tensor = self.model.params.detach().clone()
+            snap = (tensor, to_blob(tensor))
+            self._snapshots[version] = snap
+        return snap[1]
+
+    def _apply(self, decoded: Decoded) -> None:
+        grads = [(self._grads[s], w) for s, w in decoded.weights.items()]
+        for slot in decoded.slots:
+            self._grads.pop(slot, None)
+        if len(grads) == 1 and grads[0][1] == 1.0:
+            total = grads[0][0]
+        else:
+            total = torch.zeros_like(self.model.params)
+            for grad, weight in grads:
+                total.add_(grad, alpha=weight)
+        current = self.aggregator.version
+        if self.scheduler.version_in_use(current):
+            self._model_blob(current)  # rounds still open at this version need it kept
+        try:
+            weight = self.aggregator.apply(total, decoded.samples, decoded.version)
+        except GradientRejected as exc:
+            self.counters["rounds_rejected"] += 1
+            self._event("rejected", f"round {decoded.round}: {exc}", level=logging.WARNING)
+            self.scheduler.replan(decoded)
+            return
+        if weight is None:
+            self.counters["rounds_too_stale"] += 1
+            self.scheduler.replan(decoded)
+            return
+        self.samples_applied += decoded.samples
+        self._rate.append((time.monotonic(), self.samples_applied))
+        self.scheduler.applied(self.aggregator.version)
+        for version in [v for v in self._snapshots if not self.scheduler.version_in_use(v)]:
+            del self._snapshots[version]
+
+    # status ---------------------------------------------------------------------------------
+
+    def _event(self, kind: str, text: str, worker: Optional[str] = None,
+               level: int = logging.INFO) -> None:
+        self._event_id += 1
+        self.events.append({"id": self._event_id, "time": time.time(), "kind": kind,
+                            "worker": worker, "text": text})
+        log.log(level, "%s: %s", kind, text)
+
+    def samples_per_s(self, window: float = 5.0) -> float:
+        if len(self._rate) < 2:
+            return 0.0
+        end_t, end_n = self._rate[-1]
+        for t, n in self._rate:
+            if end_t - t <= window:
+                break
+        return (end_n - n) / (end_t - t) if end_t > t else 0.0
+
+    def snapshot(self, cursor: int = 0) -> dict:
+        now = time.monotonic()
+        workers = [{
+            "id": w.id, "host": w.info.get("host", ""), "device": w.info.get("device", ""),
+            "cores": w.info.get("cores", 0), "threads": w.info.get("threads", 0), "state": w.state,
+            "credits": w.capacity, "assigned": len(w.assigned), "done": w.done,
+            "samples": w.samples, "cancelled": w.cancelled, "missed": w.missed, "failed": w.failed,
+            "samples_per_s": round(1.0 / w.s_per_sample, 2) if w.s_per_sample else 0.0,
+            "last_seen_s": round(now - w.last_seen, 3),
+        } for w in self.scheduler.workers.values()]
+        events = [e for e in self.events if e["id"] > cursor][-self.EVENTS_PER_STATUS:]
+        return {
+            "job": self.built.job.name, "fingerprint": self.built.fingerprint,
+            "state": "stopping" if self.stop_reason else "training",
+            "version": self.aggregator.version, "samples": self.samples_applied,
+            "epoch": round(self.sampler.progress, 4), "elapsed_s": round(self.elapsed(), 3),
+            "samples_per_s": round(self.samples_per_s(), 2), "loss": self.train_loss,
+            "metrics": self.metrics, "target": str(self.config.target) if self.config.target else None,
+            "workers": workers,
+            "rounds": {"open": len(self.scheduler.rounds), **dict(self.scheduler.stats)},
+            "counters": dict(self.counters), "bad_messages": dict(self.bad_messages),
+            "events": events, "cursor": self._event_id, "host": pysocket.gethostname(),
+        }
+
+
+class _NeedHello(ProtocolError):
+    def __init__(self):
+        super().__init__("hello_first", "message from a peer that has not said hello")
+
