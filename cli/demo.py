@@ -118,8 +118,9 @@ def _watch(coordinator, workers, address: str, target: Target, timeout: float, s
         while coordinator.poll() is None:
             if time.monotonic() - started > timeout:
                 raise DemoFailed(f"the demo did not finish within {timeout:g}s")
-            if all(w.poll() is not None for w in workers):
-                raise DemoFailed("every worker has exited")
+            codes = [w.poll() for w in workers]
+            if None not in codes and any(codes):  # exit 0 means they were sent home: fine
+                raise DemoFailed(f"every worker has exited (exit codes {codes})")
             snap = source.fetch(timeout=0.5)
             if snap is None:
                 time.sleep(0.1)

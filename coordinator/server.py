@@ -209,7 +209,8 @@ class Coordinator:
         try:
             while self.stop_reason is None:
                 now = time.monotonic()
-                wait = max(0.0, min(next_tick, next_checkpoint) - now)
+                due = min(next_tick, next_checkpoint, next_eval if eval_task is None else math.inf)
+                wait = max(0.0, due - now)
                 waiting = {recv} if eval_task is None else {recv, eval_task}
                 await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if recv.done():
@@ -229,9 +230,11 @@ class Coordinator:
                     self._record_eval(*eval_task.result())
                     eval_task = None
                     next_eval = time.monotonic() + self._eval_interval()
-                if (eval_task is None and now >= next_eval and self.stop_reason is None
-                        and self._last_eval_version != self.aggregator.version):
-                    eval_task = self._start_eval()
+                if eval_task is None and now >= next_eval and self.stop_reason is None:
+                    if self._last_eval_version != self.aggregator.version:
+                        eval_task = self._start_eval()
+                    else:  # nothing new to evaluate
+                        next_eval = now + self._eval_interval()
                 if self.config.checkpoint_dir and now >= next_checkpoint:
                     self.save_checkpoint()
                     next_checkpoint = time.monotonic() + self.config.checkpoint_every
@@ -289,6 +292,11 @@ class Coordinator:
             log.error("target metric %r is not among the job's metrics %s",
                       target.metric, sorted(metrics))
         elif target is not None and target.reached(metrics) and self.stop_reason is None:
+            if version != self.aggregator.version:
+                # The model moved on while it was evaluated: the model we stop with must meet
+                # the target itself, so confirm on it (training is paused for one evaluation).
+                self._record_eval(*self._evaluate_now())
+                return
             self.stop_reason = "target"
             self._event("target", f"{target} reached at version {version}: "
                                   f"{target.metric}={metrics[target.metric]:.4f}")
