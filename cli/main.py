@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -23,30 +24,27 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _positive(kind):
+def _number(kind, minimum, strict: bool):
+    """An argparse type: a `kind` number above (strict) or at least `minimum`."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        if value < minimum or (strict and value == minimum):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} must be {'positive' if strict else 'at least ' + str(minimum)}")
         return value
     parse.__name__ = kind.__name__
     return parse
+
+
+def _positive(kind):
+    return _number(kind, 0, strict=True)
 
 
 def _non_negative(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
+    return _number(kind, 0, strict=False)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -145,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+                        format="%(asctime)s.%(msecs)03d %(name)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
 
 
 def _run_coordinator(args) -> int:
@@ -209,5 +208,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_FAILED
 
 
+def entry() -> None:
+    """The console script: run, then leave without the interpreter's teardown when torch is
+    loaded, which costs over a second per process here and holds up demos and restarts."""
+    code = main()
+    if "torch" in sys.modules:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

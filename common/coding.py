@@ -53,7 +53,7 @@ def decode(code: Code, arrived: Iterable[int]) -> Optional[dict[int, float]]:
     if not slots:
         return None
     rows = code.matrix[slots]  # |I| x k
-    if np.any(rows.sum(axis=0) == 0):  # some partition is covered by no arrived slot
+    if np.any(np.all(rows == 0, axis=0)):  # some partition is covered by no arrived slot
         return None
     ones = np.ones(code.partitions)
     weights, *_ = np.linalg.lstsq(rows.T, ones, rcond=None)

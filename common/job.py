@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -103,9 +104,13 @@ def _import_file(path: str):
 def load_job(spec: str, args: Optional[dict[str, Any]] = None) -> Job:
     factory = resolve_factory(spec)
     try:
-        job = factory(**(args or {}))
+        inspect.signature(factory).bind(**(args or {}))
     except TypeError as exc:
         raise JobError(f"job {spec!r} does not take these arguments {sorted(args or {})}: {exc}") from None
+    except ValueError:
+        pass  # no signature to check (a builtin): the call itself will tell
+    try:
+        job = factory(**(args or {}))
     except JobError:
         raise
     except Exception as exc:

@@ -212,13 +212,13 @@ def _is_optional(hint) -> tuple[bool, Any]:
 
 def _check(value, hint, where: str):
     """Raise ProtocolError unless `value` (already msgpack-decoded) fits `hint`."""
+    if hint is Any:
+        return  # bounded by msgpack's own limits; None is a value like any other here
     optional, hint = _is_optional(hint)
     if value is None:
         if optional:
             return
         raise ProtocolError("schema", f"{where} is missing")
-    if hint is Any:
-        return  # bounded by msgpack's own limits
     origin = typing.get_origin(hint)
     if origin is list:
         if not isinstance(value, list) or len(value) > MAX_LIST:
@@ -296,7 +296,7 @@ def decode(frames: Sequence) -> Message:
     if not isinstance(header, dict):
         raise ProtocolError("schema", "header must be a map")
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError("version", f"protocol {version!r}, expected {PROTOCOL_VERSION}")
     kind = header.get("type")
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
@@ -333,7 +333,7 @@ def _take_blob(desc, frames: Sequence, start: int, where: str) -> tuple[Blob, in
     if not isinstance(desc, dict) or set(desc) != {"dtype", "numel", "frames"}:
         raise ProtocolError("schema", f"{where} must be a tensor descriptor")
     dtype, numel, count = desc["dtype"], desc["numel"], desc["frames"]
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:  # a list or map is unhashable
         raise ProtocolError("dtype", f"{where}: dtype {str(dtype)[:20]!r} not allowed")
     for key, v in (("numel", numel), ("frames", count)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:

@@ -55,6 +55,8 @@ def from_blob(blob: Blob, expect_numel: int | None = None,
     offset = 0
     for frame in blob.frames:
         n = memoryview(frame).nbytes
+        if n == 0:
+            continue  # decode() accepts empty frames; torch.frombuffer refuses them
         raw[offset:offset + n] = torch.frombuffer(frame, dtype=torch.uint8)
         offset += n
     return out

@@ -54,7 +54,8 @@ def load(directory: str) -> Optional[dict[str, Any]]:
     try:
         state = torch.load(target, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"cannot read checkpoint {target}: {type(exc).__name__}: {exc}") from None
+        detail = " ".join(str(exc).split())  # torch's messages span lines; the CLI prints one
+        raise CheckpointError(f"cannot read checkpoint {target}: {type(exc).__name__}: {detail}") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{target} is not an idlegrad checkpoint of format {FORMAT}")
     return state

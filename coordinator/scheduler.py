@@ -110,6 +110,7 @@ class Slot:
     samples: int
     holders: set[str] = field(default_factory=set)
     arrived: bool = False
+    queued: bool = False  # waiting in the pending queue for a (further) holder
 
 
 @dataclass
@@ -227,7 +228,8 @@ class Scheduler:
         slot = self.slots.get(slot_id)
         if slot is not None:
             slot.holders.discard(worker_id)
-            self._requeue(slot)
+            if not slot.holders:  # another holder may still answer
+                self._requeue(slot)
         return self._fill(now)
 
     def leave(self, worker_id: str, now: float, reason: str = "left") -> list[Action]:
@@ -263,6 +265,7 @@ class Scheduler:
     def stop(self) -> list[CancelSlots]:
         """Open no more rounds and withdraw every assignment (shutdown)."""
         self.accepting = False
+        self._pending.clear()
         actions = []
         for worker in self.workers.values():
             if worker.assigned:
@@ -291,7 +294,8 @@ class Scheduler:
             self._hungry.pop(worker.id, None)
 
     def _requeue(self, slot: Slot) -> None:
-        if not slot.arrived and slot.round in self.rounds:
+        if not slot.arrived and not slot.queued and slot.round in self.rounds:
+            slot.queued = True
             self._pending.appendleft(slot.id)
             self.stats["slots_requeued"] += 1
 
@@ -352,6 +356,7 @@ class Scheduler:
             slot = Slot(self._take_id(), round_id, entries, sum(parts[j][2] for j, _ in entries))
             self.slots[slot.id] = slot
             slot_ids.append(slot.id)
+            slot.queued = True
             self._pending.append(slot.id)
         self.rounds[round_id] = Round(round_id, self.version, list(parts), code, slot_ids)
         self._rounds_at[self.version] += 1
@@ -373,6 +378,7 @@ class Scheduler:
             if worker.id in slot.holders:
                 skipped.append(slot_id)
                 continue
+            slot.queued = False
             found = slot
             break
         self._pending.extendleft(reversed(skipped))

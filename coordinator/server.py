@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from .. import __version__
 from ..common import protocol as proto
+from ..common.aio import on_stop_signals
 from ..common.errors import CheckpointError, ConfigError, GradientRejected, ProtocolError
 from ..common.job import BuiltJob, FlatModel, build, evaluate, load_job
 from ..common.tensors import from_blob, to_blob
@@ -162,7 +163,7 @@ class Coordinator:
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, proto.SOCKET_MAX_MSG_BYTES)
-        sock.setsockopt(zmq.LINGER, 2000)
+        sock.setsockopt(zmq.LINGER, 500)  # let SHUTDOWNs flush, but never hold the exit long
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         try:
             sock.bind(self.config.bind)
@@ -171,12 +172,7 @@ class Coordinator:
             ctx.term()
             raise ConfigError(f"cannot bind {self.config.bind}: {exc}") from None
         self.sock = sock
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, self._on_signal, sig)
-            except (NotImplementedError, RuntimeError):
-                pass
+        on_stop_signals(self._on_signal)
         if self.config.metrics_path:
             os.makedirs(os.path.dirname(os.path.abspath(self.config.metrics_path)), exist_ok=True)
             self._metrics_file = open(self.config.metrics_path, "a", buffering=1)

@@ -29,6 +29,7 @@ import zmq.asyncio
 
 from .. import __version__
 from ..common import protocol as proto
+from ..common.aio import on_stop_signals
 from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
 from ..common.job import BuiltJob, build, builtin_job_names, load_job
 from ..common.tensors import from_blob, to_blob
@@ -102,12 +103,7 @@ class Worker:
         return asyncio.run(self._main())
 
     async def _main(self) -> str:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, self._on_signal, sig)
-            except (NotImplementedError, RuntimeError):
-                pass
+        on_stop_signals(self._on_signal)
         ctx = zmq.asyncio.Context()
         try:
             backoff = 0.25

@@ -1,0 +1,196 @@
+"""Staleness weights and the optimizer step the coordinator takes for a decoded round."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from idlegrad.common.errors import ConfigError, GradientRejected
+from idlegrad.common.job import FlatModel
+from idlegrad.coordinator.aggregator import Aggregator, StalenessRule
+
+
+# the staleness rule --------------------------------------------------------------------------
+
+
+def test_inverse():
+    rule = StalenessRule("inverse", max_staleness=5)
+    assert [rule.weight(t) for t in range(4)] == [1.0, 0.5, 1 / 3, 0.25]
+
+
+def test_sqrt():
+    rule = StalenessRule("sqrt", max_staleness=5)
+    assert rule.weight(0) == 1.0
+    assert rule.weight(3) == pytest.approx(0.5)
+    assert rule.weight(1) == pytest.approx(1 / math.sqrt(2))
+
+
+def test_constant():
+    rule = StalenessRule("constant", max_staleness=5)
+    assert [rule.weight(t) for t in range(6)] == [1.0] * 6
+
+
+@pytest.mark.parametrize("kind", StalenessRule.KINDS)
+def test_none_past_max(kind):
+    rule = StalenessRule(kind, max_staleness=2)
+    assert rule.weight(2) is not None
+    assert rule.weight(3) is None
+    assert rule.weight(100) is None
+    assert StalenessRule(kind, max_staleness=0).weight(0) == 1.0
+    assert StalenessRule(kind, max_staleness=0).weight(1) is None
+
+
+def test_defaults():
+    rule = StalenessRule()
+    assert rule.kind == "inverse" and rule.max_staleness == 32
+    assert rule.weight(32) == pytest.approx(1 / 33) and rule.weight(33) is None
+
+
+def test_future_gradient():
+    with pytest.raises(ValueError):
+        StalenessRule().weight(-1)
+
+
+@pytest.mark.parametrize("kind", ["bogus", "", "Inverse", "linear"])
+def test_bad_kind(kind):
+    with pytest.raises(ConfigError):
+        StalenessRule(kind)
+
+
+def test_bad_max():
+    with pytest.raises(ConfigError):
+        StalenessRule("inverse", max_staleness=-1)
+
+
+# the aggregator ------------------------------------------------------------------------------
+
+
+def make(lr=0.1, rule=None, version=0, optimizer=torch.optim.SGD):
+    torch.manual_seed(0)
+    model = FlatModel(nn.Linear(3, 2))
+    opt = optimizer(model.module.parameters(), lr=lr)
+    return model, opt, Aggregator(model, opt, rule or StalenessRule("inverse", 8), version)
+
+
+def gradient(model, seed=1):
+    return torch.randn(model.numel, generator=torch.Generator().manual_seed(seed))
+
+
+def test_apply_is_a_manual_sgd_step():
+    model, opt, agg = make(lr=0.1)
+    assert model.numel == 8
+    before = model.params.clone()
+    g = gradient(model)
+    assert agg.apply(g, samples=4, round_version=0) == 1.0
+    assert torch.allclose(model.params, before - 0.1 * g / 4, atol=1e-7)
+    assert agg.version == 1
+    # the module sees the same numbers: params are views
+    w = model.module.weight.detach().reshape(-1)
+    assert torch.equal(w, model.params[:6])
+    assert opt.param_groups[0]["lr"] == 0.1
+
+
+def test_stale_step_is_scaled_and_lr_restored():
+    model, opt, agg = make(lr=0.2, version=3)
+    before = model.params.clone()
+    g = gradient(model, 2)
+    weight = agg.apply(g, samples=5, round_version=1)  # tau = 2
+    assert weight == pytest.approx(1 / 3)
+    assert torch.allclose(model.params, before - 0.2 * (1 / 3) * g / 5, atol=1e-7)
+    assert opt.param_groups[0]["lr"] == 0.2
+    assert agg.version == 4
+    assert agg.weight_for(4) == 1.0 and agg.weight_for(3) == 0.5
+
+
+def test_several_steps_match_plain_sgd():
+    model, opt, agg = make(lr=0.05, rule=StalenessRule("constant", 8))
+    reference = model.params.clone()
+    for i in range(5):
+        g = gradient(model, 10 + i)
+        agg.apply(g, samples=2, round_version=max(0, agg.version - 1))
+        reference -= 0.05 * g / 2
+    assert torch.allclose(model.params, reference, atol=1e-6)
+    assert agg.version == 5
+
+
+def test_lr_restored_when_step_fails(monkeypatch):
+    model, opt, agg = make(lr=0.3, version=1)
+
+    def boom(*a, **k):
+        raise RuntimeError("step failed")
+
+    monkeypatch.setattr(opt, "step", boom)
+    with pytest.raises(RuntimeError):
+        agg.apply(gradient(model), samples=1, round_version=0)
+    assert opt.param_groups[0]["lr"] == 0.3
+    assert agg.version == 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_rejected_params_unchanged(bad):
+    model, opt, agg = make()
+    before = model.params.clone()
+    g = gradient(model)
+    g[3] = bad
+    with pytest.raises(GradientRejected):
+        agg.apply(g, samples=4, round_version=0)
+    assert torch.equal(model.params, before)
+    assert torch.count_nonzero(model.grads) == 0  # nothing left for a later step to pick up
+    assert agg.version == 0
+    # a later good gradient is applied normally
+    g2 = gradient(model, 5)
+    agg.apply(g2, samples=1, round_version=0)
+    assert torch.allclose(model.params, before - 0.1 * g2, atol=1e-7)
+
+
+def test_overflow_to_inf_rejected():
+    model, opt, agg = make()
+    before = model.params.clone()
+    g = torch.full((model.numel,), 3e38)
+    with pytest.raises(GradientRejected):
+        agg.apply(g * 10, samples=1, round_version=0)  # inf after scaling
+    assert torch.equal(model.params, before)
+
+
+@pytest.mark.parametrize("size", [7, 9, 0])
+def test_wrong_size_rejected(size):
+    model, opt, agg = make()
+    before = model.params.clone()
+    with pytest.raises(GradientRejected):
+        agg.apply(torch.ones(size), samples=1, round_version=0)
+    with pytest.raises(GradientRejected):
+        agg.apply(torch.ones(2, 4), samples=1, round_version=0)
+    assert torch.equal(model.params, before) and agg.version == 0
+
+
+def test_no_samples_rejected():
+    model, opt, agg = make()
+    with pytest.raises(GradientRejected):
+        agg.apply(gradient(model), samples=0, round_version=0)
+    assert agg.version == 0
+
+
+def test_too_stale_returns_none_and_changes_nothing():
+    model, opt, agg = make(rule=StalenessRule("inverse", max_staleness=2), version=5)
+    before = model.params.clone()
+    state = {k: v for k, v in opt.state_dict().items()}
+    assert agg.apply(gradient(model), samples=4, round_version=2) is None  # tau = 3
+    assert torch.equal(model.params, before)
+    assert agg.version == 5
+    assert opt.state_dict()["state"] == state["state"]
+    assert agg.apply(gradient(model), samples=4, round_version=3) == pytest.approx(1 / 3)
+
+
+def test_adam_honours_the_weight_through_lr():
+    """Adam normalises a scaled gradient away; a stale round must still move it less."""
+    model, opt, agg = make(lr=0.01, optimizer=torch.optim.Adam, version=3,
+                           rule=StalenessRule("inverse", 8))
+    before = model.params.clone()
+    g = gradient(model)
+    agg.apply(g, samples=1, round_version=0)  # tau 3: weight 1/4
+    step = (model.params - before).abs()
+    # Adam's first step is lr * sign(g) (up to eps): here a quarter of lr
+    assert torch.allclose(step, torch.full_like(step, 0.01 / 4), rtol=1e-3)

@@ -1,0 +1,162 @@
+"""The front door: bad input ends as one line on stderr and a non-zero status, never a traceback.
+Every case here fails before any socket is opened."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from idlegrad.cli.main import EXIT_USAGE, build_parser, main
+from idlegrad.common.errors import ConfigError
+from idlegrad.coordinator.target import Target
+
+
+@pytest.fixture(autouse=True)
+def keep_logging():
+    """main() configures the root logger; leave it as it was for the other tests."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def run(capsys, argv) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse leaves through SystemExit
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(err: str) -> str:
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "error" in lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["bogus"], "invalid choice"),
+    ([], "required"),
+    (["coordinator"], "--job"),
+    (["coordinator", "--job", "digits", "--epochs", "-1"], "-1"),
+    (["coordinator", "--job", "digits", "--epochs=-1"], "-1"),
+    (["coordinator", "--job", "digits", "--epochs", "0"], "positive"),
+    (["coordinator", "--job", "digits", "--epochs", "two"], "not a number"),
+    (["coordinator", "--job", "digits", "--heartbeat", "0"], "positive"),
+    (["coordinator", "--job", "digits", "--seed", "-3"], "-3"),
+    (["coordinator", "--job", "digits", "--staleness", "linear"], "invalid choice"),
+    (["coordinator", "--job", "digits", "--no-such-flag"], "unrecognized"),
+    (["worker", "--credits", "0"], "positive"),
+    (["demo", "--workers", "-2"], "-2"),
+])
+def test_usage_errors(capsys, argv, needle):
+    code, out, err = run(capsys, argv)
+    assert code == EXIT_USAGE == 2
+    assert needle in assert_one_line_error(err)
+    assert out == ""
+
+
+@pytest.mark.parametrize("target", ["accuracy", "accuracy=high", "=0.5", "acc<0.5", "loss<=nan",
+                                    "accuracy=inf"])
+def test_bad_target(capsys, target):
+    code, out, err = run(capsys, ["coordinator", "--job", "digits", "--target", target])
+    assert code == 2
+    line = assert_one_line_error(err)
+    assert line.startswith("idlegrad coordinator: error:") and "target" in line
+
+
+def test_unknown_job(capsys):
+    code, out, err = run(capsys, ["coordinator", "--job", "no_such_job_anywhere"])
+    assert code == 2
+    assert "unknown job" in assert_one_line_error(err)
+
+
+def test_job_file_missing(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, ["coordinator", "--job", "nope.py:x"])
+    assert code == 2
+    assert "does not exist" in assert_one_line_error(err)
+
+
+def test_bad_job_arg(capsys):
+    code, out, err = run(capsys, ["coordinator", "--job", "digits", "--job-arg", "oops"])
+    assert code == 2
+    assert "name=value" in assert_one_line_error(err)
+    code, out, err = run(capsys, ["coordinator", "--job", "digits", "--job-arg", "nonsense=1"])
+    assert code == 2
+    assert "does not take" in assert_one_line_error(err)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_worker_cuda_without_cuda(capsys):
+    code, out, err = run(capsys, ["worker", "--device", "cuda"])
+    assert code != 0
+    assert "cuda" in assert_one_line_error(err).lower()
+
+
+def test_worker_unknown_device(capsys):
+    code, out, err = run(capsys, ["worker", "--device", "toaster"])
+    assert code == 2
+    assert "toaster" in assert_one_line_error(err)
+
+
+def test_version_and_help(capsys):
+    code, out, err = run(capsys, ["--version"])
+    assert code == 0 and out.startswith("idlegrad ")
+    code, out, err = run(capsys, ["coordinator", "--help"])
+    assert code == 0 and "--checkpoint-dir" in out
+
+
+def test_parser_defaults():
+    args = build_parser().parse_args(["coordinator", "--job", "digits"])
+    assert (args.epochs, args.target, args.partitions, args.open_rounds, args.staleness,
+            args.max_staleness, args.job_arg) == (None, None, 1, 0, "inverse", 32, [])
+    args = build_parser().parse_args(["worker"])
+    assert args.device == "auto" and args.credits == 2 and args.job is None
+
+
+# targets ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,metric,value,higher", [
+    ("accuracy=0.95", "accuracy", 0.95, True),
+    ("loss=0.1", "loss", 0.1, False),
+    ("val_loss=0.3", "val_loss", 0.3, False),
+    ("error=0.05", "error", 0.05, False),
+    ("Perplexity=20", "Perplexity", 20.0, False),
+    ("loss<=0.2", "loss", 0.2, False),
+    ("acc>=0.5", "acc", 0.5, True),
+    ("loss>=0.2", "loss", 0.2, True),  # an explicit operator wins over the name
+    ("accuracy<=0.9", "accuracy", 0.9, False),
+    (" accuracy = 0.95 ", "accuracy", 0.95, True),
+    ("f1=1e-1", "f1", 0.1, True),
+])
+def test_target_parse(text, metric, value, higher):
+    t = Target.parse(text)
+    assert (t.metric, t.value, t.higher_is_better) == (metric, value, higher)
+
+
+@pytest.mark.parametrize("text", ["", "accuracy", "=0.5", "accuracy=", "accuracy=abc",
+                                  "accuracy=nan", "loss<=inf", "acc>0.5", "acc<0.5", ">=1",
+                                  "accuracy=0.5=0.6", "   =1"])
+def test_target_parse_errors(text):
+    with pytest.raises(ConfigError) as e:
+        Target.parse(text)
+    assert "\n" not in str(e.value)
+
+
+def test_target_reached_and_str():
+    acc = Target.parse("accuracy=0.9")
+    assert acc.reached({"accuracy": 0.9}) and acc.reached({"accuracy": 0.95})
+    assert not acc.reached({"accuracy": 0.89}) and not acc.reached({"loss": 0.0})
+    loss = Target.parse("loss=0.1")
+    assert loss.reached({"loss": 0.1}) and loss.reached({"loss": 0.05})
+    assert not loss.reached({"loss": 0.2})
+    assert str(acc) == "accuracy>=0.9" and str(loss) == "loss<=0.1"
+    assert Target.parse(str(loss)) == loss and Target.parse(str(acc)) == acc

@@ -1,0 +1,663 @@
+"""The wire: every message round-trips, every malformed message is a ProtocolError with the right
+reason, and nothing else ever escapes decode()."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import msgpack
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from idlegrad.common import protocol as proto
+from idlegrad.common.errors import GradientRejected, ProtocolError
+from idlegrad.common.protocol import (
+    MAX_BLOB_FRAMES, MAX_FRAME_BYTES, MAX_HEADER_BYTES, MAX_STR, MESSAGE_TYPES, PROTOCOL_VERSION,
+    Blob, Bye, Cancel, Heartbeat, Hello, Ready, Reject, Result, Shutdown, Status, StatusRequest,
+    Task, Welcome, decode, encode)
+from idlegrad.common.tensors import DTYPE_NAMES, check_finite, from_blob, to_blob
+
+# one-frame blobs are read-only views of the received bytes: torch warns, rightly, and that is fine
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+
+
+def wire(frames) -> list[bytes]:
+    """What a receiver gets: plain bytes, no shared memory with the sender."""
+    return [bytes(f) for f in frames]
+
+
+def packb(obj) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def grad_tensor(n=300, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+
+
+def sample_messages() -> list[proto.Message]:
+    """At least one instance of every message type, without blobs."""
+    return [
+        Hello(worker_id="host-1", host="host", cores=8, threads=4, device="cpu", memory_mb=16000,
+              versions={"idlegrad": "0.1.0", "torch": "2.3"}),
+        Hello(worker_id="w", host="h", cores=0, threads=0, device="cuda:0", memory_mb=0,
+              versions={}, job="digits"),
+        Ready(credits=2, fingerprint="0123456789abcdef"),
+        Ready(credits=0, fingerprint=""),
+        Ready(credits=1024, fingerprint="f"),
+        Heartbeat(),
+        Heartbeat(state="working"),
+        Heartbeat(state="paused"),
+        Heartbeat(state="coordinator"),
+        Bye(),
+        Bye(reason="owner is back"),
+        Welcome(job="synthetic", job_args={"params": 5000, "lr": 0.5, "flag": True, "name": "x",
+                                           "nested": {"a": [1, 2.5, None]}},
+                fingerprint="abc", seed=7, heartbeat_s=0.5, liveness=3),
+        Welcome(job="digits", job_args={}, fingerprint="", seed=0, heartbeat_s=1, liveness=0),
+        Task(slot=3, round=1, version=2, parts=[[0, 0, 16], [1, 16, 8]], coefficients=[1.0, -0.5],
+             deadline_s=30.0),
+        Task(slot=0, round=0, version=0, parts=[[0, 0, 1]], coefficients=[0.0], deadline_s=0.0,
+             model=None),
+        Cancel(slots=[]),
+        Cancel(slots=[1, 2, 2**63 - 1]),
+        Reject(code="job", reason="wrong fingerprint"),
+        Shutdown(reason="training finished"),
+        StatusRequest(),
+        StatusRequest(cursor=42),
+        Status(snapshot={}),
+        Status(snapshot={"workers": [{"id": "w", "samples": 10, "rate": 1.5}], "loss": None,
+                         "curve": [[0, 1.0], [1, 0.5]], "ok": True, "raw": b"\x00\x01"}),
+    ]
+
+
+# round trips --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("msg", sample_messages(), ids=lambda m: type(m).__name__)
+def test_round_trip_plain(msg):
+    frames = encode(msg)
+    assert len(frames) == 1  # no blob: header only
+    got = decode(wire(frames))
+    assert type(got) is type(msg)
+    assert got == msg
+
+
+def test_every_message_type_is_covered():
+    covered = {type(m).TYPE for m in sample_messages()}
+    covered |= {Result.TYPE}  # carried by the blob tests below
+    assert covered == set(MESSAGE_TYPES)
+    for name, cls in MESSAGE_TYPES.items():
+        assert cls.TYPE == name
+
+
+def test_header_layout():
+    header = msgpack.unpackb(encode(Ready(credits=3, fingerprint="fp"))[0])
+    assert header == {"v": PROTOCOL_VERSION, "type": "ready", "credits": 3, "fingerprint": "fp"}
+
+
+def test_optional_fields_may_be_omitted():
+    assert decode([packb({"v": 1, "type": "heartbeat"})]) == Heartbeat(state="idle")
+    assert decode([packb({"v": 1, "type": "bye"})]) == Bye(reason="")
+    assert decode([packb({"v": 1, "type": "status_request"})]) == StatusRequest(cursor=0)
+    hello = {"v": 1, "type": "hello", "worker_id": "w", "host": "h", "cores": 1, "threads": 1,
+             "device": "cpu", "memory_mb": 1, "versions": {}}
+    assert decode([packb(hello)]).job is None
+    assert decode([packb({**hello, "job": None})]).job is None
+
+
+def _result(gradient: Blob, **kw) -> Result:
+    fields = dict(slot=5, version=3, samples=64, loss=0.25, compute_s=1.5)
+    fields.update(kw)
+    return Result(gradient=gradient, **fields)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_result_blob_round_trip_single_frame(dtype):
+    t = grad_tensor(257, dtype)
+    msg = _result(to_blob(t))
+    frames = encode(msg)
+    assert len(frames) == 2
+    got = decode(wire(frames))
+    assert isinstance(got, Result)
+    assert (got.slot, got.version, got.samples, got.loss, got.compute_s) == (5, 3, 64, 0.25, 1.5)
+    assert got.gradient.dtype == DTYPE_NAMES[dtype]
+    assert got.gradient.numel == 257
+    out = from_blob(got.gradient, expect_numel=257, expect_dtype=dtype)
+    assert out.dtype == dtype
+    assert torch.equal(out, t)
+
+
+@pytest.mark.parametrize("frame_bytes", [1000, 1001, 7, 4])
+def test_result_blob_round_trip_many_frames(frame_bytes):
+    t = grad_tensor(1000)  # 4000 bytes
+    blob = to_blob(t, frame_bytes=frame_bytes)
+    assert len(blob.frames) == math.ceil(4000 / frame_bytes) > 1
+    assert all(memoryview(f).nbytes <= frame_bytes for f in blob.frames)
+    frames = encode(_result(blob))
+    assert len(frames) == 1 + len(blob.frames)
+    header = msgpack.unpackb(frames[0])
+    assert header["gradient"] == {"dtype": "float32", "numel": 1000, "frames": len(blob.frames)}
+    got = decode(wire(frames))
+    assert len(got.gradient.frames) == len(blob.frames)
+    assert torch.equal(from_blob(got.gradient, 1000, torch.float32), t)
+
+
+def test_task_with_model_blob_round_trip():
+    model = grad_tensor(2500, seed=3)
+    blob = to_blob(model, frame_bytes=1000)
+    msg = Task(slot=9, round=4, version=2, parts=[[0, 10, 20]], coefficients=[1.0],
+               deadline_s=12.5, model=blob)
+    got = decode(wire(encode(msg)))
+    assert isinstance(got, Task)
+    assert dataclasses.replace(got, model=None) == dataclasses.replace(msg, model=None)
+    assert got.model.numel == 2500 and got.model.dtype == "float32"
+    assert torch.equal(from_blob(got.model), model)
+
+
+def test_empty_blob_round_trip():
+    t = torch.empty(0)
+    blob = to_blob(t)
+    assert blob.frames == () and blob.numel == 0
+    got = decode(wire(encode(_result(blob))))
+    assert got.gradient.numel == 0
+    out = from_blob(got.gradient, expect_numel=0)
+    assert out.numel() == 0 and out.dtype == torch.float32
+
+
+def test_blob_nbytes():
+    assert Blob("float16", 10).nbytes == 20
+    assert Blob("float64", 3).nbytes == 24
+
+
+def test_to_blob_rejects_what_cannot_travel():
+    with pytest.raises(ValueError):
+        to_blob(torch.zeros(2, 2))
+    with pytest.raises(ValueError):
+        to_blob(torch.zeros(3, dtype=torch.int64))
+
+
+def test_to_blob_is_a_view_and_copes_with_non_contiguous():
+    t = torch.zeros(4)
+    blob = to_blob(t)
+    t[1] = 5.0  # a view: the frame sees the change
+    assert from_blob(Blob(blob.dtype, blob.numel, (bytes(blob.frames[0]),)))[1] == 5.0
+    base = torch.arange(10, dtype=torch.float32)
+    strided = base[::2]
+    assert torch.equal(from_blob(to_blob(strided)), strided)
+
+
+def test_from_blob_expectations():
+    blob = to_blob(grad_tensor(10))
+    with pytest.raises(ProtocolError) as e:
+        from_blob(blob, expect_numel=11)
+    assert e.value.reason == "tensor"
+    with pytest.raises(ProtocolError) as e:
+        from_blob(blob, expect_dtype=torch.float64)
+    assert e.value.reason == "tensor"
+    assert from_blob(blob, expect_numel=10, expect_dtype=torch.float32).shape == (10,)
+
+
+def test_from_blob_survives_empty_frames_that_decode_accepts():
+    # decode() checks the byte total, so [b"", data] is a valid two-frame blob: from_blob must
+    # turn it into the tensor, not crash (a hostile worker could otherwise take the loop down).
+    t = grad_tensor(4)
+    raw = t.numpy().tobytes()
+    header = packb({"v": 1, "type": "result", "slot": 1, "version": 0, "samples": 1, "loss": 0.0,
+                    "compute_s": 0.0, "gradient": {"dtype": "float32", "numel": 4, "frames": 3}})
+    msg = decode([header, b"", raw[:6], raw[6:]])
+    assert torch.equal(from_blob(msg.gradient, 4, torch.float32), t)
+    msg = decode([header, raw[:6], b"", raw[6:]])
+    assert torch.equal(from_blob(msg.gradient, 4, torch.float32), t)
+
+
+def test_check_finite():
+    check_finite(torch.tensor([0.0, -1.0, 3e38]))
+    check_finite(torch.empty(0))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        with pytest.raises(GradientRejected):
+            check_finite(torch.tensor([1.0, bad, 2.0]))
+
+
+# rejections ---------------------------------------------------------------------------------
+
+
+def reason_of(frames) -> str:
+    with pytest.raises(ProtocolError) as e:
+        decode(frames)
+    assert isinstance(e.value.reason, str)
+    return e.value.reason
+
+
+READY = {"v": 1, "type": "ready", "credits": 2, "fingerprint": "fp"}
+HELLO = {"v": 1, "type": "hello", "worker_id": "w", "host": "h", "cores": 4, "threads": 2,
+         "device": "cpu", "memory_mb": 100, "versions": {"idlegrad": "0.1.0"}}
+WELCOME = {"v": 1, "type": "welcome", "job": "digits", "job_args": {}, "fingerprint": "f",
+           "seed": 0, "heartbeat_s": 1.0, "liveness": 3}
+TASK = {"v": 1, "type": "task", "slot": 1, "round": 1, "version": 0, "parts": [[0, 0, 4]],
+        "coefficients": [1.0], "deadline_s": 30.0}
+RESULT = {"v": 1, "type": "result", "slot": 1, "version": 0, "samples": 4, "loss": 0.5,
+          "compute_s": 0.1, "gradient": {"dtype": "float32", "numel": 2, "frames": 1}}
+GRAD = b"\x00" * 8
+
+
+def test_the_valid_templates_decode():
+    assert isinstance(decode([packb(READY)]), Ready)
+    assert isinstance(decode([packb(HELLO)]), Hello)
+    assert isinstance(decode([packb(WELCOME)]), Welcome)
+    assert isinstance(decode([packb(TASK)]), Task)
+    assert isinstance(decode([packb(RESULT), GRAD]), Result)
+
+
+def test_empty_frames():
+    assert reason_of([]) == "empty"
+
+
+def test_oversize_header():
+    assert reason_of([b"\x80" + b"\x00" * MAX_HEADER_BYTES]) == "oversize"
+    # just under the limit is judged on content, not size
+    assert reason_of([b"\xc1" * MAX_HEADER_BYTES]) == "msgpack"
+
+
+@pytest.mark.parametrize("raw", [
+    b"",  # nothing to unpack
+    b"\xc1",  # a byte msgpack never uses
+    packb(READY)[:-3],  # truncated
+    packb(READY) + b"\x00",  # trailing data
+    b"\xa5ab",  # string shorter than announced
+    b"\x81\xa1v\xc4",  # truncated bin inside a map
+    packb({1: 2}),  # an int map key (strict_map_key)
+    b"\x81\xa1v\xa2\xff\xfe",  # invalid utf-8 in a str
+], ids=["empty", "unused", "truncated", "trailing", "short-str", "short-bin", "int-key", "utf8"])
+def test_not_msgpack(raw):
+    assert reason_of([raw]) == "msgpack"
+
+
+@pytest.mark.parametrize("header", [[1, 2], "ready", 5, None, True, 1.5, b"raw"])
+def test_header_not_a_map(header):
+    assert reason_of([packb(header)]) == "schema"
+
+
+@pytest.mark.parametrize("version", [0, 2, -1, "1", None, [1], 1.5, 2**64 - 1])
+def test_wrong_version(version):
+    assert reason_of([packb({**READY, "v": version})]) == "version"
+
+
+def test_missing_version():
+    header = dict(READY)
+    del header["v"]
+    assert reason_of([packb(header)]) == "version"
+
+
+@pytest.mark.parametrize("kind", ["nope", "", "READY", 5, None, ["ready"], {"a": 1}, b"ready",
+                                  "__class__", "x" * 1000])
+def test_unknown_type(kind):
+    assert reason_of([packb({**READY, "type": kind})]) == "type"
+
+
+def test_missing_type():
+    header = dict(READY)
+    del header["type"]
+    assert reason_of([packb(header)]) == "type"
+
+
+def test_unknown_field():
+    assert reason_of([packb({**READY, "extra": 1})]) == "schema"
+    assert reason_of([packb({**READY, b"credits": 1})]) == "schema"  # a bytes key is not the field
+    assert reason_of([packb({**READY, "TYPE": "x"})]) == "schema"
+
+
+@pytest.mark.parametrize("template,field", [
+    (READY, "credits"), (READY, "fingerprint"), (HELLO, "worker_id"), (HELLO, "versions"),
+    (WELCOME, "job_args"), (TASK, "parts"), (TASK, "coefficients"), (RESULT, "loss"),
+    ({"v": 1, "type": "cancel", "slots": []}, "slots"),
+    ({"v": 1, "type": "status", "snapshot": {}}, "snapshot"),
+])
+def test_missing_required_field(template, field):
+    header = dict(template)
+    del header[field]
+    frames = [packb(header)] + ([GRAD] if template is RESULT else [])
+    assert reason_of(frames) == "schema"
+
+
+def test_missing_required_blob():
+    header = dict(RESULT)
+    del header["gradient"]
+    assert reason_of([packb(header)]) == "schema"
+    assert reason_of([packb({**RESULT, "gradient": None})]) == "schema"
+
+
+def test_required_field_may_not_be_nil():
+    assert reason_of([packb({**READY, "credits": None})]) == "schema"
+
+
+@pytest.mark.parametrize("template,field,value", [
+    (READY, "credits", "2"),  # str where int
+    (READY, "credits", True),  # bool where int
+    (READY, "credits", False),
+    (READY, "credits", 2.0),  # float where int
+    (READY, "credits", [2]),
+    (READY, "credits", 2**63),  # past int64
+    (READY, "fingerprint", 5),  # int where str
+    (READY, "fingerprint", b"fp"),  # bytes where str
+    (READY, "fingerprint", "x" * (MAX_STR + 1)),  # too long
+    (WELCOME, "heartbeat_s", float("nan")),
+    (WELCOME, "heartbeat_s", float("inf")),
+    (WELCOME, "heartbeat_s", float("-inf")),
+    (WELCOME, "heartbeat_s", True),  # bool where float
+    (WELCOME, "heartbeat_s", "1.0"),
+    (WELCOME, "job_args", [1]),  # list where map
+    (WELCOME, "job_args", {b"k": 1}),  # non-str key
+    (HELLO, "versions", {"torch": 2}),  # map value of the wrong type
+    (HELLO, "versions", {"torch": "x" * (MAX_STR + 1)}),
+    (HELLO, "versions", "torch"),
+    (HELLO, "job", 3),  # Optional[str] still checks the type
+    (TASK, "parts", [[0, 0, "4"]]),
+    (TASK, "parts", [0, 0, 4]),  # flat list where list of lists
+    (TASK, "parts", {"a": 1}),
+    (TASK, "coefficients", [float("nan")]),
+    (TASK, "coefficients", [None]),
+    (RESULT, "loss", float("nan")),
+    (RESULT, "compute_s", float("inf")),
+], ids=lambda v: repr(v)[:30])
+def test_wrong_field_types(template, field, value):
+    frames = [packb({**template, field: value})] + ([GRAD] if template is RESULT else [])
+    assert reason_of(frames) == "schema"
+
+
+def test_string_at_the_limit_is_fine():
+    assert decode([packb({**READY, "fingerprint": "x" * MAX_STR})]).fingerprint == "x" * MAX_STR
+
+
+def test_int_where_float_is_accepted():
+    assert decode([packb({**WELCOME, "heartbeat_s": 2})]).heartbeat_s == 2
+
+
+def test_too_long_list():
+    assert reason_of([packb({"v": 1, "type": "cancel", "slots": [0] * (proto.MAX_LIST + 1)})]) in (
+        "msgpack", "schema")
+
+
+@pytest.mark.parametrize("ext", [msgpack.ExtType(5, b"ab"), msgpack.ExtType(0, b""),
+                                 msgpack.ExtType(127, b"\x00" * 20)], ids=["ext5", "ext0", "ext127"])
+def test_msgpack_ext_types_rejected(ext):
+    raw = msgpack.packb({"v": 1, "type": "status", "snapshot": {"t": ext}})
+    assert reason_of([raw]) in ("msgpack", "schema")
+    raw = msgpack.packb({"v": 1, "type": "bye", "reason": ext})
+    assert reason_of([raw]) in ("msgpack", "schema")
+
+
+def test_msgpack_timestamp_rejected():
+    raw = msgpack.packb({"v": 1, "type": "status", "snapshot": {"t": msgpack.Timestamp(1, 0)}})
+    assert reason_of([raw]) in ("msgpack", "schema")
+    # the same by hand: fixext4 of type -1 (timestamp32)
+    raw = (b"\x83" + packb("v") + packb(1) + packb("type") + packb("status") + packb("snapshot")
+           + b"\x81" + packb("t") + b"\xd6\xff\x00\x00\x00\x01")
+    assert reason_of([raw]) in ("msgpack", "schema")
+
+
+# blob descriptors ----------------------------------------------------------------------------
+
+
+def result_with(desc, *frames) -> list:
+    return [packb({**RESULT, "gradient": desc}), *frames]
+
+
+@pytest.mark.parametrize("dtype", ["int64", "float", "", "FLOAT32", None, 4, ["float32"],
+                                   {"a": 1}, b"float32"], ids=repr)
+def test_blob_bad_dtype(dtype):
+    assert reason_of(result_with({"dtype": dtype, "numel": 2, "frames": 1}, GRAD)) == "dtype"
+
+
+@pytest.mark.parametrize("desc", [
+    {"dtype": "float32", "numel": -1, "frames": 1},
+    {"dtype": "float32", "numel": 2, "frames": -1},
+    {"dtype": "float32", "numel": True, "frames": 1},
+    {"dtype": "float32", "numel": 2.0, "frames": 1},
+    {"dtype": "float32", "numel": "2", "frames": 1},
+    {"dtype": "float32", "numel": 2, "frames": None},
+    {"dtype": "float32", "numel": 2},  # a key missing
+    {"dtype": "float32", "numel": 2, "frames": 1, "extra": 0},  # a key too many
+    [2, "float32", 1],  # not a map
+    "float32",
+    5,
+], ids=lambda d: repr(d)[:40])
+def test_blob_bad_descriptor(desc):
+    assert reason_of(result_with(desc, GRAD)) == "schema"
+
+
+def test_blob_frames_count_mismatch():
+    desc = {"dtype": "float32", "numel": 2, "frames": 2}
+    assert reason_of(result_with(desc, GRAD)) == "frames"  # announced 2, sent 1
+    assert reason_of(result_with({**desc, "frames": 1})) == "frames"  # announced 1, sent 0
+    # extra frames after the blob
+    assert reason_of(result_with({**desc, "frames": 1}, GRAD, b"")) == "frames"
+    assert reason_of(result_with({**desc, "frames": 1}, GRAD, GRAD)) == "frames"
+    # frames on a message that carries no blob at all
+    assert reason_of([packb(READY), b"x"]) == "frames"
+    assert reason_of([packb(TASK), GRAD]) == "frames"
+
+
+def test_blob_byte_count_mismatch():
+    desc = {"dtype": "float32", "numel": 2, "frames": 1}
+    assert reason_of(result_with(desc, b"\x00" * 7)) == "frames"
+    assert reason_of(result_with(desc, b"\x00" * 9)) == "frames"
+    assert reason_of(result_with({**desc, "dtype": "float64"}, GRAD)) == "frames"
+    assert reason_of(result_with({**desc, "frames": 2}, b"\x00" * 4, b"\x00" * 5)) == "frames"
+    assert reason_of(result_with({**desc, "numel": 0, "frames": 1}, b"\x00")) == "frames"
+    # a huge announced count does not allocate anything
+    assert reason_of(result_with({**desc, "numel": 2**62}, GRAD)) == "frames"
+
+
+def test_blob_too_many_frames():
+    desc = {"dtype": "float32", "numel": MAX_BLOB_FRAMES + 1, "frames": MAX_BLOB_FRAMES + 1}
+    assert reason_of(result_with(desc, *([b"\x00" * 4] * (MAX_BLOB_FRAMES + 1)))) == "oversize"
+
+
+def test_blob_frame_too_large():
+    numel = MAX_FRAME_BYTES // 4 + 1
+    big = bytes(numel * 4)
+    assert reason_of(result_with({"dtype": "float32", "numel": numel, "frames": 1}, big)) == "oversize"
+
+
+def test_task_model_blob_checked_too():
+    desc = {"dtype": "float16", "numel": 4, "frames": 1}
+    assert isinstance(decode([packb({**TASK, "model": desc}), b"\x00" * 8]).model, Blob)
+    assert decode([packb({**TASK, "model": None})]).model is None
+    assert reason_of([packb({**TASK, "model": desc}), b"\x00" * 6]) == "frames"
+    assert reason_of([packb({**TASK, "model": {**desc, "dtype": "int8"}}), b"\x00" * 8]) == "dtype"
+
+
+# semantic checks -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("template,field", [
+    (RESULT, "slot"), (RESULT, "version"), (RESULT, "samples"), (RESULT, "compute_s"),
+    (TASK, "slot"), (TASK, "round"), (TASK, "version"), (TASK, "deadline_s"),
+    (HELLO, "cores"), (HELLO, "threads"), (HELLO, "memory_mb"), (READY, "credits"),
+    ({"v": 1, "type": "status_request", "cursor": 0}, "cursor"),
+])
+def test_negative_values(template, field):
+    frames = [packb({**template, field: -1})] + ([GRAD] if template is RESULT else [])
+    assert reason_of(frames) == "schema"
+
+
+def test_negative_loss_is_fine():
+    assert decode([packb({**RESULT, "loss": -2.5}), GRAD]).loss == -2.5
+
+
+@pytest.mark.parametrize("parts,coefficients", [
+    ([[0, 0, 4]], []),
+    ([[0, 0, 4]], [1.0, 1.0]),
+    ([[0, 0, 4], [0, 4, 4]], [1.0]),
+    ([], []),  # a task of nothing
+    ([[0, 4]], [1.0]),  # a part of two numbers
+    ([[0, 0, 4, 1]], [1.0]),
+    ([[]], [1.0]),
+    ([[0, -1, 4]], [1.0]),
+    ([[-1, 0, 4]], [1.0]),
+    ([[0, 0, -4]], [1.0]),
+])
+def test_task_parts(parts, coefficients):
+    assert reason_of([packb({**TASK, "parts": parts, "coefficients": coefficients})]) == "schema"
+
+
+@pytest.mark.parametrize("state", ["", "busy", "WORKING", "x" * 100])
+def test_heartbeat_unknown_state(state):
+    assert reason_of([packb({"v": 1, "type": "heartbeat", "state": state})]) == "schema"
+
+
+def test_ready_credits_limit():
+    assert decode([packb({**READY, "credits": 1024})]).credits == 1024
+    assert reason_of([packb({**READY, "credits": 1025})]) == "schema"
+    assert reason_of([packb({**READY, "credits": 2**40})]) == "schema"
+
+
+def test_decode_accepts_zmq_frame_like_objects():
+    class FakeFrame:
+        def __init__(self, data):
+            self.buffer = memoryview(data)
+
+    t = grad_tensor(2)
+    frames = [FakeFrame(f) for f in wire(encode(_result(to_blob(t))))]
+    assert torch.equal(from_blob(decode(frames).gradient), t)
+
+
+# fuzzing -------------------------------------------------------------------------------------
+
+
+def must_be_message_or_protocol_error(frames):
+    try:
+        msg = decode(frames)
+    except ProtocolError as exc:
+        assert isinstance(exc.reason, str) and exc.reason
+        return None
+    assert isinstance(msg, proto.Message)
+    assert type(msg) in MESSAGE_TYPES.values()
+    # what decodes must encode again to the same message
+    again = decode(wire(encode(msg)))
+    assert type(again) is type(msg)
+    for f in dataclasses.fields(msg):
+        a, b = getattr(msg, f.name), getattr(again, f.name)
+        if isinstance(a, Blob):
+            assert (a.dtype, a.numel) == (b.dtype, b.numel)
+            assert b"".join(bytes(x) for x in a.frames) == b"".join(bytes(x) for x in b.frames)
+            try:
+                from_blob(a)
+            except ProtocolError:
+                pass
+        else:
+            assert packb(a) == packb(b)  # NaN inside a free-form map compares unequal to itself
+    return msg
+
+
+scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12)
+           | st.binary(max_size=12))
+values = st.recursive(
+    scalars,
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=6) | st.binary(max_size=3), children, max_size=4),
+    max_leaves=12)
+
+field_names = sorted({f.name for cls in MESSAGE_TYPES.values() for f in dataclasses.fields(cls)})
+dtype_values = st.sampled_from(sorted(proto.DTYPE_SIZES)) | values
+descriptors = st.fixed_dictionaries(
+    {"dtype": dtype_values, "numel": st.integers(-2, 12) | values,
+     "frames": st.integers(-1, 5) | values})
+field_values = (values | descriptors | st.integers(-3, 3)
+                | st.lists(st.lists(st.integers(-1, 20), max_size=4), max_size=3)
+                | st.sampled_from(sorted(proto.Heartbeat.STATES)))
+frame_lists = st.lists(st.binary(max_size=40), max_size=4)
+
+
+@st.composite
+def structured_headers(draw):
+    """Headers that look like messages, so the fuzzer gets past the first checks."""
+    kind = draw(st.sampled_from(sorted(MESSAGE_TYPES)) | values)
+    header = {"v": draw(st.just(PROTOCOL_VERSION) | values), "type": kind}
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    names = [f.name for f in dataclasses.fields(cls)] if cls else field_names
+    for name in draw(st.lists(st.sampled_from(names), unique=True, max_size=len(names))):
+        header[name] = draw(field_values)
+    if draw(st.booleans()):
+        header[draw(st.sampled_from(field_names) | st.text(max_size=5))] = draw(field_values)
+    return header
+
+
+_VALID_FRAMES = [wire(encode(m)) for m in sample_messages() + [
+    _result(to_blob(grad_tensor(6), frame_bytes=8)),
+    Task(slot=1, round=1, version=1, parts=[[0, 0, 2]], coefficients=[1.0], deadline_s=1.0,
+         model=to_blob(grad_tensor(3, torch.float16)))]]
+_BLOB_CARRIERS = [(RESULT, "gradient"), ({**TASK, "model": None}, "model")]
+
+
+@st.composite
+def blob_frames(draw, desc):
+    """Frames for a descriptor: often exactly the announced bytes, cut anywhere (empty pieces too)."""
+    dtype, numel, count = desc["dtype"], desc["numel"], desc["frames"]
+    sizes = proto.DTYPE_SIZES
+    if (isinstance(dtype, str) and dtype in sizes and isinstance(numel, int) and numel >= 0
+            and isinstance(count, int) and 0 <= count <= 6 and draw(st.integers(0, 3))):
+        total = numel * sizes[dtype]
+        data = draw(st.binary(min_size=total, max_size=total))
+        if count == 0:
+            return [] if total == 0 else [data]
+        cuts = sorted(draw(st.lists(st.integers(0, total), min_size=count - 1, max_size=count - 1)))
+        bounds = [0, *cuts, total]
+        return [data[a:b] for a, b in zip(bounds, bounds[1:])]
+    return draw(frame_lists)
+
+
+@st.composite
+def mutated_valid(draw):
+    """A valid message's frames, with one thing changed."""
+    action = draw(st.sampled_from(["set", "delete", "frames", "bytes", "blob", "blob"]))
+    if action == "blob":
+        template, name = draw(st.sampled_from(_BLOB_CARRIERS))
+        desc = draw(descriptors)
+        return [packb({**template, name: desc})] + draw(blob_frames(desc))
+    frames = _VALID_FRAMES[draw(st.integers(0, len(_VALID_FRAMES) - 1))]
+    header = msgpack.unpackb(frames[0], raw=False)
+    if action == "set":
+        header[draw(st.sampled_from(sorted(header)))] = draw(field_values)
+    elif action == "delete":
+        del header[draw(st.sampled_from(sorted(header)))]
+    elif action == "frames":
+        frames = frames[:1] + draw(frame_lists)
+    raw = packb(header)
+    if action == "bytes" and raw:
+        i = draw(st.integers(0, len(raw) - 1))
+        raw = raw[:i] + bytes([draw(st.integers(0, 255))]) + raw[i + 1:]
+    return [raw] + frames[1:]
+
+
+FUZZ = settings(max_examples=400, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@FUZZ
+@given(frame_lists)
+def test_fuzz_raw_bytes(frames):
+    must_be_message_or_protocol_error(frames)
+
+
+@FUZZ
+@given(values, frame_lists)
+def test_fuzz_arbitrary_headers(header, frames):
+    must_be_message_or_protocol_error([packb(header)] + frames)
+
+
+@FUZZ
+@given(structured_headers(), frame_lists)
+def test_fuzz_structured_headers(header, frames):
+    must_be_message_or_protocol_error([packb(header)] + frames)
+
+
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mutated_valid())
+def test_fuzz_mutated_messages(frames):
+    must_be_message_or_protocol_error(frames)

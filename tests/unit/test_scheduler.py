@@ -1,0 +1,516 @@
+"""The scheduler with a fake clock: who holds what, when rounds decode, what fails over."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from idlegrad.coordinator.sampler import Sampler
+from idlegrad.coordinator.scheduler import (
+    Assign, CancelSlots, Decoded, Evicted, Scheduler, SchedulerConfig)
+
+
+def make(n=40, batch=4, epochs=None, **config) -> Scheduler:
+    return Scheduler(SchedulerConfig(batch_size=batch, **config), Sampler(n, epochs))
+
+
+def of(kind, actions):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def assigns(actions, worker=None):
+    return [a for a in of(Assign, actions) if worker is None or a.worker == worker]
+
+
+def held(s: Scheduler, worker: str) -> set[int]:
+    return set(s.workers[worker].assigned)
+
+
+def start(s: Scheduler, worker: str, credits: int, now: float = 0.0) -> list:
+    assert s.join(worker, {"host": worker}, now) == []
+    return s.ready(worker, credits, now)
+
+
+# join, ready, assign --------------------------------------------------------------------------
+
+
+def test_join_and_ready_assign_up_to_credits():
+    s = make(n=40, batch=4, min_deadline_s=30.0)
+    actions = start(s, "a", 3)
+    a = assigns(actions)
+    assert len(a) == len(actions) == 3
+    assert [x.worker for x in a] == ["a"] * 3
+    assert len({x.slot for x in a}) == 3
+    assert len({x.round for x in a}) == 3  # one partition per round: three rounds
+    assert [x.parts for x in a] == [[[0, 0, 4]], [[0, 4, 4]], [[0, 8, 4]]]
+    assert all(x.coefficients == [1.0] for x in a)
+    assert all(x.version == 0 for x in a)
+    assert all(x.deadline_s == 30.0 for x in a)
+    assert [x.send_model for x in a] == [True, False, False]  # the model once per version
+    assert held(s, "a") == {x.slot for x in a}
+    assert s.workers["a"].info == {"host": "a"}
+    assert s.stats["rounds_opened"] == 3
+    # no credit left: ready again with the same credits assigns nothing
+    assert s.ready("a", 3, 1.0) == []
+    # more credits: one more
+    more = assigns(s.ready("a", 4, 1.0))
+    assert len(more) == 1 and more[0].send_model is False
+
+
+def test_ready_zero_credits_assigns_nothing():
+    s = make()
+    assert start(s, "a", 0) == []
+    assert s.rounds == {}
+
+
+def test_send_model_again_for_a_new_version():
+    s = make(n=40, batch=4)
+    first = assigns(start(s, "a", 1))[0]
+    assert first.send_model
+    s.applied(1)
+    ok, actions = s.result("a", first.slot, 0.1, 1.0)
+    assert ok
+    nxt = assigns(actions, "a")
+    assert len(nxt) == 1 and nxt[0].version == 1 and nxt[0].send_model is True
+    ok, actions = s.result("a", nxt[0].slot, 0.1, 2.0)
+    assert assigns(actions, "a")[0].send_model is False  # still at version 1
+    # a second worker needs the model too
+    b = assigns(start(s, "b", 1, 2.0))
+    assert b[0].send_model is True
+
+
+def test_rejoin_drops_the_old_session():
+    s = make()
+    old = assigns(start(s, "a", 2))
+    actions = s.join("a", {}, 1.0)
+    assert actions == [Evicted("a", "rejoined", 2)]
+    assert held(s, "a") == set()
+    again = assigns(s.ready("a", 2, 1.0))
+    # the requeued slots come first, and the model is sent again to the new session
+    assert sorted(x.slot for x in again) == sorted(x.slot for x in old)
+    assert again[0].send_model is True
+
+
+def test_pending_slots_go_before_new_rounds():
+    s = make(n=60, batch=6, partitions=3)
+    a = assigns(start(s, "a", 2))
+    assert len(a) == 2 and a[0].round == a[1].round
+    b = assigns(start(s, "b", 2))
+    assert b[0].round == a[0].round  # the round's third slot
+    assert b[1].round != a[0].round
+    assert [x.parts for x in a + b[:1]] == [[[0, 0, 2]], [[0, 2, 2]], [[0, 4, 2]]]
+
+
+# results and decoding ---------------------------------------------------------------------------
+
+
+def test_result_accepted_decodes_a_round_of_one_partition():
+    s = make(n=40, batch=4)
+    x = assigns(start(s, "a", 1))[0]
+    ok, actions = s.result("a", x.slot, 0.4, 1.0)
+    assert ok
+    decoded = of(Decoded, actions)
+    assert decoded == [Decoded(round=x.round, version=0, parts=[(0, 0, 4)], samples=4,
+                               weights={x.slot: 1.0}, slots=[x.slot])]
+    # the freed credit is refilled at once, with the next round
+    refill = assigns(actions)
+    assert len(refill) == 1 and refill[0].parts == [[0, 4, 4]]
+    assert actions.index(decoded[0]) < actions.index(refill[0])
+    assert x.round not in s.rounds and x.slot not in s.slots
+    assert s.stats["results_used"] == 1 and s.stats["rounds_decoded"] == 1
+    w = s.workers["a"]
+    assert w.done == 1 and w.samples == 4 and w.s_per_sample == pytest.approx(0.1)
+
+
+def test_round_of_three_partitions_decodes_after_all_three():
+    s = make(n=60, batch=6, partitions=3, open_rounds=1)
+    a = assigns(start(s, "a", 3))
+    assert len(a) == 3 and len({x.round for x in a}) == 1
+    assert [x.parts for x in a] == [[[0, 0, 2]], [[0, 2, 2]], [[0, 4, 2]]]
+    ok1, act1 = s.result("a", a[2].slot, 0.1, 1.0)
+    ok2, act2 = s.result("a", a[0].slot, 0.1, 1.0)
+    assert ok1 and ok2
+    assert of(Decoded, act1 + act2) == []
+    assert a[0].round in s.rounds
+    ok3, act3 = s.result("a", a[1].slot, 0.1, 1.0)
+    assert ok3
+    (d,) = of(Decoded, act3)
+    assert d.round == a[0].round and d.samples == 6
+    assert d.weights == {x.slot: 1.0 for x in a}
+    assert sorted(d.slots) == sorted(x.slot for x in a)
+    assert d.parts == [(0, 0, 2), (0, 2, 2), (0, 4, 2)]
+    # open_rounds=1: only now the next round opens, and the worker gets three slots of it
+    nxt = assigns(act3)
+    assert len(nxt) == 3 and len({x.round for x in nxt}) == 1
+    assert nxt[0].parts == [[0, 6, 2]]
+
+
+def test_duplicate_late_and_unknown_results_are_refused_and_counted():
+    s = make()
+    x = assigns(start(s, "a", 1))[0]
+    assert s.result("a", x.slot, 0.1, 1.0)[0] is True
+    assert s.result("a", x.slot, 0.1, 1.0) == (False, [])  # a repeat
+    assert s.result("ghost", x.slot, 0.1, 1.0) == (False, [])  # a worker nobody knows
+    assert s.result("a", 9999, 0.1, 1.0) == (False, [])  # a slot nobody handed out
+    assert s.stats["results_unexpected"] == 3
+    assert s.stats["results_used"] == 1
+    assert s.stats["rounds_decoded"] == 1
+
+
+def test_result_for_a_slot_held_by_another_is_refused():
+    s = make(open_rounds=1)
+    x = assigns(start(s, "a", 1))[0]
+    start(s, "b", 1)
+    assert s.result("b", x.slot, 0.1, 1.0) == (False, [])
+    assert x.slot in held(s, "a")
+    assert s.stats["results_unexpected"] == 1
+
+
+# eviction, deadlines, failure -------------------------------------------------------------------
+
+
+def test_eviction_on_silence_requeues_to_another_worker():
+    s = make(heartbeat_s=1.0, liveness=3, open_rounds=1)
+    x = assigns(start(s, "a", 1, now=0.0))[0]
+    assert start(s, "b", 1, now=0.0) == []  # open_rounds=1 and the only slot is a's
+    s.seen("b", 2.5, "idle")
+    assert s.tick(3.0) == []  # exactly liveness beats of silence: still alive
+    s.seen("b", 3.0)
+    actions = s.tick(3.01)
+    assert of(Evicted, actions) == [Evicted("a", of(Evicted, actions)[0].reason, 1)]
+    assert "silent" in of(Evicted, actions)[0].reason
+    (again,) = assigns(actions)
+    assert again.worker == "b" and again.slot == x.slot and again.round == x.round
+    assert again.send_model is True
+    assert "a" not in s.workers
+    assert s.stats["workers_removed"] == 1
+    # the evicted worker's late answer is refused
+    assert s.result("a", x.slot, 0.1, 3.5) == (False, [])
+    ok, actions = s.result("b", x.slot, 0.1, 3.5)
+    assert ok and of(Decoded, actions)[0].weights == {x.slot: 1.0}
+
+
+def test_heartbeats_keep_a_worker_alive():
+    s = make(heartbeat_s=1.0, liveness=3, min_deadline_s=1000.0)
+    start(s, "a", 1)
+    for t in range(1, 20):
+        s.seen("a", float(t), "working")
+        assert of(Evicted, s.tick(t + 0.5)) == []
+    assert s.workers["a"].state == "working"
+    s.seen("ghost", 5.0)  # unknown workers are ignored
+
+
+def test_deadline_miss_requeues_while_the_holder_keeps_it_original_wins():
+    s = make(open_rounds=1, min_deadline_s=10.0, heartbeat_s=100.0)
+    x = assigns(start(s, "a", 1))[0]
+    assert x.deadline_s == 10.0
+    assert start(s, "b", 1) == []
+    assert s.tick(9.9) == []
+    actions = s.tick(10.5)
+    (dup,) = assigns(actions)
+    assert dup.worker == "b" and dup.slot == x.slot
+    assert x.slot in held(s, "a") and x.slot in held(s, "b")
+    assert s.stats["deadline_requeues"] == 1 and s.workers["a"].missed == 1
+    assert assigns(s.tick(15.0)) == []  # a's miss is requeued once only
+    assert s.stats["deadline_requeues"] == 1 and s.workers["a"].missed == 1
+    ok, actions = s.result("a", x.slot, 5.0, 16.0)  # the original answers first: it wins
+    assert ok
+    assert CancelSlots("b", [x.slot]) in actions
+    assert of(Decoded, actions)[0].weights == {x.slot: 1.0}
+    assert s.workers["b"].cancelled == 1
+    assert s.result("b", x.slot, 5.0, 17.0) == (False, [])
+
+
+def test_deadline_miss_the_replacement_wins():
+    s = make(open_rounds=1, min_deadline_s=10.0, heartbeat_s=100.0)
+    x = assigns(start(s, "a", 1))[0]
+    start(s, "b", 1)
+    assigns(s.tick(11.0))
+    ok, actions = s.result("b", x.slot, 1.0, 12.0)
+    assert ok
+    assert CancelSlots("a", [x.slot]) in actions
+    assert len(of(Decoded, actions)) == 1
+    assert held(s, "a") == set() or x.slot not in held(s, "a")
+    assert s.result("a", x.slot, 9.0, 13.0) == (False, [])
+
+
+def test_deadline_grows_with_measured_speed():
+    s = make(n=100, batch=10, min_deadline_s=1.0, deadline_factor=4.0, speed_alpha=0.5)
+    x = assigns(start(s, "a", 1))[0]
+    assert x.deadline_s == 1.0  # nothing measured yet: the minimum
+    ok, actions = s.result("a", x.slot, 2.0, 5.0)  # 0.2 s per sample
+    (y,) = assigns(actions)
+    assert y.deadline_s == pytest.approx(4.0 * 0.2 * 10)
+    ok, actions = s.result("a", y.slot, 4.0, 10.0)  # 0.4 s per sample: EWMA 0.3
+    assert s.workers["a"].s_per_sample == pytest.approx(0.3)
+    assert assigns(actions)[0].deadline_s == pytest.approx(4.0 * 0.3 * 10)
+
+
+def test_leave_requeues():
+    s = make(open_rounds=2)
+    a = assigns(start(s, "a", 2))
+    assert start(s, "b", 2) == []
+    actions = s.leave("a", 1.0, "said bye")
+    assert of(Evicted, actions) == [Evicted("a", "said bye", 2)]
+    got = assigns(actions)
+    assert {x.worker for x in got} == {"b"}
+    assert sorted(x.slot for x in got) == sorted(x.slot for x in a)
+    assert s.leave("a", 2.0) == []  # already gone
+
+
+def test_failed_requeues():
+    s = make(open_rounds=1)
+    x = assigns(start(s, "a", 1))[0]
+    start(s, "b", 1)
+    actions = s.failed("a", x.slot, 1.0)
+    (again,) = assigns(actions)
+    assert again.slot == x.slot and again.worker == "b"
+    assert s.workers["a"].failed == 1
+    assert s.stats["slots_requeued"] == 1
+    assert s.failed("a", x.slot, 1.0) == []  # no longer a's
+    assert s.failed("ghost", x.slot, 1.0) == []
+    ok, actions = s.result("b", x.slot, 0.1, 2.0)
+    assert ok and len(of(Decoded, actions)) == 1
+
+
+def test_failed_slot_can_return_to_the_only_worker():
+    s = make(open_rounds=1)
+    x = assigns(start(s, "a", 1))[0]
+    (again,) = assigns(s.failed("a", x.slot, 1.0))
+    assert again.slot == x.slot and again.worker == "a" and again.send_model is False
+
+
+# limits, end, queries --------------------------------------------------------------------------
+
+
+def test_open_rounds_limit():
+    s = make(n=100, batch=4, open_rounds=2)
+    a = assigns(start(s, "a", 5))
+    assert len(a) == 2 and len(s.rounds) == 2
+    assert assigns(start(s, "b", 5)) == []
+    ok, actions = s.result("a", a[0].slot, 0.1, 1.0)
+    new = assigns(actions)
+    assert len(new) == 1 and len(s.rounds) == 2
+    unlimited = make(n=100, batch=4, open_rounds=0)
+    assert len(assigns(start(unlimited, "a", 5))) == 5
+
+
+def test_finished_after_epochs_and_all_rounds_decoded():
+    s = make(n=8, batch=4, epochs=1)
+    a = assigns(start(s, "a", 4))
+    assert len(a) == 2  # only two rounds in the whole plan
+    assert s.sampler.exhausted and not s.finished
+    s.result("a", a[0].slot, 0.1, 1.0)
+    assert not s.finished
+    ok, actions = s.result("a", a[1].slot, 0.1, 1.0)
+    assert ok and assigns(actions) == []
+    assert s.finished
+
+
+def test_version_in_use():
+    s = make(n=40, batch=4)
+    a = assigns(start(s, "a", 2))
+    assert s.version_in_use(0) and not s.version_in_use(1)
+    s.applied(1)
+    ok, actions = s.result("a", a[0].slot, 0.1, 1.0)
+    assert s.version_in_use(0)  # a[1]'s round is still open at version 0
+    assert s.version_in_use(1)  # the refill opened a round at version 1
+    s.result("a", a[1].slot, 0.1, 1.0)
+    assert not s.version_in_use(0)
+    assert 0 not in s._rounds_at  # no empty counters left behind
+
+
+def test_replan_puts_parts_back():
+    s = make(n=8, batch=4, epochs=1)
+    a = assigns(start(s, "a", 1))[0]
+    ok, actions = s.result("a", a.slot, 0.1, 1.0)
+    (decoded,) = of(Decoded, actions)
+    (b,) = assigns(actions)
+    assert b.parts == [[0, 4, 4]]
+    s.replan(decoded)
+    assert s.stats["rounds_replanned"] == 1
+    ok, actions = s.result("a", b.slot, 0.1, 2.0)
+    assert not s.finished
+    (again,) = assigns(actions)
+    assert again.parts == [[0, 0, 4]] and again.round != a.round
+    ok, actions = s.result("a", again.slot, 0.1, 3.0)
+    assert of(Decoded, actions)[0].parts == [(0, 0, 4)]
+    assert s.finished
+
+
+def test_open_parts_and_next_id():
+    s = Scheduler(SchedulerConfig(batch_size=4), Sampler(40), next_id=100)
+    assert s.next_id() == 100
+    a = assigns(start(s, "a", 2))
+    assert all(x.slot >= 100 and x.round >= 100 for x in a)
+    assert s.open_parts() == [[(0, 0, 4)], [(0, 4, 4)]]
+    assert s.next_id() > max(max(x.slot, x.round) for x in a)
+
+
+def test_stop_cancels_everything():
+    s = make(n=100, batch=4)
+    a = assigns(start(s, "a", 2))
+    b = assigns(start(s, "b", 1))
+    actions = s.stop()
+    assert sorted(actions, key=lambda c: c.worker) == [
+        CancelSlots("a", sorted(x.slot for x in a)), CancelSlots("b", [b[0].slot])]
+    assert held(s, "a") == held(s, "b") == set()
+    assert not s.accepting
+    assert s.ready("a", 2, 1.0) == []  # no new rounds
+    assert s.result("a", a[0].slot, 0.1, 1.0) == (False, [])
+    assert s.stop() == []
+
+
+# property: every sample exactly once ---------------------------------------------------------
+
+WORKERS = ["a", "b", "c"]
+
+OPS = (["result"] * 8 + ["seen"] * 3 + ["tick"] * 3
+       + ["stray", "fail", "leave", "rejoin", "ready", "replan", "long_tick"])
+ops = st.lists(st.tuples(st.sampled_from(OPS), st.sampled_from(WORKERS + ["all"]),
+                         st.integers(0, 20)), min_size=10, max_size=80)
+
+
+class Harness:
+    """Drives a scheduler and mirrors, from the actions alone, what every worker holds."""
+
+    def __init__(self, s: Scheduler):
+        self.s = s
+        self.now = 0.0
+        self.held: dict[str, set[int]] = {}
+        self.assigned_ever: dict[int, tuple] = {}  # slot -> (round, parts) of its first Assign
+        self.decoded: dict[int, Decoded] = {}
+        self.replanned: list[int] = []
+        self.accepted: Counter[int] = Counter()
+        self.answered_by: dict[int, str] = {}
+
+    def perform(self, actions):
+        for a in actions:
+            if isinstance(a, Assign):
+                assert a.worker in self.s.workers
+                assert a.slot not in self.held[a.worker]
+                assert a.round not in self.decoded
+                self.held[a.worker].add(a.slot)
+                first = self.assigned_ever.setdefault(a.slot, (a.round, a.parts, a.coefficients))
+                assert first == (a.round, a.parts, a.coefficients)  # a slot never changes
+            elif isinstance(a, CancelSlots):
+                assert set(a.slots) <= self.held[a.worker]
+                self.held[a.worker] -= set(a.slots)
+            elif isinstance(a, Evicted):
+                self.held[a.worker] = set()
+            elif isinstance(a, Decoded):
+                assert a.round not in self.decoded  # exactly once
+                self.decoded[a.round] = a
+                assert set(a.weights) <= set(a.slots)
+                assert set(a.weights) == set(a.slots)  # code none: every slot, weight 1
+                assert all(w == 1.0 for w in a.weights.values())
+                for slot in a.slots:
+                    assert self.accepted[slot] == 1
+                    assert self.assigned_ever[slot][0] == a.round
+                assert sorted(p for slot in a.slots for p in self.assigned_ever[slot][1]) == \
+                    sorted(list(p) for p in a.parts)
+        self.check()
+
+    def check(self):
+        for w, slots in self.held.items():
+            if w in self.s.workers:
+                assert set(self.s.workers[w].assigned) == slots
+            else:
+                assert slots == set()
+
+    def join(self, w, credits):
+        self.perform(self.s.join(w, {}, self.now))
+        self.held[w] = set()
+        self.perform(self.s.ready(w, credits, self.now))
+
+    def result(self, w, slot):
+        self.held[w].discard(slot)
+        ok, actions = self.s.result(w, slot, 0.01, self.now)
+        if ok:
+            self.accepted[slot] += 1
+            assert self.accepted[slot] == 1  # the first answer only
+        self.perform(actions)
+        return ok
+
+    def step(self, op, w, k):
+        s = self.s
+        if w == "all" and op != "seen":
+            w = WORKERS[k % len(WORKERS)]
+        if op == "result" and w in s.workers and self.held[w]:
+            self.result(w, sorted(self.held[w])[k % len(self.held[w])])
+        elif op == "stray" and self.assigned_ever:
+            slot = sorted(self.assigned_ever)[k % len(self.assigned_ever)]
+            if w not in s.workers or slot not in self.held[w]:
+                assert s.result(w, slot, 0.01, self.now) == (False, [])
+        elif op == "fail" and w in s.workers and self.held[w]:
+            slot = sorted(self.held[w])[k % len(self.held[w])]
+            self.held[w].discard(slot)
+            self.perform(s.failed(w, slot, self.now))
+        elif op == "leave":
+            self.perform(s.leave(w, self.now))
+        elif op == "rejoin":
+            self.join(w, k % 4)
+        elif op == "ready" and w in s.workers:
+            self.perform(s.ready(w, k % 4, self.now))
+        elif op == "seen":
+            for who in (WORKERS if w == "all" else [w]):
+                s.seen(who, self.now)
+        elif op in ("tick", "long_tick"):
+            self.now += k / 10 if op == "tick" else k
+            self.perform(s.tick(self.now))
+        elif op == "replan" and self.decoded:
+            live = [r for r in sorted(self.decoded) if r not in self.replanned]
+            if live:
+                r = live[k % len(live)]
+                self.replanned.append(r)
+                s.replan(self.decoded[r])
+
+    def finish(self):
+        """Every slot gets answered: workers come back and answer until training ends."""
+        for _ in range(5000):
+            if self.s.finished:
+                return
+            for w in WORKERS:
+                if w not in self.s.workers:
+                    self.join(w, 2)
+                elif self.s.workers[w].capacity < 1:
+                    self.perform(self.s.ready(w, 2, self.now))
+                self.s.seen(w, self.now)
+            busy = [(w, slot) for w in WORKERS for slot in sorted(self.held[w])]
+            if not busy:
+                # a replanned round waits for the next event; the server ticks every half beat
+                self.perform(self.s.tick(self.now))
+                busy = [(w, slot) for w in WORKERS for slot in sorted(self.held[w])]
+            assert busy, "open rounds but nothing assigned: the scheduler is stuck"
+            self.result(*busy[0])
+        raise AssertionError("training did not finish")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 23), batch=st.integers(1, 7), partitions=st.integers(1, 3),
+       open_rounds=st.integers(0, 3), credits=st.lists(st.integers(0, 3), min_size=3, max_size=3),
+       script=ops)
+def test_every_round_decoded_once_and_every_sample_once(n, batch, partitions, open_rounds,
+                                                       credits, script):
+    s = Scheduler(SchedulerConfig(batch_size=batch, partitions=partitions, open_rounds=open_rounds,
+                                  heartbeat_s=1.0, liveness=3, min_deadline_s=2.5),
+                  Sampler(n, epochs=1))
+    h = Harness(s)
+    for w, c in zip(WORKERS, credits):
+        h.join(w, c)
+    for op, w, k in script:
+        h.step(op, w, k)
+        if open_rounds:
+            assert len(s.rounds) <= open_rounds
+    h.finish()
+    assert s.finished and s.rounds == {}
+    applied = [d for r, d in h.decoded.items() if r not in h.replanned]
+    offsets = sorted(o for d in applied for (e, off, c) in d.parts for o in range(off, off + c))
+    assert offsets == list(range(n))
+    assert all(e == 0 for d in applied for (e, _, _) in d.parts)
+    assert sum(d.samples for d in applied) == n
+    assert s.stats["rounds_decoded"] == len(h.decoded)
+    assert s.stats["results_used"] == sum(h.accepted.values())
