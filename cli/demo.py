@@ -58,11 +58,16 @@ def run_demo(args) -> int:
         for i in range(args.workers):
             processes.append(spawn(
                 ["worker", "--coordinator", address, *worker_job, "--threads", str(threads),
-                 "--id", f"demo-{i + 1}", "--connect-timeout", "60", "--log-level", args.log_level],
+                 "--id", f"demo-{i + 1}", "--connect-timeout", "60", "--log-level", args.log_level,
+                 "--no-idle-policy"],  # the demo's own coordinator and workers keep the CPU busy
                 log=log_file(f"worker-{i + 1}.log")))
         console.print(f"[bold]idlegrad demo[/]: job [cyan]{args.job}[/], {args.workers} workers, "
                       f"target {target}, coordinator at {address}")
-        last = _watch(coordinator, processes[1:], address, target, args.timeout, started, console)
+        if getattr(args, "tui", False):
+            last = _watch_tui(coordinator, processes[1:], address, args.timeout, started)
+        else:
+            last = _watch(coordinator, processes[1:], address, target, args.timeout, started,
+                          console)
         rc = coordinator.poll()
         stop(processes[1:], grace=5.0)  # they were told to go; this bounds the wait
         wall = time.monotonic() - started
@@ -137,6 +142,37 @@ def _watch(coordinator, workers, address: str, target: Target, timeout: float, s
             time.sleep(0.2)
         coordinator.wait(timeout=30)
     return last
+
+
+def _watch_tui(coordinator, workers, address: str, timeout: float, started: float) -> dict:
+    """The terminal UI until the coordinator exits (or the operator quits: KeyboardInterrupt)."""
+    try:
+        from ..monitor.app import MonitorApp
+    except ImportError as exc:
+        raise DemoFailed(f"the terminal UI needs textual ({exc})") from None
+
+    def watch():
+        if coordinator.poll() is not None:
+            return "finished"
+        if time.monotonic() - started > timeout:
+            return "timeout"
+        codes = [w.poll() for w in workers]
+        if None not in codes and any(codes):
+            return f"workers exited {codes}"
+        return None
+
+    with ZmqStatusSource(address) as source:
+        app = MonitorApp(source, interval=0.5, timeout=0.5, watch=watch)
+        app.run()
+    ended = app.end_message
+    if ended is None:  # q: the operator left before the end
+        raise KeyboardInterrupt
+    if ended == "timeout":
+        raise DemoFailed(f"the demo did not finish within {timeout:g}s")
+    if ended.startswith("workers exited"):
+        raise DemoFailed(f"every worker has exited (exit codes {ended.split(' ', 2)[2]})")
+    coordinator.wait(timeout=30)
+    return app.snapshot or {}
 
 
 def _final_metrics(path: str):

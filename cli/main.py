@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 from .. import __version__
 from ..common.errors import ConfigError, IdlegradError
+from .worker_cli import add_worker_parser
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -95,29 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between evaluations (default: adaptive, ~10%% of the time)")
     c.add_argument("--task-timeout", type=_positive(float), default=30.0, metavar="SECONDS",
                    help="least time before a slow task is handed to another worker (default: 30)")
+    c.add_argument("--pause-grace", type=_non_negative(float), default=5.0, metavar="SECONDS",
+                   help="a worker paused by its owner keeps its tasks this long, then they go "
+                        "to others (default: 5)")
     c.add_argument("--threads", type=_positive(int), metavar="N", help="torch threads")
     _add_common(c)
     c.set_defaults(func=_run_coordinator)
 
-    w = sub.add_parser("worker", help="compute gradient tasks for a coordinator",
-                       description="Compute gradient tasks for a coordinator. Runs only job code "
-                                   "installed on this machine; the coordinator only names the job.")
-    w.add_argument("--coordinator", default="tcp://127.0.0.1:5555", metavar="ADDR",
-                   help="the coordinator's address (default: tcp://127.0.0.1:5555)")
-    w.add_argument("--job", metavar="SPEC",
-                   help="the job's code on this machine (default: built-in jobs only)")
-    w.add_argument("--threads", type=_positive(int), metavar="N",
-                   help="torch threads (default: every core this process may use)")
-    w.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default: auto)")
-    w.add_argument("--credits", type=_positive(int), default=2, metavar="N",
-                   help="tasks held at once, so the next one is ready (default: 2)")
-    w.add_argument("--connect-timeout", type=_non_negative(float), default=60.0, metavar="SECONDS",
-                   help="give up when the coordinator cannot be reached this long; 0: never "
-                        "(default: 60)")
-    w.add_argument("--id", dest="worker_id", metavar="NAME",
-                   help="this worker's name (default: HOST-PID)")
-    _add_common(w)
-    w.set_defaults(func=_run_worker)
+    # `idlegrad worker [install|uninstall|service-status]`: settings, config file, service
+    add_worker_parser(sub, _add_common, _positive, _non_negative, _Parser)
 
     d = sub.add_parser("demo", help="a coordinator and workers on this machine, training digits",
                        description="Start a coordinator and N workers on loopback, train until "
@@ -136,8 +123,40 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--keep", metavar="DIR", help="keep checkpoint, metrics and logs in DIR")
     d.add_argument("--timeout", type=_positive(float), default=600.0, metavar="SECONDS",
                    help="give up after this long (default: 600)")
+    d.add_argument("--tui", action="store_true",
+                   help="watch the demo in the terminal UI (`idlegrad top`) instead of a progress bar")
     _add_common(d)
     d.set_defaults(func=_run_demo)
+
+    st = sub.add_parser("status", help="one snapshot of a coordinator: table or JSON",
+                        description="Ask a coordinator for one status snapshot and print it.")
+    st.add_argument("--coordinator", default="tcp://127.0.0.1:5555", metavar="ADDR",
+                    help="the coordinator's address (default: tcp://127.0.0.1:5555)")
+    st.add_argument("--json", action="store_true", help="print the snapshot as one JSON object")
+    st.add_argument("--timeout", type=_positive(float), default=3.0, metavar="SECONDS",
+                    help="give up when the coordinator does not answer this long (default: 3)")
+    _add_common(st)
+    st.set_defaults(func=_run_status)
+
+    t = sub.add_parser("top", help="the fleet, the curve and the events in a terminal UI",
+                       description="Watch a coordinator: workers, loss and metric, rounds, events. "
+                                   "Keys: q quit, s sort, / filter, p pause/resume, d drain.")
+    t.add_argument("--coordinator", default="tcp://127.0.0.1:5555", metavar="ADDR",
+                   help="the coordinator's address (default: tcp://127.0.0.1:5555)")
+    t.add_argument("--interval", type=_positive(float), default=1.0, metavar="SECONDS",
+                   help="seconds between snapshots (default: 1)")
+    _add_common(t)
+    t.set_defaults(func=_run_top, log_level="warning")
+
+    pl = sub.add_parser("plot", help="plot a metrics log (needs the extra: idlegrad[plot])",
+                        description="Plot METRICS.jsonl: loss and metric against time and samples, "
+                                    "samples/s and workers against time.")
+    pl.add_argument("metrics_file", metavar="METRICS.jsonl", help="a coordinator's metrics log")
+    pl.add_argument("-o", "--output", default="run.png", metavar="PNG",
+                    help="image to write (default: run.png)")
+    pl.add_argument("--metric", help="the test metric to plot (default: accuracy, else the first)")
+    _add_common(pl)
+    pl.set_defaults(func=_run_plot)
     return parser
 
 
@@ -165,7 +184,7 @@ def _run_coordinator(args) -> int:
         target=Target.parse(args.target) if args.target else None, seed=args.seed,
         heartbeat_s=args.heartbeat, partitions=args.partitions, open_rounds=args.open_rounds,
         staleness=StalenessRule(args.staleness, args.max_staleness), eval_every=args.eval_every,
-        min_deadline_s=args.task_timeout, threads=args.threads)
+        min_deadline_s=args.task_timeout, threads=args.threads, pause_grace_s=args.pause_grace)
     coordinator = Coordinator(config)
     reason = coordinator.run()
     logging.getLogger("idlegrad.coordinator").info(
@@ -174,15 +193,32 @@ def _run_coordinator(args) -> int:
     return EXIT_FAILED if reason == "bad target" else EXIT_OK
 
 
-def _run_worker(args) -> int:
-    from ..worker.daemon import Worker, WorkerConfig
+def _run_status(args) -> int:
+    from .status import run_status
 
-    worker = Worker(WorkerConfig(
-        coordinator=args.coordinator, job=args.job, threads=args.threads, device=args.device,
-        credits=args.credits, connect_timeout=args.connect_timeout, worker_id=args.worker_id))
-    reason = worker.run()
-    logging.getLogger("idlegrad.worker").info("stopped (%s) after %d results", reason,
-                                              worker.results_sent)
+    return run_status(args)
+
+
+def _run_top(args) -> int:
+    try:
+        from ..monitor.app import run
+    except ImportError as exc:
+        raise ConfigError(f"the terminal UI needs textual ({exc}): pip install 'textual>=0.80'") from None
+    return run(args.coordinator, interval=args.interval)
+
+
+def _run_plot(args) -> int:
+    from ..monitor.plot import load_metrics, plot
+
+    records = load_metrics(args.metrics_file)  # bad input first: one line, matplotlib or not
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        print(f"idlegrad plot: error: matplotlib is not installed ({exc}): "
+              "pip install 'idlegrad[plot]'", file=sys.stderr)
+        return EXIT_FAILED
+    out = plot(records, args.output, metric=args.metric)
+    print(f"wrote {out}")
     return EXIT_OK
 
 

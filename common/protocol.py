@@ -180,10 +180,32 @@ class Status(Message):
     snapshot: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Control(Message):
+    """An operator's command: pause or resume training, or drain one worker (it finishes the
+    slots it holds, gets no more, and is then sent home)."""
+
+    TYPE: ClassVar[str] = "control"
+    action: str
+    worker: Optional[str] = None  # required by "drain"
+
+    ACTIONS: ClassVar[frozenset] = frozenset({"pause", "resume", "drain"})
+
+
+@dataclass(frozen=True)
+class ControlReply(Message):
+    """The answer to a `control`: whether it was done, and one line saying what happened."""
+
+    TYPE: ClassVar[str] = "control_reply"
+    action: str
+    ok: bool
+    detail: str = ""
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (Hello, Ready, Result, Heartbeat, Bye, Welcome, Task, Cancel, Reject, Shutdown,
-                StatusRequest, Status)
+                StatusRequest, Status, Control, ControlReply)
 }
 
 
@@ -378,3 +400,8 @@ def _semantic_checks(msg: Message) -> None:
                 raise ProtocolError("schema", "task.parts items are [epoch, offset, count] >= 0")
     elif isinstance(msg, StatusRequest):
         non_negative("cursor")
+    elif isinstance(msg, Control):
+        if msg.action not in Control.ACTIONS:
+            raise ProtocolError("schema", f"control.action {msg.action[:20]!r} unknown")
+        if msg.action == "drain" and not msg.worker:
+            raise ProtocolError("schema", "control.worker is required to drain")

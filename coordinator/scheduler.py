@@ -8,8 +8,11 @@ Rounds (DESIGN.md section 3): a round is one batch at one model version, cut int
 covered by the slots of a code. Workers pull: a worker with a free credit takes the oldest pending
 slot it does not already hold, or opens a new round when none is pending. A slot whose holder is
 silent (evicted) or late (past its deadline) goes back to the pending queue; the first answer for
-a slot wins and its other holders are cancelled. When the arrived slots of a round decode, the
-round is done and `Decoded` says how to combine their gradients.
+a slot wins and its other holders are cancelled. A worker that says it is paused (its owner needs
+the machine) gets no new slots; the slots it holds stay its own for `pause_grace_s` (a short pause
+finishes them), then are withdrawn (cancelled on the worker) and requeued for the others. When
+the arrived slots of a round decode, the round is done and `Decoded` says how to combine their
+gradients.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class SchedulerConfig:
     min_deadline_s: float = 30.0
     deadline_factor: float = 4.0  # deadline: this many times the predicted time, at least min
     speed_alpha: float = 0.3  # EWMA weight of the newest observation of seconds per sample
+    pause_grace_s: float = 5.0  # a paused worker's slots are withdrawn after this long
 
 
 # actions ----------------------------------------------------------------------------------------
@@ -74,7 +78,14 @@ class Evicted:
     requeued: int
 
 
-Action = Union[Assign, CancelSlots, Decoded, Evicted]
+@dataclass(frozen=True)
+class Drained:
+    """A draining worker holds no more slots: send it home."""
+
+    worker: str
+
+
+Action = Union[Assign, CancelSlots, Decoded, Evicted, Drained]
 
 
 # state ----------------------------------------------------------------------------------------
@@ -90,15 +101,21 @@ class WorkerRecord:
     state: str = "idle"
     assigned: dict[int, float] = field(default_factory=dict)  # slot -> deadline (scheduler time)
     model_version: Optional[int] = None  # the model version the worker has cached
+    paused_since: Optional[float] = None  # when it said "paused" (None: it is not paused)
+    pauses: int = 0
     s_per_sample: Optional[float] = None
     done: int = 0
     samples: int = 0
     cancelled: int = 0
     missed: int = 0
     failed: int = 0
+    staleness: int = 0  # sum over its results of (version at arrival - version of the slot)
+    draining: bool = False  # gets no new slots; sent home once it holds none
 
     @property
     def free(self) -> int:
+        if self.paused_since is not None:
+            return 0  # whatever credits it announced, a paused worker takes nothing new
         return self.capacity - len(self.assigned)
 
 
@@ -137,6 +154,8 @@ class Scheduler:
         self.rounds: dict[int, Round] = {}
         self.slots: dict[int, Slot] = {}
         self.accepting = True  # False: open no new rounds (pause, shutdown)
+        self.paused = False  # True: hand out no slots at all (the operator paused training)
+        self._draining: set[str] = set()  # draining workers not yet announced as Drained
         self._pending: deque[int] = deque()
         self._hungry: dict[str, None] = {}  # workers with free credits, in arrival order
         self._rounds_at: Counter[int] = Counter()  # open rounds per model version
@@ -155,6 +174,10 @@ class Scheduler:
 
     def next_id(self) -> int:
         return self._next_id
+
+    def pending(self) -> int:
+        """Slots waiting for a (further) holder."""
+        return len(self._pending)
 
     def open_parts(self) -> list[list[Part]]:
         """The parts of every open round: what a checkpoint must replan on resume."""
@@ -181,7 +204,13 @@ class Scheduler:
         if worker is not None:
             worker.last_seen = now
             if state is not None:
+                if state == "paused" and worker.paused_since is None:
+                    worker.paused_since = now
+                    worker.pauses += 1
+                elif state != "paused":
+                    worker.paused_since = None
                 worker.state = state
+                self._update_hunger(worker)
 
     def result(self, worker_id: str, slot_id: int, compute_s: float,
                now: float) -> tuple[bool, list[Action]]:
@@ -199,6 +228,7 @@ class Scheduler:
         slot = self.slots[slot_id]
         slot.holders.discard(worker_id)
         worker.done += 1
+        worker.staleness += max(0, self.version - self.rounds[slot.round].version)
         worker.samples += slot.samples
         if slot.samples and compute_s > 0:
             self._observe_speed(worker, compute_s / slot.samples)
@@ -245,6 +275,10 @@ class Scheduler:
             if now - worker.last_seen > silence:
                 actions += self._remove(worker.id, f"silent for {now - worker.last_seen:.1f}s", now)
                 continue
+            if (worker.paused_since is not None and worker.assigned
+                    and now - worker.paused_since >= self.config.pause_grace_s):
+                actions += self._withdraw(worker)
+                continue
             for slot_id, deadline in worker.assigned.items():
                 if now > deadline:
                     worker.missed += 1
@@ -252,6 +286,25 @@ class Scheduler:
                     self.stats["deadline_requeues"] += 1
                     self._requeue(self.slots[slot_id])
         return actions + self._fill(now)
+
+    def pause(self) -> None:
+        """Hand out no more slots; the slots already held are finished and applied."""
+        self.paused = True
+
+    def resume(self, now: float) -> list[Action]:
+        self.paused = False
+        return self._fill(now)
+
+    def drain(self, worker_id: str, now: float) -> list[Action]:
+        """Give `worker_id` no new slots; `Drained` once the slots it holds are done.
+
+        Raises KeyError for a worker that is not registered."""
+        worker = self.workers[worker_id]
+        self._hungry.pop(worker_id, None)
+        if not worker.draining:
+            worker.draining = True
+            self._draining.add(worker_id)
+        return self._fill(now)
 
     def applied(self, version: int) -> None:
         """The server stepped the model; new rounds are planned at this version."""
@@ -288,7 +341,7 @@ class Scheduler:
         return now + wait
 
     def _update_hunger(self, worker: WorkerRecord) -> None:
-        if worker.free > 0:
+        if worker.free > 0 and not worker.draining:
             self._hungry.setdefault(worker.id, None)
         else:
             self._hungry.pop(worker.id, None)
@@ -326,9 +379,25 @@ class Scheduler:
             weights={round_.slots[row]: w for row, w in weights.items()}, slots=list(round_.slots)))
         return actions
 
+    def _withdraw(self, worker: WorkerRecord) -> list[Action]:
+        """Take every slot back from a (paused) worker: cancelled there, requeued for others."""
+        slots = sorted(worker.assigned)
+        for slot_id in reversed(slots):
+            slot = self.slots.get(slot_id)
+            if slot is not None:
+                slot.holders.discard(worker.id)
+                if not slot.holders:
+                    self._requeue(slot)
+        worker.assigned.clear()
+        worker.cancelled += len(slots)
+        self.stats["pause_withdrawn"] += len(slots)
+        self._update_hunger(worker)
+        return [CancelSlots(worker.id, slots)]
+
     def _remove(self, worker_id: str, reason: str, now: float) -> list[Action]:
         worker = self.workers.pop(worker_id)
         self._hungry.pop(worker_id, None)
+        self._draining.discard(worker_id)
         requeued = 0
         for slot_id in sorted(worker.assigned, reverse=True):
             slot = self.slots.get(slot_id)
@@ -386,6 +455,12 @@ class Scheduler:
 
     def _fill(self, now: float) -> list[Action]:
         actions: list[Action] = []
+        for worker_id in sorted(self._draining):
+            if not self.workers[worker_id].assigned:
+                self._draining.discard(worker_id)
+                actions.append(Drained(worker_id))
+        if self.paused:
+            return actions
         for worker_id in list(self._hungry):
             worker = self.workers[worker_id]
             while worker.free > 0:

@@ -33,7 +33,8 @@ from ..common.tensors import from_blob, to_blob
 from . import checkpoint
 from .aggregator import Aggregator, StalenessRule
 from .sampler import Sampler
-from .scheduler import Assign, CancelSlots, Decoded, Evicted, Scheduler, SchedulerConfig
+from .scheduler import Assign, CancelSlots, Decoded, Drained, Evicted, Scheduler, SchedulerConfig
+from .status import CURVE_POINTS, build_snapshot
 from .target import Target
 
 log = logging.getLogger("idlegrad.coordinator")
@@ -58,6 +59,7 @@ class CoordinatorConfig:
     eval_every: Optional[float] = None  # None: adaptive, at most ~10% of the time
     min_deadline_s: float = 30.0
     threads: Optional[int] = None
+    pause_grace_s: float = 5.0  # a worker paused by its owner keeps its slots this long
 
 
 class Coordinator:
@@ -84,7 +86,8 @@ class Coordinator:
         self.scheduler = Scheduler(
             SchedulerConfig(batch_size=job.batch_size, partitions=config.partitions,
                             open_rounds=config.open_rounds, heartbeat_s=config.heartbeat_s,
-                            liveness=config.liveness, min_deadline_s=config.min_deadline_s),
+                            liveness=config.liveness, min_deadline_s=config.min_deadline_s,
+                            pause_grace_s=config.pause_grace_s),
             self.sampler, version=version, next_id=next_id)
 
         self.routes: dict[str, bytes] = {}  # worker id -> routing id
@@ -96,6 +99,8 @@ class Coordinator:
         self.events: deque[dict] = deque(maxlen=self.EVENTS_KEPT)
         self._event_id = 0
         self.metrics: dict[str, float] = {}
+        self.curve: deque[dict] = deque(maxlen=CURVE_POINTS)  # recent evaluations, for monitors
+        self.instance = f"{pysocket.gethostname()}-{os.getpid()}-{time.time():.3f}"
         self.train_loss: Optional[float] = None
         self._rate: deque[tuple[float, int]] = deque(maxlen=512)
         self._bad_logged_at = 0.0
@@ -281,6 +286,8 @@ class Coordinator:
         self._last_eval_s = seconds
         self._last_eval_version = version
         self.metrics = metrics
+        self.curve.append({"t": round(self.elapsed(), 3), "version": version, "samples": samples,
+                           "loss": self.train_loss, "metrics": dict(metrics)})
         self._write_metrics(version=version, samples=samples)
         target = self.config.target
         if target is not None and target.metric not in metrics and self.stop_reason is None:
@@ -412,7 +419,16 @@ class Coordinator:
 
     async def _on_heartbeat(self, route: bytes, msg: proto.Heartbeat) -> None:
         worker_id = self._worker_of(route)
+        record = self.scheduler.workers.get(worker_id)
+        was_paused = record is not None and record.paused_since is not None
         self.scheduler.seen(worker_id, time.monotonic(), msg.state)
+        if record is not None and was_paused != (msg.state == "paused"):
+            if was_paused:
+                self._event("worker_resumed", f"{worker_id} resumed", worker=worker_id)
+            else:
+                self._event("worker_paused", f"{worker_id} paused: its owner needs the machine; "
+                                             f"its {len(record.assigned)} slots are withdrawn after "
+                                             f"{self.config.pause_grace_s:g}s", worker=worker_id)
         await self._send(route, proto.Heartbeat(state="coordinator"))
 
     async def _on_bye(self, route: bytes, msg: proto.Bye) -> None:
@@ -424,9 +440,37 @@ class Coordinator:
     async def _on_status(self, route: bytes, msg: proto.StatusRequest) -> None:
         await self._send(route, proto.Status(snapshot=self.snapshot(msg.cursor)))
 
+    async def _on_control(self, route: bytes, msg: proto.Control) -> None:
+        ok, detail = await self.control(msg.action, msg.worker)
+        await self._send(route, proto.ControlReply(action=msg.action, ok=ok, detail=detail))
+
+    async def control(self, action: str, worker: Optional[str] = None) -> tuple[bool, str]:
+        """An operator's command (from a monitor): pause, resume, or drain a worker."""
+        now = time.monotonic()
+        if action == "pause":
+            if self.scheduler.paused:
+                return True, "training was already paused"
+            self.scheduler.pause()
+            self._event("pause", "training paused by the operator: no new slots")
+            return True, "training paused"
+        if action == "resume":
+            if not self.scheduler.paused:
+                return True, "training was not paused"
+            self._event("resume", "training resumed by the operator")
+            await self._perform(self.scheduler.resume(now))
+            return True, "training resumed"
+        if action == "drain":
+            if worker not in self.scheduler.workers:
+                return False, f"no worker {str(worker)[:80]!r}"
+            self._event("drain", f"{worker} draining: it finishes its slots, then leaves",
+                        worker=worker)
+            await self._perform(self.scheduler.drain(worker, now))
+            return True, f"{worker} draining"
+        return False, f"unknown action {action[:20]!r}"
+
     _HANDLERS = {proto.Hello: _on_hello, proto.Ready: _on_ready, proto.Result: _on_result,
                  proto.Heartbeat: _on_heartbeat, proto.Bye: _on_bye,
-                 proto.StatusRequest: _on_status}
+                 proto.StatusRequest: _on_status, proto.Control: _on_control}
 
     # actions --------------------------------------------------------------------------------
 
@@ -448,6 +492,12 @@ class Coordinator:
                     await self._send(route, proto.Cancel(slots=action.slots))
             elif isinstance(action, Decoded):
                 self._apply(action)
+            elif isinstance(action, Drained):
+                route = self.routes.get(action.worker)
+                self._event("drained", f"{action.worker} drained; sending it home",
+                            worker=action.worker)
+                if route is not None:
+                    await self._send(route, proto.Shutdown(reason="drained by the operator"))
             elif isinstance(action, Evicted):
                 route = self.routes.pop(action.worker, None)
                 if route is not None:
@@ -510,34 +560,43 @@ class Coordinator:
         if len(self._rate) < 2:
             return 0.0
         end_t, end_n = self._rate[-1]
+        now = max(time.monotonic(), end_t)  # so the rate decays to 0 when nothing is applied
         for t, n in self._rate:
-            if end_t - t <= window:
+            if now - t <= window:
                 break
-        return (end_n - n) / (end_t - t) if end_t > t else 0.0
+        else:
+            return 0.0
+        return (end_n - n) / (now - t) if now > t else 0.0
 
     def snapshot(self, cursor: int = 0) -> dict:
-        now = time.monotonic()
-        workers = [{
-            "id": w.id, "host": w.info.get("host", ""), "device": w.info.get("device", ""),
-            "cores": w.info.get("cores", 0), "threads": w.info.get("threads", 0), "state": w.state,
-            "credits": w.capacity, "assigned": len(w.assigned), "done": w.done,
-            "samples": w.samples, "cancelled": w.cancelled, "missed": w.missed, "failed": w.failed,
-            "samples_per_s": round(1.0 / w.s_per_sample, 2) if w.s_per_sample else 0.0,
-            "last_seen_s": round(now - w.last_seen, 3),
-        } for w in self.scheduler.workers.values()]
-        events = [e for e in self.events if e["id"] > cursor][-self.EVENTS_PER_STATUS:]
-        return {
+        """The status endpoint's answer (coordinator/status.py builds it, purely)."""
+        target = self.config.target
+        base = {
             "job": self.built.job.name, "fingerprint": self.built.fingerprint,
+            "instance": self.instance,
             "state": "stopping" if self.stop_reason else "training",
             "version": self.aggregator.version, "samples": self.samples_applied,
-            "epoch": round(self.sampler.progress, 4), "elapsed_s": round(self.elapsed(), 3),
+            "epoch": round(self.sampler.progress, 4), "epochs": self.config.epochs,
+            "train_samples": len(self.built.train), "elapsed_s": round(self.elapsed(), 3),
             "samples_per_s": round(self.samples_per_s(), 2), "loss": self.train_loss,
-            "metrics": self.metrics, "target": str(self.config.target) if self.config.target else None,
-            "workers": workers,
-            "rounds": {"open": len(self.scheduler.rounds), **dict(self.scheduler.stats)},
+            "metrics": self.metrics, "target": str(target) if target else None,
+            "target_metric": target.metric if target else None,
+            "target_value": target.value if target else None,
+            "target_higher": target.higher_is_better if target else None,
             "counters": dict(self.counters), "bad_messages": dict(self.bad_messages),
-            "events": events, "cursor": self._event_id, "host": pysocket.gethostname(),
+            "host": pysocket.gethostname(),
         }
+        staleness = self.config.staleness
+        redundancy = {
+            "code": "none", "partitions": self.config.partitions,
+            "open_rounds_limit": self.config.open_rounds,
+            "staleness_rule": staleness.kind, "max_staleness": staleness.max_staleness,
+            "rounds_too_stale": self.counters["rounds_too_stale"],
+            "rounds_rejected": self.counters["rounds_rejected"],
+        }
+        return build_snapshot(self.scheduler, time.monotonic(), base, curve=self.curve,
+                              events=self.events, cursor=cursor, last_event=self._event_id,
+                              redundancy=redundancy, events_limit=self.EVENTS_PER_STATUS)
 
 
 class _NeedHello(ProtocolError):

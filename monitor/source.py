@@ -6,8 +6,9 @@ a monitor is not a worker). It is blocking and light: no torch, so front ends st
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import Optional
+from typing import Optional, Protocol, runtime_checkable
 
 import zmq
 
@@ -15,13 +16,39 @@ from ..common import protocol as proto
 from ..common.errors import ProtocolError
 
 
+@runtime_checkable
+class StatusSource(Protocol):
+    """What the monitor reads: snapshots, and a channel for the operator's commands.
+
+    Both calls may block (for at most about `timeout` seconds); the UI calls them off its loop.
+    """
+
+    address: str
+
+    def fetch(self, timeout: float = 1.0) -> Optional[dict]:
+        """One snapshot (events since the previous one), or None when nobody answered."""
+
+    def control(self, action: str, worker: Optional[str] = None,
+                timeout: float = 2.0) -> tuple[bool, str]:
+        """Send pause / resume / drain; (done?, one line saying what happened)."""
+
+
 class ZmqStatusSource:
+    """The real status source. Thread-safe: calls are serialised on one socket.
+
+    When the coordinator restarts (its `instance` changes), the event cursor starts again from 0 and
+    `restarted` is set to True until the next snapshot.
+    """
+
     def __init__(self, address: str, context: Optional[zmq.Context] = None):
         self.address = address
         self._own_context = context is None
         self._ctx = context or zmq.Context()
         self._sock: Optional[zmq.Socket] = None
+        self._lock = threading.Lock()
         self.cursor = 0
+        self.instance: Optional[str] = None
+        self.restarted = False
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -37,9 +64,40 @@ class ZmqStatusSource:
 
         An unanswered request drops the socket, so a late reply cannot be taken for the next one.
         """
+        with self._lock:
+            end = time.monotonic() + timeout
+            msg = self._ask(proto.StatusRequest(cursor=self.cursor), proto.Status, end)
+            if msg is None:
+                return None
+            snap = msg.snapshot
+            instance = snap.get("instance")
+            self.restarted = self.instance is not None and instance != self.instance
+            if self.restarted and self.cursor:
+                # A new coordinator process numbers its events from 1 again: ask from the start.
+                again = self._ask(proto.StatusRequest(cursor=0), proto.Status, end)
+                snap = again.snapshot if again is not None else snap
+            self.instance = instance
+            cursor = snap.get("cursor", self.cursor)
+            self.cursor = cursor if isinstance(cursor, int) and cursor >= 0 else self.cursor
+            return snap
+
+    def control(self, action: str, worker: Optional[str] = None,
+                timeout: float = 2.0) -> tuple[bool, str]:
+        """Ask the coordinator to pause, resume or drain `worker`; (done?, what happened)."""
+        with self._lock:
+            try:
+                request = proto.Control(action=action, worker=worker)
+                proto.decode(proto.encode(request))  # the coordinator's checks, before sending
+            except ProtocolError as exc:
+                return False, f"invalid command: {exc}"
+            reply = self._ask(request, proto.ControlReply, time.monotonic() + timeout)
+            if reply is None:
+                return False, f"the coordinator at {self.address} did not answer within {timeout:g}s"
+            return reply.ok, reply.detail
+
+    def _ask(self, request: proto.Message, kind: type, end: float):
         sock = self._socket()
-        sock.send_multipart(proto.encode(proto.StatusRequest(cursor=self.cursor)))
-        end = time.monotonic() + timeout
+        sock.send_multipart(proto.encode(request))
         while (left := end - time.monotonic()) > 0:
             if not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
                 break
@@ -47,9 +105,8 @@ class ZmqStatusSource:
                 msg = proto.decode(sock.recv_multipart())
             except ProtocolError:
                 continue
-            if isinstance(msg, proto.Status):
-                self.cursor = int(msg.snapshot.get("cursor", self.cursor))
-                return msg.snapshot
+            if isinstance(msg, kind):
+                return msg
         self._drop()
         return None
 
@@ -59,7 +116,8 @@ class ZmqStatusSource:
             self._sock = None
 
     def close(self) -> None:
-        self._drop()
+        with self._lock:
+            self._drop()
         if self._own_context:
             self._ctx.term()
 

@@ -5,11 +5,22 @@ the job locally -> READY (credits, fingerprint). Then it computes the TASKs it i
 time, keeping `credits` slots outstanding so it never waits between tasks; heart-beats while it
 computes; and reconnects with exponential backoff when the coordinator goes silent (the ZeroMQ
 guide's Paranoid Pirate). SHUTDOWN or a signal ends it cleanly, handing unfinished slots back.
+
+Being a good guest: while serving, the probes (`probes.py`) are read every `sample_every` seconds
+in a thread and the idle policy (`idle.py`) decides. A pause clears the engine's gate (it stops at
+the next micro-batch boundary, well within a second, and sleeps), and tells the coordinator at once:
+HEARTBEAT "paused" and READY with 0 credits, so it gets no new slots; the coordinator withdraws the
+slots it holds after its pause grace. While paused nothing computes and the loop only wakes for
+heartbeats and samples. On resume the worker announces its credits again; tasks at a newer version
+carry the model, so it computes on the current one. Every change of state is logged, and written
+as a JSON line to `state_log` when one is configured.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import os
 import platform
@@ -34,6 +45,8 @@ from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
 from ..common.job import BuiltJob, build, builtin_job_names, load_job
 from ..common.tensors import from_blob, to_blob
 from .engine import Cancelled, Engine, Outcome, Work
+from .idle import Decision, IdlePolicy, PolicyConfig, Readings
+from .probes import Probes
 
 log = logging.getLogger("idlegrad.worker")
 
@@ -48,6 +61,10 @@ class WorkerConfig:
     connect_timeout: float = 60.0  # 0: keep trying forever
     worker_id: Optional[str] = None
     max_backoff: float = 8.0
+    policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
+    sample_every: float = 0.5  # seconds between probe readings
+    cpu_ignore_niced: bool = True
+    state_log: Optional[str] = None  # JSON lines: every change of state, with its readings
 
 
 class _Rehello(Exception):
@@ -96,6 +113,22 @@ class Worker:
         self._current: Optional[tuple[Work, threading.Event]] = None
         self._stop: Optional[str] = None
         self.results_sent = 0
+        uses_gpu = self.device.type == "cuda"
+        self.policy = IdlePolicy(dataclasses.replace(config.policy, uses_gpu=uses_gpu))
+        self.probes = Probes(ignore_niced=config.cpu_ignore_niced,
+                             gpu_index=(self.device.index or 0) if uses_gpu else None)
+        self._running = threading.Event()  # the engine's gate: set while computing is allowed
+        self._running.set()
+        self.pauses = 0
+        self._state_log = open(config.state_log, "a", buffering=1) if config.state_log else None
+        self._log_state("start", Decision(True, (), False), None)
+
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
+
+    def _credits(self) -> int:
+        return 0 if self.paused else self.config.credits
 
     # lifecycle ------------------------------------------------------------------------------
 
@@ -104,6 +137,7 @@ class Worker:
 
     async def _main(self) -> str:
         on_stop_signals(self._on_signal)
+        log.info("idle policy: %s", self.probes.describe())
         ctx = zmq.asyncio.Context()
         try:
             backoff = 0.25
@@ -128,6 +162,8 @@ class Worker:
                     sock.close(linger=0 if self._stop is None else 1000)
         finally:
             ctx.term()
+            if self._state_log is not None:
+                self._state_log.close()
         return self._stop or "stopped"
 
     def _deadline(self) -> float:
@@ -211,10 +247,13 @@ class Worker:
         while True:
             try:
                 self._prepare(welcome)
-                await self._send(sock, proto.Ready(credits=self.config.credits,
+                if self.paused:
+                    await self._send(sock, proto.Heartbeat(state="paused"))
+                await self._send(sock, proto.Ready(credits=self._credits(),
                                                    fingerprint=self.built.fingerprint))
-                log.info("joined %s: job %s, %d credits, %s with %d threads", self.config.coordinator,
-                         welcome.job, self.config.credits, self.device, self.threads)
+                log.info("joined %s: job %s, %d credits, %s with %d threads%s",
+                         self.config.coordinator, welcome.job, self.config.credits, self.device,
+                         self.threads, " (paused)" if self.paused else "")
                 await self._serve(sock)
                 return
             except _Rehello:
@@ -233,8 +272,11 @@ class Worker:
     async def _serve(self, sock) -> None:
         last_heard = time.monotonic()
         next_beat = time.monotonic()
+        next_sample = time.monotonic() + self.config.sample_every
+        self.probes.restart()  # the first reading covers one sample, not the start-up
         recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
         computing: Optional[asyncio.Future] = None
+        sampling: Optional[asyncio.Future] = None
         try:
             while True:
                 if self._stop is not None:
@@ -242,14 +284,22 @@ class Worker:
                     return
                 now = time.monotonic()
                 if now >= next_beat:
-                    state = "working" if computing is not None else "idle"
-                    await self._send(sock, proto.Heartbeat(state=state))
+                    await self._send(sock, proto.Heartbeat(state=self._beat_state(computing)))
                     next_beat = now + self.heartbeat_s
                 if now - last_heard > self.heartbeat_s * self.liveness:
                     return  # the coordinator is gone: the caller reconnects
-                waiting = {recv} if computing is None else {recv, computing}
-                await asyncio.wait(waiting, timeout=max(0.0, next_beat - time.monotonic()),
+                if sampling is None and now >= next_sample:
+                    sampling = asyncio.ensure_future(asyncio.to_thread(self.probes.read))
+                    next_sample = now + self.config.sample_every
+                waiting = {recv}
+                waiting |= {f for f in (computing, sampling) if f is not None}
+                wake = next_beat if sampling is not None else min(next_beat, next_sample)
+                await asyncio.wait(waiting, timeout=max(0.0, wake - time.monotonic()),
                                    return_when=asyncio.FIRST_COMPLETED)
+                if sampling is not None and sampling.done():
+                    readings = sampling.result() if sampling.exception() is None else Readings()
+                    sampling = None
+                    await self._apply_policy(sock, readings, computing)
                 if recv.done():
                     frames = recv.result()
                     recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
@@ -264,19 +314,54 @@ class Worker:
                             loss=outcome.loss, compute_s=outcome.compute_s,
                             gradient=to_blob(outcome.gradient)))
                         self.results_sent += 1
-                if computing is None and self._queue and self._stop is None:
+                if computing is None and self._queue and self._stop is None and not self.paused:
                     work = self._queue.popleft()
                     cancel = threading.Event()
                     self._current = (work, cancel)
                     computing = asyncio.ensure_future(
-                        asyncio.to_thread(self.engine.compute, work, cancel))
+                        asyncio.to_thread(self.engine.compute, work, cancel, self._running))
         finally:
             recv.cancel()
+            if sampling is not None:
+                await asyncio.wait({sampling})
             if computing is not None:
                 if self._current is not None:
                     self._current[1].set()
                 await asyncio.wait({computing})
                 self._finish(computing)
+
+    def _beat_state(self, computing) -> str:
+        if self.paused:
+            return "paused"
+        return "working" if computing is not None else "idle"
+
+    async def _apply_policy(self, sock, readings: Readings, computing) -> None:
+        decision = self.policy.decide(readings, time.monotonic())
+        if not decision.changed:
+            return
+        if decision.run:
+            self._running.set()
+            log.info("resuming: the machine has been idle for %gs", self.policy.config.resume_after)
+        else:
+            self._running.clear()  # the engine stops at its next micro-batch boundary
+            self.pauses += 1
+            log.info("pausing: %s", "; ".join(decision.reasons))
+        self._log_state("running" if decision.run else "paused", decision, readings)
+        await self._send(sock, proto.Heartbeat(state=self._beat_state(computing)))
+        await self._send(sock, proto.Ready(credits=self._credits(),
+                                           fingerprint=self.built.fingerprint))
+
+    def _log_state(self, state: str, decision: Decision, readings: Optional[Readings]) -> None:
+        if self._state_log is None:
+            return
+        record = {"time": time.time(), "monotonic": time.monotonic(), "state": state,
+                  "reasons": list(decision.reasons), "unknown": list(decision.unknown),
+                  "readings": dataclasses.asdict(readings) if readings is not None else None,
+                  "pid": os.getpid()}
+        try:
+            self._state_log.write(json.dumps(record) + "\n")
+        except OSError as exc:
+            log.warning("cannot write the state log: %s", exc)
 
     def _finish(self, computing: asyncio.Future) -> Optional[Outcome]:
         work, cancel = self._current

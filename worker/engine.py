@@ -1,8 +1,9 @@
-"""Computes a slot's coded gradient, in micro-batches, honouring cancel between them.
+"""Computes a slot's coded gradient, in micro-batches, honouring pause and cancel between them.
 
 The engine runs in a worker thread (the daemon's event loop keeps heart-beating meanwhile). It
-checks the cancel flag between micro-batches, and sizes micro-batches from its measured speed so
-that a cancel or pause takes effect well within a second.
+checks the cancel flag and the pause gate between micro-batches, and sizes micro-batches from its
+measured speed so that a cancel or pause takes effect well within a second. While paused it sleeps
+on the gate (no CPU), and the paused time is not counted as compute time.
 """
 
 from __future__ import annotations
@@ -57,8 +58,14 @@ class Engine:
         for part in work.parts:
             part_indices(self.seed, n, *part)
 
-    def compute(self, work: Work, cancel: threading.Event) -> Outcome:
+    PAUSE_POLL_S = 0.25  # while paused, how often the cancel flag is looked at
+
+    def compute(self, work: Work, cancel: threading.Event,
+                running: Optional[threading.Event] = None) -> Outcome:
+        """The slot's coded gradient. `running`: a gate, set while computing is allowed; when it
+        is clear the engine waits at the next micro-batch boundary (until set, or cancelled)."""
         start = time.perf_counter()
+        paused_s = 0.0
         model = self.built.model
         model.load(work.params)
         model.grads.zero_()
@@ -71,6 +78,8 @@ class Engine:
             while position < count:
                 if cancel.is_set():
                     raise Cancelled()
+                if running is not None and not running.is_set():
+                    paused_s += self._wait(running, cancel)
                 size = self.micro_batch
                 chunk = indices[position:position + size]
                 t0 = time.perf_counter()
@@ -85,7 +94,18 @@ class Engine:
                 self._observe(len(chunk), time.perf_counter() - t0)
         gradient = model.grads.detach().to("cpu", copy=True)
         return Outcome(work.slot, work.version, gradient, samples,
-                       loss_sum / samples if samples else 0.0, time.perf_counter() - start)
+                       loss_sum / samples if samples else 0.0,
+                       max(0.0, time.perf_counter() - start - paused_s))
+
+    def _wait(self, running: threading.Event, cancel: threading.Event) -> float:
+        """Sleep until the gate opens (or cancel); the seconds slept."""
+        t0 = time.perf_counter()
+        while not running.wait(self.PAUSE_POLL_S):
+            if cancel.is_set():
+                raise Cancelled()
+        if cancel.is_set():
+            raise Cancelled()
+        return time.perf_counter() - t0
 
     def _observe(self, samples: int, seconds: float) -> None:
         if samples <= 0 or seconds <= 0:

@@ -95,7 +95,8 @@ def test_bad_job_arg(capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_worker_cuda_without_cuda(capsys):
-    code, out, err = run(capsys, ["worker", "--device", "cuda"])
+    # --no-low-priority: the worker would otherwise nice this very process (pytest) to 19
+    code, out, err = run(capsys, ["worker", "--device", "cuda", "--no-low-priority"])
     assert code != 0
     assert "cuda" in assert_one_line_error(err).lower()
 
@@ -117,8 +118,11 @@ def test_parser_defaults():
     args = build_parser().parse_args(["coordinator", "--job", "digits"])
     assert (args.epochs, args.target, args.partitions, args.open_rounds, args.staleness,
             args.max_staleness, args.job_arg) == (None, None, 1, 0, "inverse", 32, [])
-    args = build_parser().parse_args(["worker"])
-    assert args.device == "auto" and args.credits == 2 and args.job is None
+    from idlegrad.cli.worker_cli import settings_of
+
+    # Worker defaults live in worker/config.py; the flags only override them.
+    settings, _ = settings_of(build_parser().parse_args(["worker", "--config", "/dev/null"]))
+    assert settings.device == "auto" and settings.credits == 2 and settings.job is None
 
 
 # targets ------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ from idlegrad.common import protocol as proto
 from idlegrad.common.errors import GradientRejected, ProtocolError
 from idlegrad.common.protocol import (
     MAX_BLOB_FRAMES, MAX_FRAME_BYTES, MAX_HEADER_BYTES, MAX_STR, MESSAGE_TYPES, PROTOCOL_VERSION,
-    Blob, Bye, Cancel, Heartbeat, Hello, Ready, Reject, Result, Shutdown, Status, StatusRequest,
-    Task, Welcome, decode, encode)
+    Blob, Bye, Cancel, Control, ControlReply, Heartbeat, Hello, Ready, Reject, Result, Shutdown,
+    Status, StatusRequest, Task, Welcome, decode, encode)
 from idlegrad.common.tensors import DTYPE_NAMES, check_finite, from_blob, to_blob
 
 # one-frame blobs are read-only views of the received bytes: torch warns, rightly, and that is fine
@@ -71,6 +71,11 @@ def sample_messages() -> list[proto.Message]:
         Status(snapshot={}),
         Status(snapshot={"workers": [{"id": "w", "samples": 10, "rate": 1.5}], "loss": None,
                          "curve": [[0, 1.0], [1, 0.5]], "ok": True, "raw": b"\x00\x01"}),
+        Control(action="pause"),
+        Control(action="resume", worker=None),
+        Control(action="drain", worker="w-1"),
+        ControlReply(action="drain", ok=False, detail="no worker 'x'"),
+        ControlReply(action="pause", ok=True),
     ]
 
 
@@ -503,6 +508,21 @@ def test_negative_loss_is_fine():
 ])
 def test_task_parts(parts, coefficients):
     assert reason_of([packb({**TASK, "parts": parts, "coefficients": coefficients})]) == "schema"
+
+
+@pytest.mark.parametrize("header", [
+    {"v": 1, "type": "control", "action": "stop"},
+    {"v": 1, "type": "control", "action": ""},
+    {"v": 1, "type": "control", "action": "drain"},
+    {"v": 1, "type": "control", "action": "drain", "worker": ""},
+    {"v": 1, "type": "control", "action": "drain", "worker": 5},
+    {"v": 1, "type": "control", "action": ["pause"]},
+    {"v": 1, "type": "control"},
+    {"v": 1, "type": "control", "action": "pause", "extra": 1},
+    {"v": 1, "type": "control_reply", "action": "pause", "ok": 1},
+])
+def test_control_schema(header):
+    assert reason_of([packb(header)]) == "schema"
 
 
 @pytest.mark.parametrize("state", ["", "busy", "WORKING", "x" * 100])

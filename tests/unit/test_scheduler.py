@@ -514,3 +514,65 @@ def test_every_round_decoded_once_and_every_sample_once(n, batch, partitions, op
     assert sum(d.samples for d in applied) == n
     assert s.stats["rounds_decoded"] == len(h.decoded)
     assert s.stats["results_used"] == sum(h.accepted.values())
+
+
+# a worker paused by its owner (issue 4) ----------------------------------------------------------
+
+
+def test_paused_worker_gets_nothing_new_and_keeps_its_slots_for_the_grace():
+    s = make(open_rounds=2, pause_grace_s=5.0, min_deadline_s=1000.0, heartbeat_s=100.0)
+    held_a = {x.slot for x in assigns(start(s, "a", 2, now=0.0))}
+    assert len(held_a) == 2
+    s.seen("a", 1.0, "paused")
+    assert s.workers["a"].paused_since == 1.0 and s.workers["a"].pauses == 1
+    assert s.ready("a", 0, 1.0) == []
+    assert start(s, "b", 1, now=1.0) == []  # open_rounds=2: both rounds are a's
+    s.seen("a", 3.0, "paused")  # a repeated paused beat does not restart the grace
+    assert s.workers["a"].paused_since == 1.0
+    assert s.tick(5.9) == []  # within the grace: a short pause finishes its slots
+    assert held(s, "a") == held_a
+    actions = s.tick(6.0)
+    assert CancelSlots("a", sorted(held_a)) in actions
+    (moved,) = assigns(actions)  # b has one credit
+    assert moved.worker == "b" and moved.slot in held_a
+    assert held(s, "a") == set() and s.stats["pause_withdrawn"] == 2
+    assert s.workers["a"].cancelled == 2
+    assert s.result("a", moved.slot, 1.0, 6.5) == (False, [])  # its late answer is refused
+    ok, actions = s.result("b", moved.slot, 1.0, 7.0)
+    assert ok
+    (second,) = assigns(actions)  # the other withdrawn slot goes to b next
+    assert second.worker == "b" and {moved.slot, second.slot} == held_a
+
+
+def test_paused_worker_is_not_refilled_even_with_credits_and_resumes_with_ready():
+    s = make(pause_grace_s=0.0, min_deadline_s=1000.0, heartbeat_s=100.0)
+    assigns(start(s, "a", 1))
+    s.seen("a", 1.0, "paused")  # an old worker that only says paused, not READY 0
+    actions = s.tick(1.0)
+    assert of(CancelSlots, actions) and not assigns(actions)
+    assert s.ready("a", 1, 1.5) == []  # still paused: nothing
+    s.seen("a", 2.0, "idle")
+    assert s.workers["a"].paused_since is None
+    (x,) = assigns(s.ready("a", 1, 2.0))
+    assert x.worker == "a" and not x.send_model  # its withdrawn slot, at the version it holds
+    s.applied(1)
+    (y,) = assigns(s.ready("a", 2, 2.5))
+    assert y.version == 1 and y.send_model  # a newer version: the model goes along (re-sync)
+
+
+def test_a_short_pause_keeps_the_slots_and_the_answer_counts():
+    s = make(pause_grace_s=5.0, min_deadline_s=1000.0, heartbeat_s=100.0)
+    (x,) = assigns(start(s, "a", 1))
+    s.seen("a", 1.0, "paused")
+    s.tick(3.0)
+    s.seen("a", 4.0, "working")
+    assert s.tick(10.0) == [] and held(s, "a") == {x.slot}
+    ok, _ = s.result("a", x.slot, 1.0, 10.5)
+    assert ok and s.stats["pause_withdrawn"] == 0
+
+
+def test_paused_worker_still_evicted_when_silent():
+    s = make(pause_grace_s=100.0, heartbeat_s=1.0, liveness=3)
+    assigns(start(s, "a", 1))
+    s.seen("a", 0.5, "paused")
+    assert of(Evicted, s.tick(4.0))

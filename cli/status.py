@@ -1,0 +1,48 @@
+"""`idlegrad status`: one snapshot of a coordinator, as tables or as JSON. No torch, no textual."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ..monitor import view
+from ..monitor.source import ZmqStatusSource
+
+
+def run_status(args) -> int:
+    with ZmqStatusSource(args.coordinator) as source:
+        snap = source.fetch(timeout=args.timeout)
+    if snap is None:
+        print(f"idlegrad status: error: no answer from the coordinator at {args.coordinator} "
+              f"within {args.timeout:g}s (is it running? is the address right?)", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(view.as_json(snap)), flush=True)
+        return 0
+    console = Console()
+    summary = Table(title=f"idlegrad coordinator at {args.coordinator}", show_header=False)
+    for key, value in view.summary_rows(snap):
+        summary.add_row(key, value)
+    for line in view.rounds_lines(snap)[:3]:
+        summary.add_row("rounds", line)
+    console.print(summary)
+    workers = Table(title="workers")
+    for _, title in view.COLUMNS:
+        workers.add_column(title, justify="left" if title in ("worker", "host", "device", "state")
+                           else "right")
+    state_col = [k for k, _ in view.COLUMNS].index("state")
+    for row in view.worker_rows(snap, sort="id"):
+        cells: list = list(row.cells)
+        cells[state_col] = Text(row.cells[state_col], style=view.STATE_STYLES.get(row.state, ""))
+        workers.add_row(*cells)
+    console.print(workers)
+    events = snap.get("events") or []
+    if events:
+        console.print("[b]recent events[/]")
+        for event in events[-8:]:
+            console.print(Text(view.event_line(event)))
+    return 0

@@ -1,0 +1,87 @@
+"""The status snapshot a monitor gets: a pure function of the scheduler and the coordinator's state.
+
+No sockets, no clock: `now` (scheduler time, monotonic seconds) is an argument, so the cost and
+the content are unit-tested with a scheduler of any size. Bounded whatever the run's length: the
+curve and the events are ring buffers, and at most `events_limit` events go out per snapshot.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Iterable, Optional, Sequence
+
+from .scheduler import Scheduler, WorkerRecord
+
+CURVE_POINTS = 300  # evaluations kept for the monitor's chart
+EVENTS_PER_STATUS = 200
+
+
+def worker_state(w: WorkerRecord) -> str:
+    """What the worker does: its own word, except that one holding slots is working (its
+    heartbeat may fall between two short slots) and one being drained is draining."""
+    if w.draining:
+        return "draining"
+    if w.state == "idle" and w.assigned:
+        return "working"
+    return w.state
+
+
+def worker_row(w: WorkerRecord, now: float) -> dict:
+    info = w.info
+    return {
+        "id": w.id, "host": info.get("host", ""), "device": info.get("device", ""),
+        "cores": info.get("cores", 0), "threads": info.get("threads", 0), "state": worker_state(w),
+        "credits": w.capacity, "assigned": len(w.assigned), "done": w.done, "samples": w.samples,
+        "cancelled": w.cancelled, "missed": w.missed, "failed": w.failed,
+        "samples_per_s": round(1.0 / w.s_per_sample, 2) if w.s_per_sample else 0.0,
+        "staleness": round(w.staleness / w.done, 3) if w.done else 0.0,
+        "last_seen_s": round(now - w.last_seen, 3), "joined_s": round(now - w.joined, 3),
+    }
+
+
+def events_after(events: Sequence[dict], cursor: int, limit: int = EVENTS_PER_STATUS) -> list[dict]:
+    """The newest `limit` events with an id above `cursor`. Ids are consecutive in the ring, so
+    this slices instead of scanning."""
+    if not events or limit <= 0:
+        return []
+    first = events[0]["id"]
+    start = max(0, cursor + 1 - first, len(events) - limit)
+    if isinstance(events, deque):
+        return [events[i] for i in range(start, len(events))]
+    return list(events[start:])
+
+
+def rounds_summary(scheduler: Scheduler) -> dict:
+    stats = scheduler.stats
+    return {
+        "open": len(scheduler.rounds),
+        "pending_slots": scheduler.pending(),
+        "opened": stats["rounds_opened"],
+        "decoded": stats["rounds_decoded"],
+        "replanned": stats["rounds_replanned"],
+        "slots_requeued": stats["slots_requeued"],
+        "deadline_requeues": stats["deadline_requeues"],
+        "results_used": stats["results_used"],
+        "results_duplicate": stats["results_duplicate"],
+        "results_unexpected": stats["results_unexpected"],
+        "workers_removed": stats["workers_removed"],
+    }
+
+
+def build_snapshot(scheduler: Scheduler, now: float, base: dict[str, Any],
+                   curve: Iterable[dict] = (), events: Sequence[dict] = (), cursor: int = 0,
+                   last_event: int = 0, redundancy: Optional[dict] = None,
+                   events_limit: int = EVENTS_PER_STATUS) -> dict:
+    """The snapshot: `base` (job, version, samples, metrics... from the coordinator) plus the
+    workers, rounds, redundancy, curve and the events after `cursor`."""
+    snap = dict(base)
+    if scheduler.paused and snap.get("state") == "training":
+        snap["state"] = "paused"
+    snap["paused"] = scheduler.paused
+    snap["workers"] = [worker_row(w, now) for w in scheduler.workers.values()]
+    snap["rounds"] = rounds_summary(scheduler)
+    snap["redundancy"] = dict(redundancy or {})
+    snap["curve"] = list(curve)
+    snap["events"] = events_after(events, cursor, events_limit)
+    snap["cursor"] = last_event
+    return snap

@@ -1,0 +1,376 @@
+"""The monitor's view model: pure functions from a status snapshot to what the screen shows.
+
+No sockets, threads, clock or textual here: header text, worker rows (sorted, filtered), chart
+series and their braille rendering, the rounds panel and event lines are computed from the snapshot
+(a plain dict, as the coordinator's status endpoint sends it) and unit-tested on their own.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence
+
+# column key, title, width hint
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("id", "worker"), ("host", "host"), ("device", "device"), ("state", "state"),
+    ("credits", "credits"), ("assigned", "held"), ("done", "done"), ("cancelled", "cancelled"),
+    ("failed", "failed"), ("samples_per_s", "samples/s"), ("staleness", "staleness"),
+    ("last_seen_s", "seen"),
+)
+# `s` cycles through these; rates and counts sort largest first, names A to Z.
+SORT_KEYS: tuple[str, ...] = ("id", "samples_per_s", "state", "done", "staleness", "last_seen_s")
+DESCENDING = frozenset({"samples_per_s", "done", "staleness", "last_seen_s"})
+STATE_STYLES = {
+    "working": "bold green", "idle": "yellow", "paused": "magenta", "draining": "cyan",
+    "evicted": "red", "left": "dim",
+}
+STATE_ORDER = {"working": 0, "idle": 1, "draining": 2, "paused": 3}
+
+
+# formatting ------------------------------------------------------------------------------------
+
+
+def duration(seconds: Optional[float]) -> str:
+    """1h02m, 3m05s, 42s; '-' for unknown."""
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "-"
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+def number(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return "-"
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        if abs(value) >= 100:
+            return f"{value:.1f}"
+        if value and abs(value) < 10 ** -digits:
+            return f"{value:.1e}"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+# header and ETA --------------------------------------------------------------------------------
+
+
+def target_metric(snap: dict) -> Optional[str]:
+    """The metric the chart shows next to the loss: the target's, else accuracy, else the first."""
+    name = snap.get("target_metric")
+    if name:
+        return name
+    metrics = snap.get("metrics") or {}
+    if "accuracy" in metrics:
+        return "accuracy"
+    others = [k for k in metrics if k != "loss"]
+    return others[0] if others else ("loss" if "loss" in metrics else None)
+
+
+def _slope(points: Sequence[tuple[float, float]]) -> Optional[float]:
+    n = len(points)
+    if n < 2:
+        return None
+    mt = sum(t for t, _ in points) / n
+    mv = sum(v for _, v in points) / n
+    den = sum((t - mt) ** 2 for t, _ in points)
+    if den <= 0:
+        return None
+    return sum((t - mt) * (v - mv) for t, v in points) / den
+
+
+def eta(snap: dict, window: int = 10) -> tuple[Optional[float], str]:
+    """(seconds until training ends, why): the sooner of the target, extrapolated linearly from
+    the last `window` evaluations, and the epoch limit at the current samples/s."""
+    best: tuple[Optional[float], str] = (None, "")
+    metric, goal = snap.get("target_metric"), snap.get("target_value")
+    higher = snap.get("target_higher")
+    if metric and isinstance(goal, (int, float)):
+        points = [(p["t"], p["metrics"][metric]) for p in snap.get("curve") or []
+                  if isinstance(p.get("metrics"), dict) and metric in p["metrics"]
+                  and isinstance(p.get("t"), (int, float))][-window:]
+        if points:
+            current = points[-1][1]
+            if (current >= goal) if higher else (current <= goal):
+                return 0.0, "target"
+            slope = _slope(points)
+            if slope and ((slope > 0) if higher else (slope < 0)):
+                best = ((goal - current) / slope, "target")
+    epochs, size = snap.get("epochs"), snap.get("train_samples")
+    rate, epoch = snap.get("samples_per_s") or 0, snap.get("epoch") or 0
+    if epochs and size and rate > 0:
+        left = max(0.0, (epochs - epoch) * size / rate)
+        if best[0] is None or left < best[0]:
+            best = (left, "epochs")
+    return best
+
+
+def header(snap: Optional[dict], connection: str = "") -> str:
+    """The top lines, as rich markup."""
+    if snap is None:
+        return f"[b]idlegrad top[/]  {connection or 'waiting for the coordinator'}"
+    state = snap.get("state", "?")
+    style = {"training": "green", "paused": "magenta", "stopping": "yellow"}.get(state, "white")
+    metrics = snap.get("metrics") or {}
+    metric = target_metric(snap)
+    seconds, why = eta(snap)
+    parts = [
+        f"[b]idlegrad top[/]  job [cyan]{snap.get('job', '?')}[/]",
+        f"[{style}]{state}[/]",
+        f"version [b]{number(snap.get('version'))}[/]",
+        f"samples {number(snap.get('samples'))} ({number(snap.get('epoch'), 2)} epochs)",
+        f"[b]{number(snap.get('samples_per_s'), 1)}[/] samples/s",
+    ]
+    line2 = [f"loss {number(snap.get('loss'))}"]
+    if metric and metric in metrics:
+        line2.append(f"{metric} {number(metrics[metric], 4)}")
+    if snap.get("target"):
+        line2.append(f"target {snap['target']}")
+    if seconds is not None:
+        line2.append(f"ETA {duration(seconds)} ({why})")
+    line2.append(f"workers {len(snap.get('workers') or [])}")
+    line2.append(f"elapsed {duration(snap.get('elapsed_s'))}")
+    if connection:
+        line2.append(connection)
+    return "  ".join(parts) + "\n" + "  ".join(line2)
+
+
+# workers ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    id: str
+    state: str
+    cells: tuple[str, ...]  # one per COLUMNS entry, formatted
+
+
+def matches(worker: dict, text: str) -> bool:
+    """Filter: every word of `text` appears (case-insensitive) in id, host, device or state."""
+    hay = " ".join(str(worker.get(k, "")) for k in ("id", "host", "device", "state")).lower()
+    return all(word in hay for word in text.lower().split())
+
+
+def sort_key(key: str):
+    def of(worker: dict):
+        value = worker.get(key)
+        if key == "state":
+            return (STATE_ORDER.get(str(value), 9), str(value), str(worker.get("id", "")))
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return (-value if key in DESCENDING else value, str(worker.get("id", "")))
+        return (0, str(value or ""), str(worker.get("id", "")))
+    return of
+
+
+def worker_rows(snap: Optional[dict], sort: str = "id", filter_text: str = "") -> list[WorkerRow]:
+    workers = [w for w in (snap or {}).get("workers") or [] if isinstance(w, dict)]
+    if filter_text.strip():
+        workers = [w for w in workers if matches(w, filter_text)]
+    workers.sort(key=sort_key(sort if sort in SORT_KEYS else "id"))
+    rows = []
+    for w in workers:
+        cells = []
+        for key, _ in COLUMNS:
+            value = w.get(key)
+            if key == "last_seen_s":
+                cells.append(f"{value:.1f}s ago" if isinstance(value, (int, float)) else "-")
+            elif key == "samples_per_s":
+                cells.append(number(value, 1))
+            elif key == "staleness":
+                cells.append(number(value, 2))
+            else:
+                cells.append(number(value) if value is not None else "")
+        rows.append(WorkerRow(str(w.get("id", "")), str(w.get("state", "")), tuple(cells)))
+    return rows
+
+
+def next_sort(key: str) -> str:
+    i = SORT_KEYS.index(key) if key in SORT_KEYS else -1
+    return SORT_KEYS[(i + 1) % len(SORT_KEYS)]
+
+
+# chart -----------------------------------------------------------------------------------------
+
+
+def chart_series(snap: Optional[dict]) -> dict[str, list[tuple[float, float]]]:
+    """{"loss": [(t, train loss)...], METRIC: [(t, test metric)...]} from the snapshot's curve."""
+    out: dict[str, list[tuple[float, float]]] = {"loss": []}
+    metric = target_metric(snap or {})
+    if metric:
+        out[metric if metric != "loss" else "test loss"] = []
+    for p in (snap or {}).get("curve") or []:
+        t = p.get("t")
+        if not isinstance(t, (int, float)):
+            continue
+        loss = p.get("loss")
+        if isinstance(loss, (int, float)) and math.isfinite(loss):
+            out["loss"].append((float(t), float(loss)))
+        value = (p.get("metrics") or {}).get(metric) if metric else None
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            out[metric if metric != "loss" else "test loss"].append((float(t), float(value)))
+    return out
+
+
+_DOTS = ((0x01, 0x08), (0x02, 0x10), (0x04, 0x20), (0x40, 0x80))  # [row][col] of a braille cell
+
+
+def braille(points: Sequence[tuple[float, float]], width: int, height: int,
+            y_range: Optional[tuple[float, float]] = None) -> list[str]:
+    """A line chart of (x, y) points in `height` lines of `width` braille characters (2x4 dots
+    each), consecutive points joined. Empty points: blank lines."""
+    width, height = max(1, width), max(1, height)
+    cells = [[0] * width for _ in range(height)]
+    pts = [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)]
+    if pts:
+        x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
+        y0, y1 = y_range or (min(p[1] for p in pts), max(p[1] for p in pts))
+        xs, ys = 2 * width - 1, 4 * height - 1
+
+        def px(x):
+            return 0 if x1 == x0 else round((x - x0) / (x1 - x0) * xs)
+
+        def py(y):
+            y = min(max(y, y0), y1)
+            return ys // 2 if y1 == y0 else ys - round((y - y0) / (y1 - y0) * ys)
+
+        def dot(cx, cy):
+            cells[cy // 4][cx // 2] |= _DOTS[cy % 4][cx % 2]
+
+        prev = None
+        for x, y in pts:
+            cur = (px(x), py(y))
+            if prev is None:
+                dot(*cur)
+            else:
+                steps = max(abs(cur[0] - prev[0]), abs(cur[1] - prev[1]), 1)
+                for k in range(steps + 1):
+                    dot(round(prev[0] + (cur[0] - prev[0]) * k / steps),
+                        round(prev[1] + (cur[1] - prev[1]) * k / steps))
+            prev = cur
+    return ["".join(chr(0x2800 + c) for c in row) for row in cells]
+
+
+def chart_block(name: str, points: Sequence[tuple[float, float]], width: int,
+                height: int) -> list[str]:
+    """A titled chart: a title line (last value, range, time span), then `height - 1` lines."""
+    if not points:
+        title = f"{name}: no evaluations yet"
+        return [title[:width]] + [" " * width for _ in range(max(0, height - 1))]
+    ys = [y for _, y in points]
+    span = points[-1][0] - points[0][0]
+    title = f"{name} {number(ys[-1], 4)}  [{number(min(ys), 3)}..{number(max(ys), 3)}]"
+    if len(title) + len(duration(span)) + 6 <= width:
+        title += f" over {duration(span)}"
+    return [title[:width].ljust(width)] + braille(points, width, max(1, height - 1))
+
+
+def chart_lines(snap: Optional[dict], width: int, height: int) -> list[str]:
+    """Loss and the target metric side by side, over time."""
+    series = list(chart_series(snap).items())
+    gap = 2
+    each = max(8, (width - gap * (len(series) - 1)) // max(1, len(series)))
+    blocks = [chart_block(name, pts, each, height) for name, pts in series]
+    return [(" " * gap).join(block[i] for block in blocks) for i in range(height)]
+
+
+# rounds panel and events ------------------------------------------------------------------------
+
+
+def rounds_lines(snap: Optional[dict]) -> list[str]:
+    if not snap:
+        return []
+    r, red = snap.get("rounds") or {}, snap.get("redundancy") or {}
+    limit = red.get("open_rounds_limit")
+    lines = [
+        f"code {red.get('code', '?')}  partitions {red.get('partitions', '?')}",
+        f"open rounds {r.get('open', 0)} (limit {limit or 'none'})",
+        f"pending slots {r.get('pending_slots', 0)}",
+        f"decoded {number(r.get('decoded', 0))} / opened {number(r.get('opened', 0))}",
+        f"replanned {r.get('replanned', 0)}  too stale {red.get('rounds_too_stale', 0)}",
+        f"requeued {r.get('slots_requeued', 0)} (late {r.get('deadline_requeues', 0)})",
+        f"duplicates {r.get('results_duplicate', 0)}  rejected {red.get('rounds_rejected', 0)}",
+        f"staleness {red.get('staleness_rule', '?')} (max {red.get('max_staleness', '?')})",
+    ]
+    bad = sum((snap.get("bad_messages") or {}).values())
+    grads = (snap.get("counters") or {}).get("gradients_rejected", 0)
+    if bad or grads:
+        lines.append(f"bad messages {bad}  bad gradients {grads}")
+    return lines
+
+
+def event_line(event: dict) -> str:
+    t = event.get("time")
+    stamp = time.strftime("%H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "--:--:--"
+    return f"{stamp} {str(event.get('kind', '?')):<10} {event.get('text', '')}"
+
+
+class EventLog:
+    """The events seen across snapshots, newest last, bounded; restarts are marked."""
+
+    def __init__(self, maxlen: int = 500):
+        self.lines: deque[str] = deque(maxlen=maxlen)
+        self.last_id = 0
+        self.instance: Optional[str] = None
+
+    def update(self, snap: dict) -> int:
+        """Take the snapshot's new events; how many lines were added."""
+        added = 0
+        instance = snap.get("instance")
+        if self.instance is not None and instance != self.instance:
+            self.lines.append("--------- the coordinator restarted ---------")
+            self.last_id = 0
+            added += 1
+        self.instance = instance
+        for event in snap.get("events") or []:
+            eid = event.get("id")
+            if isinstance(eid, int) and eid > self.last_id:
+                self.lines.append(event_line(event))
+                self.last_id = eid
+                added += 1
+        return added
+
+    def tail(self, n: int) -> list[str]:
+        return list(self.lines)[-n:] if n > 0 else []
+
+
+def summary_rows(snap: dict) -> list[tuple[str, str]]:
+    """Key/value lines for `idlegrad status`."""
+    metrics = snap.get("metrics") or {}
+    seconds, why = eta(snap)
+    rows = [
+        ("job", str(snap.get("job", "?"))), ("state", str(snap.get("state", "?"))),
+        ("version", number(snap.get("version"))),
+        ("samples", f"{number(snap.get('samples'))} ({number(snap.get('epoch'), 2)} epochs)"),
+        ("samples/s", number(snap.get("samples_per_s"), 1)),
+        ("train loss", number(snap.get("loss"))),
+        ("metrics", ", ".join(f"{k} {number(v, 4)}" for k, v in metrics.items()) or "-"),
+        ("target", str(snap.get("target") or "-")),
+        ("ETA", f"{duration(seconds)} ({why})" if seconds is not None else "-"),
+        ("elapsed", duration(snap.get("elapsed_s"))),
+        ("workers", str(len(snap.get("workers") or []))),
+    ]
+    return rows
+
+
+def as_json(snap: dict) -> dict:
+    """The `idlegrad status --json` document: the snapshot, minus the event ring's bulk."""
+    keep = dict(snap)
+    keep["events"] = list(snap.get("events") or [])[-20:]
+    return keep
+
+
+def iter_columns() -> Iterable[str]:
+    return (title for _, title in COLUMNS)

@@ -1,0 +1,170 @@
+"""Worker settings (worker/config.py, cli/worker_cli.py): TOML file, flags over it, one-line errors
+naming the key, --print-config round trip."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from idlegrad.cli.main import EXIT_USAGE, build_parser, main
+from idlegrad.cli.worker_cli import settings_of
+from idlegrad.common.errors import ConfigError
+from idlegrad.worker import config
+from idlegrad.worker.config import Settings, from_toml_text, resolve_cores
+
+
+@pytest.fixture(autouse=True)
+def keep_logging():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
+def no_home_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+
+
+FULL = """
+coordinator = "tcp://10.0.0.5:5555"
+job = "digits"
+credits = 3
+[limits]
+max_cores = "50%"
+memory_max_mb = 2048
+hours = ["22:00-07:00", "12:00-13:00"]
+low_priority = false
+[idle]
+resume_after = 30
+cpu_others_max_pct = false
+user_idle_min_s = 600
+pause_on_battery = false
+pause_when_unknown = ["user"]
+"""
+
+
+def test_full_file():
+    s = from_toml_text(FULL, "w.toml")
+    assert s.coordinator == "tcp://10.0.0.5:5555" and s.credits == 3 and s.job == "digits"
+    assert s.max_cores == "50%" and s.memory_max_mb == 2048 and not s.low_priority
+    assert s.hours == ("22:00-07:00", "12:00-13:00")
+    assert s.resume_after == 30 and s.cpu_others_max_pct is None and s.user_idle_min_s == 600
+    p = s.policy()
+    assert p.cpu_others_max_pct is None and p.worker_rss_max_mb == 2048
+    assert p.hours == ((1320, 420), (720, 780)) and p.pause_when_unknown == {"user"}
+    assert not p.pause_on_battery
+    assert s.threads_for(8) == 4 and s.threads_for(1) == 1
+
+
+def test_print_config_round_trips():
+    s = from_toml_text(FULL, "w.toml")
+    again = from_toml_text(config.to_toml(s, "w.toml", 8), "printed")
+    assert again == s
+    assert from_toml_text(config.to_toml(Settings()), "printed") == Settings()
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("credits = 0", "credits: must be >= 1"),
+    ("credits = 'two'", "credits: 'two' is not a number"),
+    ("coordinator = 'localhost'", "coordinator"),
+    ("device = 'tpu'", "device"),
+    ("bogus = 1", "unknown key bogus"),
+    ("[idle]\nresume_after = -1", "idle.resume_after: must be >= 0"),
+    ("[idle]\nresum_after = 1", "unknown key idle.resum_after"),
+    ("[idle]\ncpu_others_max_pct = 150", "idle.cpu_others_max_pct"),
+    ("[idle]\ncpu_others_max_pct = true", "idle.cpu_others_max_pct"),
+    ("[idle]\npause_on_battery = 'maybe'", "idle.pause_on_battery"),
+    ("[idle]\npause_when_unknown = ['mouse']", "idle.pause_when_unknown: unknown rules"),
+    ("[idle]\nsample_every = 0.001", "idle.sample_every"),
+    ("[limits]\nhours = ['9-5']", "limits.hours"),
+    ("[limits]\nmax_cores = '150%'", "limits.max_cores"),
+    ("[limits]\nmax_cores = 0", "limits.max_cores"),
+    ("[limits]\nmemory_max_mb = 0", "limits.memory_max_mb"),
+    ("limits = 3", "[limits] must be a table"),
+    ("credits = ", "not valid TOML"),
+])
+def test_bad_file_values_name_the_key(text, needle):
+    with pytest.raises(ConfigError) as info:
+        from_toml_text(text, "worker.toml")
+    message = str(info.value)
+    assert needle in message and message.startswith("worker.toml: ") and "\n" not in message
+
+
+def run(capsys, argv):
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_flags_override_the_file(tmp_path, capsys):
+    path = tmp_path / "w.toml"
+    path.write_text(FULL)
+    code, out, err = run(capsys, ["worker", "--config", str(path), "--credits", "5",
+                                  "--cpu-max", "30", "--hours", "any", "--print-config"])
+    assert code == 0, err
+    printed = from_toml_text(out, "printed")
+    assert printed.credits == 5 and printed.cpu_others_max_pct == 30 and printed.hours == ()
+    assert printed.coordinator == "tcp://10.0.0.5:5555"  # from the file
+    assert "from " + str(path) in out
+
+
+def test_default_file_is_read(tmp_path, capsys):
+    (tmp_path / "xdg" / "idlegrad").mkdir(parents=True)
+    (tmp_path / "xdg" / "idlegrad" / "worker.toml").write_text("credits = 7\n")
+    code, out, _ = run(capsys, ["worker", "--print-config"])
+    assert code == 0 and "credits = 7" in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["worker", "--resume-after", "soon"], "--resume-after: idle.resume_after"),
+    (["worker", "--cpu-max", "200"], "--cpu-max: idle.cpu_others_max_pct"),
+    (["worker", "--max-cores", "lots"], "--max-cores: limits.max_cores"),
+    (["worker", "--hours", "25:00-01:00"], "--hours: limits.hours"),
+    (["worker", "--pause-when-unknown", "cpu,mouse"], "unknown rules"),
+    (["worker", "--config", "/nonexistent/w.toml"], "no such file"),
+    (["worker", "install", "--print", "--memory-max", "-5"], "--memory-max"),
+])
+def test_bad_flags_are_one_line(capsys, argv, needle):
+    code, out, err = run(capsys, argv)
+    assert code == EXIT_USAGE
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+
+
+def test_bad_file_is_one_line(tmp_path, capsys):
+    path = tmp_path / "w.toml"
+    path.write_text("[idle]\nresume_after = 'never'\n")
+    code, _, err = run(capsys, ["worker", "--config", str(path)])
+    assert code == EXIT_USAGE
+    assert err.strip().count("\n") == 0 and "idle.resume_after" in err
+
+
+def test_no_idle_policy_keeps_the_owner_limits():
+    args = build_parser().parse_args(["worker", "--no-idle-policy", "--memory-max", "100",
+                                      "--hours", "09:00-17:00"])
+    s, _ = settings_of(args)
+    p = s.policy()
+    assert p.cpu_others_max_pct is None and p.user_idle_min_s is None and not p.pause_on_battery
+    assert p.memory_available_min_mb is None and p.gpu_others_max_pct is None
+    assert p.worker_rss_max_mb == 100 and p.hours == ((540, 1020),)
+
+
+def test_plain_worker_flags_still_parse():
+    args = build_parser().parse_args(["worker", "--coordinator", "tcp://h:1", "--threads", "2",
+                                      "--id", "x", "--connect-timeout", "0"])
+    s, _ = settings_of(args)
+    assert (s.coordinator, s.threads, s.id, s.connect_timeout) == ("tcp://h:1", 2, "x", 0.0)
+    assert args.worker_action is None
+
+
+@pytest.mark.parametrize("spec,usable,cores", [
+    (None, 8, None), ("3", 8, 3), ("30", 8, 8), ("50%", 8, 4), ("10%", 4, 1), ("100%", 6, 6),
+])
+def test_resolve_cores(spec, usable, cores):
+    assert resolve_cores(spec, usable) == cores
