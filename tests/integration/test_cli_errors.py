@@ -1,0 +1,56 @@
+"""Errors as a user sees them: one line on stderr, a non-zero status, no traceback."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from idlegrad.cli.processes import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def one_line(proc, logs_allowed: bool = False) -> str:
+    """The one line the user is told (stdout and stderr together), besides log records where
+    `logs_allowed` (a worker logs its settings as it starts)."""
+    output = proc.output()
+    if not logs_allowed:
+        assert len(proc.lines()) == 1, f"{proc.name} printed more than one line:\n{output}"
+    assert "Traceback" not in output, output
+    said = proc.said()
+    assert len(said) == 1, f"{proc.name} printed {len(said)} lines besides its logs:\n{output}"
+    assert proc.lines()[-1] == said[0], f"the error is not the last line:\n{output}"
+    return said[0]
+
+
+def test_unknown_job_is_a_usage_error(cluster):
+    proc = cluster.spawn("coordinator", "coordinator", "--job", "nosuchjob",
+                         "--bind", cluster.address, "--threads", "1")
+    assert proc.wait(timeout=60) == 2
+    line = one_line(proc)
+    assert line.startswith("idlegrad coordinator: error:") and "nosuchjob" in line
+
+
+def test_address_in_use_is_a_usage_error_naming_the_address(cluster):
+    first = cluster.coordinator("--job", "digits")
+    cluster.status().wait_for(lambda s: True, "answer from the first coordinator", alive=[first])
+    second = cluster.spawn("second", "coordinator", "--job", "digits", "--bind", cluster.address,
+                           "--threads", "1")
+    assert second.wait(timeout=60) == 2
+    line = one_line(second)
+    assert line.startswith("idlegrad coordinator: error:") and cluster.address in line
+    assert first.running(), "the first coordinator must not be disturbed"
+
+
+def test_worker_gives_up_on_an_unreachable_coordinator(cluster):
+    address = f"tcp://127.0.0.1:{free_port()}"  # nobody listens there
+    started = time.monotonic()
+    proc = cluster.spawn("worker", "worker", "--coordinator", address, "--connect-timeout", "1",
+                         "--threads", "1")
+    code = proc.wait(timeout=30)
+    took = time.monotonic() - started
+    assert code != 0
+    assert took < 10, f"gave up only after {took:.1f}s"
+    line = one_line(proc, logs_allowed=True)
+    assert line.startswith("idlegrad worker: error:") and address in line
