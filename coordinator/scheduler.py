@@ -13,6 +13,15 @@ the machine) gets no new slots; the slots it holds stay its own for `pause_grace
 finishes them), then are withdrawn (cancelled on the worker) and requeued for the others. When
 the arrived slots of a round decode, the round is done and `Decoded` says how to combine their
 gradients.
+
+Redundancy (DESIGN.md section 3, issue 3): each round's code comes from the `redundancy` policy
+(none, replicate:R, cyclic:S, or adaptive: chosen per round by `adaptive.choose` from the recorded
+task times). A slot whose row repeats an arrived row is cancelled at once. With `speculate`, a slot
+later than its holder's prediction (EWMA mean + `spec_sd` standard deviations of seconds per
+sample, plus `spec_floor_s`) gets a duplicate row appended to its round's code, handed to the next
+free worker. A worker that keeps missing its predictions holds fewer slots at once (its
+`size_factor`). `sync`: one round at a time, code none, one partition per ready worker and one
+slot per worker: synchronous SGD, the baseline.
 """
 
 from __future__ import annotations
@@ -23,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from ..common import coding
-from ..common.coding import Code
+from ..common.coding import Code, Redundancy
+from . import adaptive
 from .sampler import Part, Sampler
 
 
@@ -38,6 +48,15 @@ class SchedulerConfig:
     deadline_factor: float = 4.0  # deadline: this many times the predicted time, at least min
     speed_alpha: float = 0.3  # EWMA weight of the newest observation of seconds per sample
     pause_grace_s: float = 5.0  # a paused worker's slots are withdrawn after this long
+    redundancy: Redundancy = Redundancy()  # the code policy of new rounds
+    sync: bool = False  # synchronous SGD: one round, code none, a partition per ready worker
+    max_batch: Optional[int] = None  # a round's batch never exceeds this
+    speculate: bool = False  # duplicate late slots to free workers
+    spec_sd: float = 3.0  # late: past mean + spec_sd * sd of the holder's predicted time
+    spec_floor_s: float = 0.5  # ... plus at least this
+    spec_min_results: int = 3  # a worker's prediction counts after this many results
+    adaptive_max_level: int = 2  # adaptive: replicate up to R, cyclic up to S
+    adaptive_every: int = 8  # adaptive: choose again after this many new observations
 
 
 # actions ----------------------------------------------------------------------------------------
@@ -104,6 +123,11 @@ class WorkerRecord:
     paused_since: Optional[float] = None  # when it said "paused" (None: it is not paused)
     pauses: int = 0
     s_per_sample: Optional[float] = None
+    s_var: float = 0.0  # EWMA variance of seconds per sample
+    observed: int = 0
+    size_factor: float = 1.0  # < 1: it keeps missing predictions, so it holds fewer slots
+    late: int = 0  # slots of its that were speculated (late past its prediction)
+    late_streak: int = 0
     done: int = 0
     samples: int = 0
     cancelled: int = 0
@@ -116,7 +140,14 @@ class WorkerRecord:
     def free(self) -> int:
         if self.paused_since is not None:
             return 0  # whatever credits it announced, a paused worker takes nothing new
-        return self.capacity - len(self.assigned)
+        return self.limit - len(self.assigned)
+
+    @property
+    def limit(self) -> int:
+        """Slots it may hold at once: its credits, fewer while it keeps missing predictions."""
+        if self.capacity <= 0:
+            return 0
+        return max(1, int(self.capacity * self.size_factor + 1e-9))
 
 
 @dataclass
@@ -128,6 +159,9 @@ class Slot:
     holders: set[str] = field(default_factory=set)
     arrived: bool = False
     queued: bool = False  # waiting in the pending queue for a (further) holder
+    dead: bool = False  # its row repeats an arrived one: no longer needed
+    speculated: bool = False  # a duplicate row was appended for it (or it is that duplicate)
+    started: dict[str, float] = field(default_factory=dict)  # holder -> when it was assigned
 
 
 @dataclass
@@ -161,6 +195,12 @@ class Scheduler:
         self._rounds_at: Counter[int] = Counter()  # open rounds per model version
         self._next_id = next_id
         self.stats: Counter[str] = Counter()
+        self.times: deque[float] = deque(maxlen=256)  # recent seconds per sample, fleet-wide
+        self._choice: tuple[Redundancy, int] = (Redundancy(), -1)  # adaptive: choice, at obs #
+        self._observations = 0
+        self._choice_key: tuple[int, int] = (0, 0)
+        self.last_code = "none"  # the code of the newest round
+        self.last_costs: dict[str, float] = {}  # adaptive: the predictions behind the choice
 
     # queries --------------------------------------------------------------------------------
 
@@ -232,18 +272,27 @@ class Scheduler:
         worker.samples += slot.samples
         if slot.samples and compute_s > 0:
             self._observe_speed(worker, compute_s / slot.samples)
+        if not slot.speculated or worker.late_streak == 0:
+            worker.late_streak = 0
+            worker.size_factor = min(1.0, worker.size_factor * 1.5)
         self._update_hunger(worker)
         actions: list[Action] = []
-        if slot.arrived:
+        if slot.arrived or slot.dead:
             self.stats["results_duplicate"] += 1
             return False, self._fill(now)
         slot.arrived = True
         actions += self._cancel_holders(slot)
         round_ = self.rounds[slot.round]
         round_.arrived.add(round_.slots.index(slot_id))
+        for other_id in round_.slots:  # copies of this row (replicas, speculation): not needed
+            other = self.slots[other_id]
+            if not other.arrived and not other.dead and other.row == slot.row:
+                other.dead = True
+                self.stats["slots_redundant"] += 1
+                actions += self._cancel_holders(other, now)
         weights = coding.decode(round_.code, round_.arrived)
         if weights is not None:
-            actions += self._close_round(round_, weights)
+            actions += self._close_round(round_, weights, now)
         self.stats["results_used"] += 1
         return True, actions + self._fill(now)
 
@@ -285,6 +334,8 @@ class Scheduler:
                     worker.assigned[slot_id] = math.inf  # requeued once; the holder may still win
                     self.stats["deadline_requeues"] += 1
                     self._requeue(self.slots[slot_id])
+            if self.config.speculate:
+                self._speculate_late(worker, now)
         return actions + self._fill(now)
 
     def pause(self) -> None:
@@ -331,7 +382,60 @@ class Scheduler:
     def _observe_speed(self, worker: WorkerRecord, s_per_sample: float) -> None:
         a = self.config.speed_alpha
         old = worker.s_per_sample
-        worker.s_per_sample = s_per_sample if old is None else a * s_per_sample + (1 - a) * old
+        if old is None:
+            worker.s_per_sample = s_per_sample
+        else:
+            diff = s_per_sample - old
+            worker.s_per_sample = old + a * diff
+            worker.s_var = (1 - a) * (worker.s_var + a * diff * diff)
+        worker.observed += 1
+        self._observe(s_per_sample)
+
+    def _observe(self, s_per_sample: float) -> None:
+        self.times.append(s_per_sample)
+        self._observations += 1
+
+    def _prediction(self, worker: WorkerRecord) -> Optional[tuple[float, float]]:
+        """(mean, sd) of the worker's seconds per sample; the fleet's while it has few results."""
+        if worker.observed >= self.config.spec_min_results and worker.s_per_sample is not None:
+            return worker.s_per_sample, math.sqrt(max(0.0, worker.s_var))
+        if len(self.times) >= self.config.spec_min_results:
+            mean = sum(self.times) / len(self.times)
+            var = sum((t - mean) ** 2 for t in self.times) / len(self.times)
+            return mean, math.sqrt(var)
+        return None
+
+    def _speculate_late(self, worker: WorkerRecord, now: float) -> None:
+        """Append a duplicate row for every slot of `worker` that is late past its prediction."""
+        prediction = self._prediction(worker)
+        if prediction is None:
+            return
+        mean, sd = prediction
+        queued = max(1, len(worker.assigned))  # it computes its slots one after another
+        for slot_id in list(worker.assigned):
+            slot = self.slots.get(slot_id)
+            if (slot is None or slot.speculated or slot.arrived or slot.dead
+                    or slot.round not in self.rounds or worker.id not in slot.started):
+                continue
+            elapsed = now - slot.started[worker.id]
+            predicted = (mean + self.config.spec_sd * sd) * slot.samples * queued
+            if elapsed <= predicted + self.config.spec_floor_s:
+                continue
+            round_ = self.rounds[slot.round]
+            round_.code = coding.speculate(round_.code, round_.slots.index(slot_id))
+            copy = Slot(self._take_id(), round_.id, list(slot.row), slot.samples, speculated=True)
+            self.slots[copy.id] = copy
+            round_.slots.append(copy.id)
+            copy.queued = True
+            self._pending.appendleft(copy.id)
+            slot.speculated = True
+            self.stats["slots_speculated"] += 1
+            if slot.samples:
+                self._observe(elapsed / slot.samples)  # a lower bound: it has not answered yet
+            worker.late += 1
+            worker.late_streak += 1
+            if worker.late_streak >= 2:
+                worker.size_factor = max(0.25, worker.size_factor / 2)
 
     def _deadline(self, worker: WorkerRecord, slot: Slot, now: float) -> float:
         wait = self.config.min_deadline_s
@@ -352,10 +456,12 @@ class Scheduler:
             self._pending.appendleft(slot.id)
             self.stats["slots_requeued"] += 1
 
-    def _cancel_holders(self, slot: Slot) -> list[Action]:
+    def _cancel_holders(self, slot: Slot, now: Optional[float] = None) -> list[Action]:
         actions: list[Action] = []
         for holder in sorted(slot.holders):
             worker = self.workers[holder]
+            if now is not None and slot.samples and holder in slot.started:
+                self._observe((now - slot.started[holder]) / slot.samples)  # censored: a bound
             del worker.assigned[slot.id]
             worker.cancelled += 1
             self._update_hunger(worker)
@@ -363,12 +469,13 @@ class Scheduler:
         slot.holders.clear()
         return actions
 
-    def _close_round(self, round_: Round, weights: dict[int, float]) -> list[Action]:
+    def _close_round(self, round_: Round, weights: dict[int, float],
+                     now: Optional[float] = None) -> list[Action]:
         actions: list[Action] = []
         for row, slot_id in enumerate(round_.slots):
             slot = self.slots.pop(slot_id)
             if not slot.arrived:
-                actions += self._cancel_holders(slot)
+                actions += self._cancel_holders(slot, now)
         del self.rounds[round_.id]
         self._rounds_at[round_.version] -= 1
         if self._rounds_at[round_.version] <= 0:
@@ -412,39 +519,81 @@ class Scheduler:
     def _open_round(self) -> bool:
         if not self.accepting:
             return False
-        if self.config.open_rounds and len(self.rounds) >= self.config.open_rounds:
+        limit = 1 if self.config.sync else self.config.open_rounds
+        if limit and len(self.rounds) >= limit:
             return False
-        parts = self.sampler.next_round(self.config.batch_size, self.config.partitions)
+        k = self.config.partitions
+        if self.config.sync:
+            k = max(1, len(self._active()))
+        batch = self.config.batch_size
+        if self.config.max_batch:
+            batch = max(1, min(batch, self.config.max_batch))
+        parts = self.sampler.next_round(batch, k)
         if parts is None:
             return False
-        code = coding.none(len(parts))
+        code = coding.build(self._policy(len(parts)), len(parts))
+        self.last_code = code.name
+        self.stats["rounds_" + code.name.split(":")[0]] += 1
         round_id = self._take_id()
         slot_ids = []
-        for row in range(code.slots):
+        for row in _queue_order(code):
             entries = code.row(row)
             slot = Slot(self._take_id(), round_id, entries, sum(parts[j][2] for j, _ in entries))
             self.slots[slot.id] = slot
             slot_ids.append(slot.id)
             slot.queued = True
             self._pending.append(slot.id)
+        order = _queue_order(code)
+        slot_ids = [slot_ids[order.index(row)] for row in range(code.slots)]  # code row order
         self.rounds[round_id] = Round(round_id, self.version, list(parts), code, slot_ids)
         self._rounds_at[self.version] += 1
         self.stats["rounds_opened"] += 1
         return True
+
+    def _active(self) -> list[WorkerRecord]:
+        return [w for w in self.workers.values()
+                if w.capacity > 0 and w.paused_since is None and not w.draining]
+
+    def _policy(self, k: int) -> Redundancy:
+        policy = self.config.redundancy
+        if self.config.sync:
+            return Redundancy()
+        if policy.kind != "adaptive":
+            return policy
+        if len(self.times) < 8:
+            return Redundancy()
+        workers = len(self._active())
+        choice, at = self._choice
+        key = (k, workers)
+        if self._observations - at >= self.config.adaptive_every or self._choice_key != key:
+            choice, self.last_costs = adaptive.choose(
+                list(self.times), workers, k, self.config.adaptive_max_level,
+                seed=self._observations)
+            self._choice = (choice, self._observations)
+            self._choice_key = key
+        return choice
 
     def _take_id(self) -> int:
         self._next_id += 1
         return self._next_id - 1
 
     def _next_slot_for(self, worker: WorkerRecord) -> Optional[Slot]:
+        """The oldest pending slot for `worker`: never one it holds or a copy of a row it holds,
+        and none of a redundant round it already holds a slot of, so that one stopped worker
+        never holds two slots of one round (it takes the next when it answers)."""
+        mine = [self.slots[s] for s in worker.assigned if s in self.slots]
+        rows = {(s.round, tuple(s.row)) for s in mine}
+        rounds = {s.round for s in mine}
         skipped: list[int] = []
         found = None
         while self._pending:
             slot_id = self._pending.popleft()
             slot = self.slots.get(slot_id)
-            if slot is None or slot.arrived:
-                continue  # its round closed while it waited
-            if worker.id in slot.holders:
+            if slot is None or slot.arrived or slot.dead:
+                continue  # its round closed while it waited, or a copy of it arrived
+            if (worker.id in slot.holders or (slot.round, tuple(slot.row)) in rows
+                    or (slot.round in rounds and (
+                        self.config.sync or self.rounds[slot.round].code.tolerance > 0))):
                 skipped.append(slot_id)
                 continue
             slot.queued = False
@@ -463,12 +612,12 @@ class Scheduler:
             return actions
         for worker_id in list(self._hungry):
             worker = self.workers[worker_id]
-            while worker.free > 0:
+            while worker.free > 0 and not (self.config.sync and worker.assigned):
                 slot = self._next_slot_for(worker)
                 if slot is None:
-                    if not self._open_round():
-                        break
-                    continue
+                    if self._open_round():
+                        continue
+                    break
                 actions.append(self._assign(worker, slot, now))
             self._update_hunger(worker)
         return actions
@@ -478,6 +627,7 @@ class Scheduler:
         deadline = self._deadline(worker, slot, now)
         worker.assigned[slot.id] = deadline
         slot.holders.add(worker.id)
+        slot.started[worker.id] = now
         send_model = worker.model_version != round_.version
         worker.model_version = round_.version
         return Assign(
@@ -485,3 +635,15 @@ class Scheduler:
             parts=[list(round_.parts[j]) for j, _ in slot.row],
             coefficients=[c for _, c in slot.row], deadline_s=deadline - now,
             send_model=send_model)
+
+
+def _queue_order(code: Code) -> list[int]:
+    """Rows in the order their slots are queued: first copies of every row before second copies
+    (replicas, speculative duplicates), so the first workers cover the whole round."""
+    seen: Counter[bytes] = Counter()
+    copy = []
+    for row in range(code.slots):
+        key = code.matrix[row].tobytes()
+        copy.append(seen[key])
+        seen[key] += 1
+    return sorted(range(code.slots), key=lambda r: (copy[r], r))

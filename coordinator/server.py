@@ -60,6 +60,10 @@ class CoordinatorConfig:
     min_deadline_s: float = 30.0
     threads: Optional[int] = None
     pause_grace_s: float = 5.0  # a worker paused by its owner keeps its slots this long
+    redundancy: str = "none"  # none | replicate:R | cyclic:S | adaptive (coding.parse_redundancy)
+    sync: bool = False  # synchronous SGD: one round, code none, a partition per ready worker
+    max_batch: Optional[int] = None  # cap on a round's batch
+    speculate: bool = True  # duplicate late slots to free workers (never with sync)
 
 
 class Coordinator:
@@ -87,7 +91,10 @@ class Coordinator:
             SchedulerConfig(batch_size=job.batch_size, partitions=config.partitions,
                             open_rounds=config.open_rounds, heartbeat_s=config.heartbeat_s,
                             liveness=config.liveness, min_deadline_s=config.min_deadline_s,
-                            pause_grace_s=config.pause_grace_s),
+                            pause_grace_s=config.pause_grace_s,
+                            redundancy=coding.parse_redundancy(config.redundancy),
+                            sync=config.sync, max_batch=config.max_batch,
+                            speculate=config.speculate and not config.sync),
             self.sampler, version=version, next_id=next_id)
 
         self.routes: dict[str, bytes] = {}  # worker id -> routing id
@@ -378,7 +385,8 @@ class Coordinator:
         self._event("join", f"{msg.worker_id} joined from {msg.host} ({msg.device}, "
                             f"{msg.threads} threads)", worker=msg.worker_id)
         await self._send(route, proto.Welcome(
-            job=self.config.job, job_args=self.config.job_args, fingerprint=self.built.fingerprint,
+            # the job's name, not the spec: no local paths to strangers
+            job=self.built.job.name, job_args=self.config.job_args, fingerprint=self.built.fingerprint,
             seed=self.config.seed, heartbeat_s=self.config.heartbeat_s,
             liveness=self.config.liveness))
 
@@ -587,8 +595,16 @@ class Coordinator:
             "host": pysocket.gethostname(),
         }
         staleness = self.config.staleness
+        stats = self.scheduler.stats
         redundancy = {
-            "code": "none", "partitions": self.config.partitions,
+            "code": self.scheduler.last_code,
+            "policy": "sync" if self.config.sync else str(self.scheduler.config.redundancy),
+            "partitions": self.config.partitions, "max_batch": self.config.max_batch,
+            "speculate": self.scheduler.config.speculate,
+            "slots_speculated": stats["slots_speculated"],
+            "slots_redundant": stats["slots_redundant"],
+            "rounds_by_code": {k: stats["rounds_" + k] for k in ("none", "replicate", "cyclic")
+                               if stats["rounds_" + k]},
             "open_rounds_limit": self.config.open_rounds,
             "staleness_rule": staleness.kind, "max_staleness": staleness.max_staleness,
             "rounds_too_stale": self.counters["rounds_too_stale"],

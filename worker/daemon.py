@@ -246,7 +246,11 @@ class Worker:
     async def _session(self, sock, welcome: proto.Welcome) -> None:
         while True:
             try:
-                self._prepare(welcome)
+                try:
+                    self._prepare(welcome)
+                except (Refused, ConfigError) as exc:  # this worker cannot run that job
+                    await self._send(sock, proto.Bye(reason=str(exc)[:500]))
+                    raise
                 if self.paused:
                     await self._send(sock, proto.Heartbeat(state="paused"))
                 await self._send(sock, proto.Ready(credits=self._credits(),

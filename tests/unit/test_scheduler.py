@@ -405,14 +405,17 @@ class Harness:
                 assert a.round not in self.decoded  # exactly once
                 self.decoded[a.round] = a
                 assert set(a.weights) <= set(a.slots)
-                assert set(a.weights) == set(a.slots)  # code none: every slot, weight 1
-                assert all(w == 1.0 for w in a.weights.values())
-                for slot in a.slots:
-                    assert self.accepted[slot] == 1
-                    assert self.assigned_ever[slot][0] == a.round
-                assert sorted(p for slot in a.slots for p in self.assigned_ever[slot][1]) == \
-                    sorted(list(p) for p in a.parts)
+                self.check_decoded(a)
         self.check()
+
+    def check_decoded(self, a: Decoded):
+        assert set(a.weights) == set(a.slots)  # code none: every slot, weight 1
+        assert all(w == 1.0 for w in a.weights.values())
+        for slot in a.slots:
+            assert self.accepted[slot] == 1
+            assert self.assigned_ever[slot][0] == a.round
+        assert sorted(p for slot in a.slots for p in self.assigned_ever[slot][1]) == \
+            sorted(list(p) for p in a.parts)
 
     def check(self):
         for w, slots in self.held.items():
@@ -576,3 +579,224 @@ def test_paused_worker_still_evicted_when_silent():
     assigns(start(s, "a", 1))
     s.seen("a", 0.5, "paused")
     assert of(Evicted, s.tick(4.0))
+
+
+# redundancy: replication, cyclic codes, speculation, sync, adaptive (issue 3) --------------------
+
+from idlegrad.common.coding import parse_redundancy  # noqa: E402
+from idlegrad.coordinator import adaptive  # noqa: E402
+
+
+def coded(redundancy: str, **config) -> Scheduler:
+    return make(redundancy=parse_redundancy(redundancy), **config)
+
+
+def test_replicate_round_has_two_copies_and_decodes_without_a_stopped_worker():
+    s = coded("replicate:2", n=60, batch=6, partitions=3, open_rounds=1, min_deadline_s=1000.0,
+              heartbeat_s=1000.0)
+    first = [assigns(start(s, w, 1))[0] for w in "abc"]
+    (round_,) = s.rounds.values()
+    assert round_.code.name == "replicate:2" and len(round_.slots) == 6
+    # the first copies go out first: the three workers cover the whole batch
+    assert sorted(tuple(map(tuple, x.parts)) for x in first) == [((0, 0, 2),), ((0, 2, 2),),
+                                                                 ((0, 4, 2),)]
+    d = assigns(start(s, "d", 1))[0]  # a fourth worker takes the oldest second copy
+    stopped = first[0]
+    assert d.parts == stopped.parts and d.slot != stopped.slot
+    ok, actions = s.result("b", first[1].slot, 0.1, 1.0)
+    assert ok and not of(Decoded, actions)
+    # b is refilled with a second copy, never with a copy of the row it just answered
+    (b2,) = assigns(actions, "b")
+    assert b2.parts == first[2].parts
+    ok, actions = s.result("d", d.slot, 0.1, 1.5)
+    assert ok and not of(Decoded, actions)
+    assert CancelSlots("a", [stopped.slot]) in actions  # its copy arrived: a's is not needed
+    assert s.stats["slots_redundant"] == 2  # the spare copy of b's row, and a's
+    ok, actions = s.result("c", first[2].slot, 0.1, 2.0)
+    (dec,) = of(Decoded, actions)
+    assert set(dec.weights) == {first[1].slot, d.slot, first[2].slot}
+    assert CancelSlots("b", [b2.slot]) in actions  # the leftover copy
+    assert dec.samples == 6
+    assert s.result("a", stopped.slot, 0.1, 3.0) == (False, [])
+
+
+def test_cyclic_round_decodes_from_any_two_of_three_and_cancels_the_third():
+    s = coded("cyclic:1", n=60, batch=6, partitions=3, open_rounds=1, min_deadline_s=1000.0,
+              heartbeat_s=1000.0)
+    slots = [assigns(start(s, w, 2))[0] for w in "abc"]  # spread: one slot of the round each
+    assert len({x.round for x in slots}) == 1 and len(s.rounds) == 1
+    assert all(len(x.parts) == 2 for x in slots)  # each covers s+1 = 2 partitions
+    assert all(held(s, w) == {x.slot} for w, x in zip("abc", slots))
+    ok, actions = s.result("b", slots[1].slot, 0.4, 1.0)
+    assert ok and not of(Decoded, actions)
+    ok, actions = s.result("c", slots[2].slot, 0.4, 1.0)
+    (dec,) = of(Decoded, actions)
+    assert set(dec.weights) == {slots[1].slot, slots[2].slot}
+    assert CancelSlots("a", [slots[0].slot]) in actions
+    assert s.stats["rounds_cyclic"] == 2  # and the next round, opened on the decode
+
+
+def test_sync_one_round_one_partition_per_ready_worker_one_slot_each():
+    s = make(n=60, batch=6, partitions=1, sync=True, redundancy=parse_redundancy("cyclic:1"))
+    for w in "abc":
+        s.join(w, {}, 0.0)
+    for w in "abc":
+        s.workers[w].capacity = 2  # all three ready before the first round opens
+    actions = s.ready("a", 2, 0.0)
+    got = assigns(actions) + assigns(s.ready("b", 2, 0.0)) + assigns(s.ready("c", 2, 0.0))
+    assert len(s.rounds) == 1
+    (round_,) = s.rounds.values()
+    assert round_.code.name == "none" and len(round_.parts) == 3
+    assert sorted(x.worker for x in got) == ["a", "b", "c"]  # one slot each, credits or not
+    ok, actions = s.result("a", got[0].slot, 0.1, 1.0)
+    assert assigns(actions) == []  # the next round waits for the whole batch: wait for all
+
+
+def late_setup(**config):
+    s = coded("none", n=400, batch=4, open_rounds=2, min_deadline_s=1000.0, heartbeat_s=1000.0,
+              speculate=True, spec_floor_s=0.5, spec_min_results=2, **config)
+    start(s, "a", 1)
+    now = 0.0
+    for _ in range(3):  # a: 0.1 s per sample, steady
+        (x,) = list(held(s, "a"))
+        now += 0.4
+        s.result("a", x, 0.4, now)
+    return s, now
+
+
+def test_a_late_slot_is_speculated_to_a_free_worker_and_applied_once():
+    s, now = late_setup()
+    (late,) = held(s, "a")
+    assert s.tick(now + 0.5) == []  # on time (0.4 s predicted + 0.5 s floor)
+    assert start(s, "b", 1, now + 0.5) != []
+    (b_first,) = held(s, "b")
+    ok, actions = s.result("b", b_first, 0.4, now + 0.6)
+    (b_next,) = held(s, "b")
+    actions = s.tick(now + 1.0)  # a's slot is 1.0 s old: late past 0.4 + 0.5
+    assert s.stats["slots_speculated"] == 1
+    s.tick(now + 1.1)
+    assert s.stats["slots_speculated"] == 1  # one copy per slot
+    round_ = s.rounds[s.slots[late].round]
+    assert round_.code.slots == 2 and round_.code.name == "none"
+    # b finishes its slot and takes the speculative copy first
+    ok, actions = s.result("b", b_next, 0.4, now + 1.2)
+    (copy,) = [x for x in assigns(actions) if x.worker == "b"]
+    assert copy.round == round_.id and copy.slot != late
+    assert copy.parts == [list(p) for p in round_.parts]
+    ok, actions = s.result("b", copy.slot, 0.4, now + 1.6)
+    (dec,) = of(Decoded, actions)
+    assert dec.weights == {copy.slot: 1.0} and CancelSlots("a", [late]) in actions
+    assert s.result("a", late, 5.0, now + 5.0) == (False, [])  # the late original is refused
+
+
+def test_a_worker_late_twice_holds_fewer_slots():
+    s = coded("none", n=400, batch=4, min_deadline_s=1000.0, heartbeat_s=1000.0, speculate=True,
+              spec_floor_s=0.1, spec_min_results=2)
+    start(s, "a", 4)
+    now = 0.0
+    for _ in range(4):
+        slot = sorted(held(s, "a"))[0]
+        now += 0.4
+        s.result("a", slot, 0.4, now)
+    assert s.workers["a"].size_factor == 1.0 and len(held(s, "a")) == 4
+    s.tick(now + 100.0)  # all four late
+    assert s.workers["a"].late == 4 and s.workers["a"].size_factor < 1.0
+    assert s.workers["a"].limit < 4
+    for slot in sorted(held(s, "a")):
+        s.result("a", slot, 0.4, now + 101)
+    assert len(held(s, "a")) <= s.workers["a"].limit
+
+
+def test_ewma_variance():
+    s = make(speed_alpha=0.5)
+    start(s, "a", 1)
+    w = s.workers["a"]
+    s._observe_speed(w, 1.0)
+    assert w.s_per_sample == 1.0 and w.s_var == 0.0
+    s._observe_speed(w, 3.0)
+    assert w.s_per_sample == pytest.approx(2.0) and w.s_var == pytest.approx(0.5 * (0 + 0.5 * 4))
+
+
+def test_max_batch_caps_the_round():
+    s = make(n=100, batch=10, max_batch=4)
+    (x,) = assigns(start(s, "a", 1))
+    assert x.parts == [[0, 0, 4]]
+
+
+def test_adaptive_chooses_none_without_stragglers_and_redundancy_with_a_heavy_tail():
+    steady = [0.01] * 64
+    assert str(adaptive.choose(steady, workers=3, partitions=3)[0]) == "none"
+    assert str(adaptive.choose(steady, workers=6, partitions=3)[0]) == "none"
+    assert str(adaptive.choose([0.01, 0.0102, 0.0099] * 20, workers=6, partitions=6)[0]) == "none"
+    rng = np.random.default_rng(0)
+    heavy = list(0.01 * (1 + rng.pareto(1.2, 200)))  # heavy-tailed: now and then 10-100x
+    choice, costs = adaptive.choose(heavy, workers=6, partitions=3)
+    assert choice.kind != "none", costs
+    assert costs[str(choice)] < 0.95 * costs["none"]
+    stalls = [0.01] * 40 + [0.5] * 10  # one worker in five stalls 50x
+    assert adaptive.choose(stalls, workers=3, partitions=3)[0].kind != "none"
+    assert str(adaptive.choose([], workers=3, partitions=3)[0]) == "none"
+
+
+def test_adaptive_scheduler_starts_with_none_then_follows_the_record():
+    s = coded("adaptive", n=1000, batch=6, partitions=3, min_deadline_s=1000.0,
+              heartbeat_s=1000.0)
+    for w in "abc":
+        start(s, w, 1)
+    assert {r.code.name for r in s.rounds.values()} == {"none"}
+    for t in [0.01] * 40 + [0.5] * 10:
+        s._observe(t)
+    assert s._policy(3).kind != "none"
+    assert s.last_costs and "none" in s.last_costs
+
+
+import numpy as np  # noqa: E402
+
+REDUNDANCY = ["none", "replicate:2", "cyclic:1", "cyclic:2", "adaptive"]
+
+
+class CodedHarness(Harness):
+    def check_decoded(self, a: Decoded):
+        # at most once, only accepted slots, and the decoded sum covers every sample once
+        assert set(a.weights) <= {s for s in a.slots if self.accepted[s] == 1}
+        coverage: dict[tuple, float] = {}
+        for slot, w in a.weights.items():
+            rnd, parts, coefficients = self.assigned_ever[slot]
+            assert rnd == a.round
+            for p, c in zip(parts, coefficients):
+                coverage[tuple(p)] = coverage.get(tuple(p), 0.0) + w * c
+        assert sorted(coverage) == sorted(tuple(p) for p in a.parts)
+        assert all(abs(v - 1.0) < 1e-9 for v in coverage.values()), coverage
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 23), batch=st.integers(1, 7), partitions=st.integers(1, 4),
+       open_rounds=st.integers(0, 3), credits=st.lists(st.integers(0, 3), min_size=3, max_size=3),
+       redundancy=st.sampled_from(REDUNDANCY), speculate=st.booleans(), sync=st.booleans(),
+       script=ops)
+def test_coded_rounds_applied_once_and_every_sample_once(n, batch, partitions, open_rounds,
+                                                        credits, redundancy, speculate, sync,
+                                                        script):
+    s = Scheduler(SchedulerConfig(batch_size=batch, partitions=partitions, open_rounds=open_rounds,
+                                  heartbeat_s=1.0, liveness=3, min_deadline_s=2.5,
+                                  redundancy=parse_redundancy(redundancy), speculate=speculate,
+                                  spec_floor_s=0.05, spec_min_results=1, adaptive_every=2,
+                                  sync=sync),
+                  Sampler(n, epochs=1))
+    h = CodedHarness(s)
+    for w, c in zip(WORKERS, credits):
+        h.join(w, c)
+    for op, w, k in script:
+        h.step(op, w, k)
+        limit = 1 if sync else open_rounds
+        if limit:
+            assert len(s.rounds) <= limit
+    h.finish()
+    assert s.finished and s.rounds == {}
+    applied = [d for r, d in h.decoded.items() if r not in h.replanned]
+    offsets = sorted(o for d in applied for (e, off, c) in d.parts for o in range(off, off + c))
+    assert offsets == list(range(n))
+    assert sum(d.samples for d in applied) == n
+    assert s.stats["rounds_decoded"] == len(h.decoded)
+    assert s.stats["results_used"] == sum(h.accepted.values())
+    assert all(v <= 1 for v in h.accepted.values())
