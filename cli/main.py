@@ -99,6 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--pause-grace", type=_non_negative(float), default=5.0, metavar="SECONDS",
                    help="a worker paused by its owner keeps its tasks this long, then they go "
                         "to others (default: 5)")
+    c.add_argument("--redundancy", default="none", metavar="CODE",
+                   help="each round's code: none, replicate:R (R copies of each partition), "
+                        "cyclic:S (gradient coding: any S slots may straggle) or adaptive "
+                        "(chosen per round from measured task times) (default: none)")
+    c.add_argument("--sync", action="store_true",
+                   help="synchronous SGD, the baseline: one round at a time, code none, one "
+                        "partition per ready worker, wait for all")
+    c.add_argument("--max-batch", type=_positive(int), metavar="N",
+                   help="cap on a round's batch; surplus workers buy redundancy and more open "
+                        "rounds (default: the job's batch size)")
+    c.add_argument("--no-speculate", dest="speculate", action="store_false",
+                   help="do not duplicate late tasks to free workers")
     c.add_argument("--threads", type=_positive(int), metavar="N", help="torch threads")
     _add_common(c)
     c.set_defaults(func=_run_coordinator)
@@ -169,6 +181,7 @@ def _setup_logging(level: str) -> None:
 def _run_coordinator(args) -> int:
     import os
 
+    from ..common.coding import parse_redundancy
     from ..common.job import parse_job_args
     from ..coordinator.aggregator import StalenessRule
     from ..coordinator.server import Coordinator, CoordinatorConfig
@@ -184,7 +197,9 @@ def _run_coordinator(args) -> int:
         target=Target.parse(args.target) if args.target else None, seed=args.seed,
         heartbeat_s=args.heartbeat, partitions=args.partitions, open_rounds=args.open_rounds,
         staleness=StalenessRule(args.staleness, args.max_staleness), eval_every=args.eval_every,
-        min_deadline_s=args.task_timeout, threads=args.threads, pause_grace_s=args.pause_grace)
+        min_deadline_s=args.task_timeout, threads=args.threads, pause_grace_s=args.pause_grace,
+        redundancy=str(parse_redundancy(args.redundancy)), sync=args.sync,
+        max_batch=args.max_batch, speculate=args.speculate)
     coordinator = Coordinator(config)
     reason = coordinator.run()
     logging.getLogger("idlegrad.coordinator").info(

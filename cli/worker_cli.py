@@ -50,6 +50,11 @@ SETTING_FLAGS: list[tuple[str, str, str, str]] = [
      "pause when other processes use more than PCT%% of the GPU (default: 10)"),
     ("--pause-when-unknown", "pause_when_unknown", "RULE,...",
      "rules whose unknown readings pause: cpu,user,battery,memory,gpu,hours,rss (default: none)"),
+    ("--slowdown", "slowdown", "X",
+     "fault injection for tests and benchmarks: every task takes X times as long (default: 1)"),
+    ("--stall", "stall", "P:SECONDS",
+     "fault injection for tests and benchmarks: with probability P a task stalls SECONDS "
+     "(default: never)"),
 ]
 BOOL_FLAGS: list[tuple[str, str, str]] = [
     ("--idle-policy", "enabled",
@@ -172,7 +177,9 @@ def run_worker(args) -> int:
         threads=settings.threads_for(config.usable_cores()), device=settings.device,
         credits=settings.credits, connect_timeout=settings.connect_timeout,
         worker_id=settings.id, policy=settings.policy(), sample_every=settings.sample_every,
-        cpu_ignore_niced=settings.cpu_ignore_niced, state_log=settings.state_log))
+        cpu_ignore_niced=settings.cpu_ignore_niced, state_log=settings.state_log,
+        slowdown=settings.slowdown,
+        stall=config.parse_stall(settings.stall) if settings.stall else None))
     reason = worker.run()
     log.info("stopped (%s) after %d results, %d pauses", reason, worker.results_sent, worker.pauses)
     return 0

@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from .. import __version__
+from ..common import coding
 from ..common import protocol as proto
 from ..common.aio import on_stop_signals
 from ..common.errors import CheckpointError, ConfigError, GradientRejected, ProtocolError

@@ -52,6 +52,9 @@ class Settings:
     memory_available_min_mb: Optional[float] = 256.0
     gpu_others_max_pct: Optional[float] = 10.0
     pause_when_unknown: tuple[str, ...] = ()
+    # fault injection, for tests and benchmarks only (off by default)
+    slowdown: float = 1.0  # every task takes this many times as long
+    stall: Optional[str] = None  # "P:SECONDS": with probability P a task stalls that long
 
     def policy(self, uses_gpu: bool = False) -> PolicyConfig:
         on = self.enabled
@@ -79,12 +82,25 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "idle": ("enabled", "resume_after", "sample_every", "cpu_others_max_pct", "cpu_ignore_niced",
              "user_idle_min_s", "pause_on_battery", "memory_available_min_mb",
              "gpu_others_max_pct", "pause_when_unknown"),
+    "faults": ("slowdown", "stall"),
 }
 KEY_OF = {name: (f"{section}.{name}" if section else name)
           for section, names in SECTIONS.items() for name in names}
 OFF_ABLE = {"cpu_others_max_pct", "user_idle_min_s", "memory_available_min_mb",
             "gpu_others_max_pct", "memory_max_mb"}
 DEVICES_HELP = "auto, cpu or cuda[:N]"
+
+
+def parse_stall(text: str) -> tuple[float, float]:
+    """'P:SECONDS' -> (probability, seconds), 0 <= P <= 1, SECONDS >= 0."""
+    p, sep, seconds = str(text).strip().partition(":")
+    try:
+        prob, wait = float(p), float(seconds)
+    except ValueError:
+        prob = wait = float("nan")
+    if not sep or not 0 <= prob <= 1 or not wait >= 0 or wait == float("inf"):
+        raise ValueError(f"{text!r} must be P:SECONDS with 0 <= P <= 1, e.g. 0.2:3")
+    return prob, wait
 
 
 def default_path() -> str:
@@ -223,6 +239,16 @@ def _check(name: str, value: Any, where: str) -> Any:
             except ValueError as exc:
                 raise _fail(where, name, str(exc)) from None
         return tuple(s.strip() for s in spans)
+    if name == "slowdown":
+        return n(minimum=1.0)
+    if name == "stall":
+        if value is None:
+            return None
+        try:
+            parse_stall(str(value))
+        except ValueError as exc:
+            raise _fail(where, name, str(exc)) from None
+        return str(value).strip()
     if name == "pause_when_unknown":
         rules = tuple(r.strip() for r in _str_list(value, where, name))
         bad = [r for r in rules if r not in RULES]

@@ -65,6 +65,8 @@ class WorkerConfig:
     sample_every: float = 0.5  # seconds between probe readings
     cpu_ignore_niced: bool = True
     state_log: Optional[str] = None  # JSON lines: every change of state, with its readings
+    slowdown: float = 1.0  # fault injection (tests, benchmarks): tasks take this many times as long
+    stall: Optional[tuple[float, float]] = None  # fault injection: (probability, seconds)
 
 
 class _Rehello(Exception):
@@ -236,6 +238,7 @@ class Worker:
             job = load_job(spec, welcome.job_args)
             self.built = build(job, device=self.device)
             self.engine = Engine(self.built, welcome.seed, self.device)
+            self.engine.slowdown, self.engine.stall = self.config.slowdown, self.config.stall
             self._built_for = key
         self.heartbeat_s = welcome.heartbeat_s
         self.liveness = welcome.liveness

@@ -8,6 +8,7 @@ on the gate (no CPU), and the paused time is not counted as compute time.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -51,6 +52,10 @@ class Engine:
         self.device = device
         self.micro_batch = 16  # grows after the first measurement
         self._s_per_sample: Optional[float] = None
+        # fault injection for tests and benchmarks (the worker's --slowdown and --stall)
+        self.slowdown = 1.0
+        self.stall: Optional[tuple[float, float]] = None  # (probability, seconds)
+        self._random = random.Random()
 
     def check(self, work: Work) -> None:
         """Raise ValueError for a task this worker cannot compute (parts outside its data)."""
@@ -92,10 +97,38 @@ class Engine:
                 samples += len(chunk)
                 position += len(chunk)
                 self._observe(len(chunk), time.perf_counter() - t0)
+        injected = self._injected_delay(time.perf_counter() - start - paused_s)
+        if injected > 0:
+            paused_s += self._sleep(injected, cancel, running)
         gradient = model.grads.detach().to("cpu", copy=True)
         return Outcome(work.slot, work.version, gradient, samples,
                        loss_sum / samples if samples else 0.0,
                        max(0.0, time.perf_counter() - start - paused_s))
+
+    INJECT_STEP_S = 0.05  # injected delays sleep in steps this small: cancel and pause stay prompt
+
+    def _injected_delay(self, compute_s: float) -> float:
+        delay = max(0.0, self.slowdown - 1.0) * compute_s
+        if self.stall is not None and self._random.random() < self.stall[0]:
+            delay += self.stall[1]
+        return delay
+
+    def _sleep(self, seconds: float, cancel: threading.Event,
+               running: Optional[threading.Event]) -> float:
+        """Sleep `seconds` of (simulated) compute in small steps, honouring cancel and pause;
+        returns the paused time (not counted as compute)."""
+        paused = 0.0
+        end = time.perf_counter() + seconds
+        while True:
+            if running is not None and not running.is_set():
+                t0 = time.perf_counter()
+                paused += self._wait(running, cancel)
+                end += time.perf_counter() - t0
+            left = end - time.perf_counter()
+            if left <= 0:
+                return paused
+            if cancel.wait(min(self.INJECT_STEP_S, left)):
+                raise Cancelled()
 
     def _wait(self, running: threading.Event, cancel: threading.Event) -> float:
         """Sleep until the gate opens (or cancel); the seconds slept."""

@@ -112,12 +112,18 @@ def test_worker_pauses_for_a_hog_hands_back_its_slots_resumes_and_training_finis
     assert worker(during, "guest")["state"] == "paused"
     assert worker(during, "guest")["done"] == guest_done, "the guest computed while paused"
     assert during["state"] == "training", "training ended before the guest could resume"
+    # The helper leaves, so the rest of training waits for the guest: however fast this machine
+    # is, the target cannot be reached before the guest has resumed.
+    ok, detail = status.source.control("drain", "helper")
+    assert ok, detail
+    assert helper.wait(timeout=60) == 0
     kill_hogs()
     ended = time.time()
 
     resumed = status.wait_for(lambda s: worker(s, "guest").get("state") != "paused"
                               and worker(s, "guest").get("done", 0) > guest_done,
-                              "the guest resuming and computing again", timeout=30, alive=procs)
+                              "the guest resuming and computing again", timeout=30,
+                              alive=[coordinator, guest])
     assert resumed["state"] == "training"
 
     assert status.follow(coordinator) == 0

@@ -1,0 +1,73 @@
+"""Fault injection for tests and benchmarks (issue 3): the worker's --slowdown and --stall."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from idlegrad.cli.main import build_parser
+from idlegrad.cli.worker_cli import settings_of
+from idlegrad.common.errors import ConfigError
+from idlegrad.worker import config
+from idlegrad.worker.engine import Cancelled, Engine
+
+
+def settings(*argv):
+    return settings_of(build_parser().parse_args(["worker", "--config", "/dev/null", *argv]))[0]
+
+
+def test_off_by_default_and_set_by_flags():
+    plain = settings()
+    assert plain.slowdown == 1.0 and plain.stall is None
+    s = settings("--slowdown", "5", "--stall", "0.2:3")
+    assert s.slowdown == 5.0 and config.parse_stall(s.stall) == (0.2, 3.0)
+    assert "[faults]" in config.to_toml(s) and "slowdown = 5.0" in config.to_toml(s)
+
+
+@pytest.mark.parametrize("argv", [("--slowdown", "0.5"), ("--slowdown", "x"), ("--stall", "2:1"),
+                                  ("--stall", "0.5"), ("--stall", "0.5:-1"), ("--stall", "a:b")])
+def test_bad_values_one_line(argv):
+    with pytest.raises(ConfigError) as info:
+        settings(*argv)
+    assert "\n" not in str(info.value) and argv[0] in str(info.value)
+
+
+def bare_engine() -> Engine:
+    engine = Engine.__new__(Engine)  # the injection needs no job
+    engine.slowdown, engine.stall = 1.0, None
+    import random
+    engine._random = random.Random(0)
+    return engine
+
+
+def test_injected_delay():
+    engine = bare_engine()
+    assert engine._injected_delay(0.3) == 0.0
+    engine.slowdown = 3.0
+    assert engine._injected_delay(0.3) == pytest.approx(0.6)
+    engine.slowdown, engine.stall = 1.0, (1.0, 2.0)
+    assert engine._injected_delay(0.3) == 2.0
+    engine.stall = (0.0, 2.0)
+    assert engine._injected_delay(0.3) == 0.0
+
+
+def test_injected_sleep_is_cancellable_and_pausable():
+    engine = bare_engine()
+    cancel, running = threading.Event(), threading.Event()
+    running.set()
+    t0 = time.perf_counter()
+    assert engine._sleep(0.2, cancel, running) == 0.0
+    assert 0.19 <= time.perf_counter() - t0 < 1.0
+    threading.Timer(0.1, cancel.set).start()
+    t0 = time.perf_counter()
+    with pytest.raises(Cancelled):
+        engine._sleep(30.0, cancel, running)
+    assert time.perf_counter() - t0 < 1.0  # a stalled task is cancelled promptly
+    cancel.clear()
+    running.clear()
+    threading.Timer(0.3, running.set).start()
+    t0 = time.perf_counter()
+    paused = engine._sleep(0.1, cancel, running)
+    assert paused >= 0.25 and time.perf_counter() - t0 >= 0.35  # the pause does not eat the delay
