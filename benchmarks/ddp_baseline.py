@@ -60,6 +60,7 @@ def rank_main(rank: int, world: int, port: int, target: float, max_steps: int, o
         with open(out, "w") as fh:
             json.dump({"steps": steps, "samples": steps * 32 * world, "test_accuracy": acc,
                        "train_s": time.perf_counter() - t0}, fh)
+    dist.barrier()  # nobody tears gloo down while a peer still talks (that aborts the peer)
     dist.destroy_process_group()
 
 
