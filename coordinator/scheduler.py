@@ -291,9 +291,11 @@ class Scheduler:
                 self.stats["slots_redundant"] += 1
                 actions += self._cancel_holders(other, now)
         weights = coding.decode(round_.code, round_.arrived)
-        if weights is not None:
-            actions += self._close_round(round_, weights, now)
         self.stats["results_used"] += 1
+        if weights is not None:
+            # No new round yet: it must be planned at the version this round's step creates, so
+            # the fill waits for `applied` (else even synchronous rounds would run one step stale).
+            return True, actions + self._close_round(round_, weights, now)
         return True, actions + self._fill(now)
 
     def failed(self, worker_id: str, slot_id: int, now: float) -> list[Action]:
@@ -357,9 +359,11 @@ class Scheduler:
             self._draining.add(worker_id)
         return self._fill(now)
 
-    def applied(self, version: int) -> None:
-        """The server stepped the model; new rounds are planned at this version."""
+    def applied(self, version: int, now: float) -> list[Action]:
+        """The server handled a `Decoded` round (stepped the model, or replanned the round):
+        `version` is the model's version now, at which the slots it frees are planned."""
         self.version = version
+        return self._fill(now)
 
     def replan(self, decoded: Decoded) -> None:
         """A decoded round that could not be applied (too stale): its samples come back."""

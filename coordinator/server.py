@@ -500,7 +500,7 @@ class Coordinator:
                 if route is not None:
                     await self._send(route, proto.Cancel(slots=action.slots))
             elif isinstance(action, Decoded):
-                self._apply(action)
+                await self._perform(self._apply(action))
             elif isinstance(action, Drained):
                 route = self.routes.get(action.worker)
                 self._event("drained", f"{action.worker} drained; sending it home",
@@ -526,7 +526,8 @@ class Coordinator:
             self._snapshots[version] = snap
         return snap[1]
 
-    def _apply(self, decoded: Decoded) -> None:
+    def _apply(self, decoded: Decoded) -> list:
+        """Step with a decoded round (or replan it); returns the scheduler's follow-up actions."""
         grads = [(self._grads[s], w) for s, w in decoded.weights.items()]
         for slot in decoded.slots:
             self._grads.pop(slot, None)
@@ -544,17 +545,18 @@ class Coordinator:
         except GradientRejected as exc:
             self.counters["rounds_rejected"] += 1
             self._event("rejected", f"round {decoded.round}: {exc}", level=logging.WARNING)
-            self.scheduler.replan(decoded)
-            return
+            weight = None
+        else:
+            if weight is None:
+                self.counters["rounds_too_stale"] += 1
         if weight is None:
-            self.counters["rounds_too_stale"] += 1
             self.scheduler.replan(decoded)
-            return
-        self.samples_applied += decoded.samples
-        self._rate.append((time.monotonic(), self.samples_applied))
-        self.scheduler.applied(self.aggregator.version)
-        for version in [v for v in self._snapshots if not self.scheduler.version_in_use(v)]:
-            del self._snapshots[version]
+        else:
+            self.samples_applied += decoded.samples
+            self._rate.append((time.monotonic(), self.samples_applied))
+            for version in [v for v in self._snapshots if not self.scheduler.version_in_use(v)]:
+                del self._snapshots[version]
+        return self.scheduler.applied(self.aggregator.version, time.monotonic())
 
     # status ---------------------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ import pytest
 
 from idlegrad.common import protocol as proto
 from idlegrad.coordinator.sampler import Sampler
-from idlegrad.coordinator.scheduler import Assign, CancelSlots, Drained, Scheduler, SchedulerConfig
+from idlegrad.coordinator.scheduler import (
+    Assign, CancelSlots, Decoded, Drained, Scheduler, SchedulerConfig)
 from idlegrad.coordinator.status import build_snapshot, events_after
 
 
@@ -39,7 +40,8 @@ def test_pause_hands_out_nothing_but_held_slots_still_count():
     assert of(Assign, start(s, "b", 2, now=1.0)) == []
     # results of held slots are still used (and decode), but free no new slot
     used, actions = s.result("a", held[0].slot, 0.1, now=2.0)
-    assert used
+    assert used and of(Decoded, actions)
+    actions += s.applied(1, 2.0)  # the server steps the model: still no refill while paused
     assert of(Assign, actions) == []
     assert len(s.workers["a"].assigned) == 1
     # ticks (requeues, liveness) assign nothing either
@@ -90,11 +92,13 @@ def test_drain_waits_for_held_slots_and_gives_no_new_ones():
     start(s, "b", 1)
     assert of(Drained, s.drain("a", now=1.0)) == []
     used, actions = s.result("a", held[0].slot, 0.1, now=2.0)
-    assert used
+    assert used and of(Decoded, actions)
+    actions += s.applied(1, 2.0)
     assert [a.worker for a in of(Assign, actions)] == []  # b is full, a is draining
     assert of(Drained, actions) == []
     used, actions = s.result("a", held[1].slot, 0.1, now=3.0)
-    assert used
+    assert used and of(Decoded, actions)
+    actions += s.applied(2, 3.0)
     assert of(Drained, actions) == [Drained("a")]
     assert all(a.worker != "a" for a in of(Assign, actions))
     assert s.workers["a"].assigned == {}
@@ -114,10 +118,13 @@ def test_drain_done_when_last_slot_is_cancelled_or_fails():
     # b frees a credit and takes the late slot
     b_slots = sorted(s.workers["b"].assigned)
     used, actions = s.result("b", b_slots[0], 0.1, now=6.1)
+    assert of(Decoded, actions)
+    actions += s.applied(1, 6.1)
     assert any(a.slot == held[1].slot and a.worker == "b" for a in of(Assign, actions))
     used, actions = s.result("b", held[1].slot, 0.1, now=6.2)
-    assert used
+    assert used and of(Decoded, actions)
     assert CancelSlots("a", [held[1].slot]) in actions
+    actions += s.applied(2, 6.2)
     assert Drained("a") in actions
 
 
@@ -137,6 +144,8 @@ def test_drained_worker_does_not_block_pause_or_others():
     s.pause()
     assert s.drain("a", now=1.0) == []  # it still holds its slot
     used, actions = s.result("a", next(iter(s.workers["a"].assigned)), 0.1, now=2.0)
+    assert used and of(Decoded, actions)
+    actions += s.applied(1, 2.0)
     assert of(Drained, actions) == [Drained("a")]  # paused: the drain still completes
     assert of(Assign, actions) == []
 
@@ -152,6 +161,7 @@ def _scheduler_with(n_workers: int) -> Scheduler:
         w = s.workers[f"w{i:04d}"]
         slot = next(iter(w.assigned))
         s.result(w.id, slot, 0.05, now=2.0)
+        s.applied(s.version + 1, 2.0)  # as the server does after each decoded round
     return s
 
 
@@ -191,8 +201,8 @@ def test_worker_mean_staleness():
     a = of(Assign, start(s, "a", 1))
     b = of(Assign, start(s, "b", 1))
     s.result("a", a[0].slot, 0.1, now=1.0)
-    s.applied(1)
-    s.applied(2)  # two steps later b answers a slot planned at version 0
+    s.applied(1, 1.0)
+    s.applied(2, 1.0)  # two steps later b answers a slot planned at version 0
     s.result("b", b[0].slot, 0.1, now=1.0)
     snap = build_snapshot(s, 1.0, {})
     rows = {w["id"]: w for w in snap["workers"]}

@@ -34,6 +34,16 @@ def start(s: Scheduler, worker: str, credits: int, now: float = 0.0) -> list:
     return s.ready(worker, credits, now)
 
 
+def answer(s: Scheduler, worker: str, slot: int, compute_s: float, now: float):
+    """A result as the server handles it: a round it decodes is stepped (`applied` at the next
+    version) before the freed credits are refilled. Returns (used, result's actions + refill)."""
+    ok, actions = s.result(worker, slot, compute_s, now)
+    if of(Decoded, actions):
+        assert not assigns(actions)  # nothing is planned before the step
+        actions = actions + s.applied(s.version + 1, now)
+    return ok, actions
+
+
 # join, ready, assign --------------------------------------------------------------------------
 
 
@@ -70,13 +80,13 @@ def test_send_model_again_for_a_new_version():
     s = make(n=40, batch=4)
     first = assigns(start(s, "a", 1))[0]
     assert first.send_model
-    s.applied(1)
     ok, actions = s.result("a", first.slot, 0.1, 1.0)
-    assert ok
-    nxt = assigns(actions, "a")
+    assert ok and of(Decoded, actions)
+    assert not assigns(actions)  # the next round waits for the step
+    nxt = assigns(s.applied(1, 1.0), "a")
     assert len(nxt) == 1 and nxt[0].version == 1 and nxt[0].send_model is True
     ok, actions = s.result("a", nxt[0].slot, 0.1, 2.0)
-    assert assigns(actions, "a")[0].send_model is False  # still at version 1
+    assert assigns(s.applied(1, 2.0), "a")[0].send_model is False  # not stepped: still version 1
     # a second worker needs the model too
     b = assigns(start(s, "b", 1, 2.0))
     assert b[0].send_model is True
@@ -115,10 +125,10 @@ def test_result_accepted_decodes_a_round_of_one_partition():
     decoded = of(Decoded, actions)
     assert decoded == [Decoded(round=x.round, version=0, parts=[(0, 0, 4)], samples=4,
                                weights={x.slot: 1.0}, slots=[x.slot])]
-    # the freed credit is refilled at once, with the next round
-    refill = assigns(actions)
-    assert len(refill) == 1 and refill[0].parts == [[0, 4, 4]]
-    assert actions.index(decoded[0]) < actions.index(refill[0])
+    assert assigns(actions) == []  # the next round waits for the step
+    # the freed credit is refilled once the step is applied, with the next round
+    refill = assigns(s.applied(1, 1.0))
+    assert len(refill) == 1 and refill[0].parts == [[0, 4, 4]] and refill[0].version == 1
     assert x.round not in s.rounds and x.slot not in s.slots
     assert s.stats["results_used"] == 1 and s.stats["rounds_decoded"] == 1
     w = s.workers["a"]
@@ -142,8 +152,10 @@ def test_round_of_three_partitions_decodes_after_all_three():
     assert d.weights == {x.slot: 1.0 for x in a}
     assert sorted(d.slots) == sorted(x.slot for x in a)
     assert d.parts == [(0, 0, 2), (0, 2, 2), (0, 4, 2)]
-    # open_rounds=1: only now the next round opens, and the worker gets three slots of it
-    nxt = assigns(act3)
+    # open_rounds=1: only now (after the step) the next round opens, and the worker gets
+    # three slots of it
+    assert assigns(act3) == []
+    nxt = assigns(s.applied(1, 1.0))
     assert len(nxt) == 3 and len({x.round for x in nxt}) == 1
     assert nxt[0].parts == [[0, 6, 2]]
 
@@ -241,10 +253,10 @@ def test_deadline_grows_with_measured_speed():
     s = make(n=100, batch=10, min_deadline_s=1.0, deadline_factor=4.0, speed_alpha=0.5)
     x = assigns(start(s, "a", 1))[0]
     assert x.deadline_s == 1.0  # nothing measured yet: the minimum
-    ok, actions = s.result("a", x.slot, 2.0, 5.0)  # 0.2 s per sample
+    ok, actions = answer(s, "a", x.slot, 2.0, 5.0)  # 0.2 s per sample
     (y,) = assigns(actions)
     assert y.deadline_s == pytest.approx(4.0 * 0.2 * 10)
-    ok, actions = s.result("a", y.slot, 4.0, 10.0)  # 0.4 s per sample: EWMA 0.3
+    ok, actions = answer(s, "a", y.slot, 4.0, 10.0)  # 0.4 s per sample: EWMA 0.3
     assert s.workers["a"].s_per_sample == pytest.approx(0.3)
     assert assigns(actions)[0].deadline_s == pytest.approx(4.0 * 0.3 * 10)
 
@@ -292,7 +304,8 @@ def test_open_rounds_limit():
     assert len(a) == 2 and len(s.rounds) == 2
     assert assigns(start(s, "b", 5)) == []
     ok, actions = s.result("a", a[0].slot, 0.1, 1.0)
-    new = assigns(actions)
+    assert of(Decoded, actions) and assigns(actions) == [] and len(s.rounds) == 1
+    new = assigns(s.applied(1, 1.0))
     assert len(new) == 1 and len(s.rounds) == 2
     unlimited = make(n=100, batch=4, open_rounds=0)
     assert len(assigns(start(unlimited, "a", 5))) == 5
@@ -304,9 +317,11 @@ def test_finished_after_epochs_and_all_rounds_decoded():
     assert len(a) == 2  # only two rounds in the whole plan
     assert s.sampler.exhausted and not s.finished
     s.result("a", a[0].slot, 0.1, 1.0)
+    assert assigns(s.applied(1, 1.0)) == []  # nothing left to plan
     assert not s.finished
     ok, actions = s.result("a", a[1].slot, 0.1, 1.0)
     assert ok and assigns(actions) == []
+    assert assigns(s.applied(2, 1.0)) == []
     assert s.finished
 
 
@@ -314,8 +329,8 @@ def test_version_in_use():
     s = make(n=40, batch=4)
     a = assigns(start(s, "a", 2))
     assert s.version_in_use(0) and not s.version_in_use(1)
-    s.applied(1)
     ok, actions = s.result("a", a[0].slot, 0.1, 1.0)
+    actions += s.applied(1, 1.0)
     assert s.version_in_use(0)  # a[1]'s round is still open at version 0
     assert s.version_in_use(1)  # the refill opened a round at version 1
     s.result("a", a[1].slot, 0.1, 1.0)
@@ -328,16 +343,22 @@ def test_replan_puts_parts_back():
     a = assigns(start(s, "a", 1))[0]
     ok, actions = s.result("a", a.slot, 0.1, 1.0)
     (decoded,) = of(Decoded, actions)
-    (b,) = assigns(actions)
-    assert b.parts == [[0, 4, 4]]
+    assert assigns(actions) == []
+    # as the server does with a round too stale to apply: replan it, then `applied` at the
+    # unchanged version; its parts come out again, as a new round, before new data
     s.replan(decoded)
     assert s.stats["rounds_replanned"] == 1
-    ok, actions = s.result("a", b.slot, 0.1, 2.0)
     assert not s.finished
-    (again,) = assigns(actions)
-    assert again.parts == [[0, 0, 4]] and again.round != a.round
-    ok, actions = s.result("a", again.slot, 0.1, 3.0)
+    (again,) = assigns(s.applied(0, 1.0))
+    assert again.parts == [[0, 0, 4]] and again.round != a.round and again.version == 0
+    ok, actions = s.result("a", again.slot, 0.1, 2.0)
     assert of(Decoded, actions)[0].parts == [(0, 0, 4)]
+    assert not s.finished
+    (b,) = assigns(s.applied(1, 2.0))
+    assert b.parts == [[0, 4, 4]] and b.version == 1
+    ok, actions = s.result("a", b.slot, 0.1, 3.0)
+    assert of(Decoded, actions)[0].parts == [(0, 4, 4)]
+    assert assigns(s.applied(2, 3.0)) == []
     assert s.finished
 
 
@@ -375,11 +396,16 @@ ops = st.lists(st.tuples(st.sampled_from(OPS), st.sampled_from(WORKERS + ["all"]
 
 
 class Harness:
-    """Drives a scheduler and mirrors, from the actions alone, what every worker holds."""
+    """Drives a scheduler and mirrors, from the actions alone, what every worker holds.
+
+    Like the server, it steps the model on every `Decoded` (`applied` at the next version) and
+    performs the refill that `applied` returns."""
 
     def __init__(self, s: Scheduler):
         self.s = s
         self.now = 0.0
+        self.version = s.version  # the model's version: one step per decoded round
+        self.round_version: dict[int, int] = {}  # round -> the version it was planned at
         self.held: dict[str, set[int]] = {}
         self.assigned_ever: dict[int, tuple] = {}  # slot -> (round, parts) of its first Assign
         self.decoded: dict[int, Decoded] = {}
@@ -396,6 +422,8 @@ class Harness:
                 self.held[a.worker].add(a.slot)
                 first = self.assigned_ever.setdefault(a.slot, (a.round, a.parts, a.coefficients))
                 assert first == (a.round, a.parts, a.coefficients)  # a slot never changes
+                # a new round is planned at the model's current version, never a stale one
+                assert self.round_version.setdefault(a.round, self.version) == a.version
             elif isinstance(a, CancelSlots):
                 assert set(a.slots) <= self.held[a.worker]
                 self.held[a.worker] -= set(a.slots)
@@ -405,7 +433,11 @@ class Harness:
                 assert a.round not in self.decoded  # exactly once
                 self.decoded[a.round] = a
                 assert set(a.weights) <= set(a.slots)
+                assert a.version == self.round_version[a.round]
                 self.check_decoded(a)
+                # the server steps (or replans) the round, then the scheduler refills
+                self.version += 1
+                self.perform(self.s.applied(self.version, self.now))
         self.check()
 
     def check_decoded(self, a: Decoded):
@@ -435,6 +467,8 @@ class Harness:
         if ok:
             self.accepted[slot] += 1
             assert self.accepted[slot] == 1  # the first answer only
+        if of(Decoded, actions):
+            assert not of(Assign, actions)  # nothing is planned before the step is applied
         self.perform(actions)
         return ok
 
@@ -542,8 +576,8 @@ def test_paused_worker_gets_nothing_new_and_keeps_its_slots_for_the_grace():
     assert s.workers["a"].cancelled == 2
     assert s.result("a", moved.slot, 1.0, 6.5) == (False, [])  # its late answer is refused
     ok, actions = s.result("b", moved.slot, 1.0, 7.0)
-    assert ok
-    (second,) = assigns(actions)  # the other withdrawn slot goes to b next
+    assert ok and of(Decoded, actions) and assigns(actions) == []
+    (second,) = assigns(s.applied(1, 7.0))  # the other withdrawn slot goes to b next
     assert second.worker == "b" and {moved.slot, second.slot} == held_a
 
 
@@ -558,7 +592,7 @@ def test_paused_worker_is_not_refilled_even_with_credits_and_resumes_with_ready(
     assert s.workers["a"].paused_since is None
     (x,) = assigns(s.ready("a", 1, 2.0))
     assert x.worker == "a" and not x.send_model  # its withdrawn slot, at the version it holds
-    s.applied(1)
+    s.applied(1, 2.0)
     (y,) = assigns(s.ready("a", 2, 2.5))
     assert y.version == 1 and y.send_model  # a newer version: the model goes along (re-sync)
 
@@ -633,7 +667,9 @@ def test_cyclic_round_decodes_from_any_two_of_three_and_cancels_the_third():
     (dec,) = of(Decoded, actions)
     assert set(dec.weights) == {slots[1].slot, slots[2].slot}
     assert CancelSlots("a", [slots[0].slot]) in actions
-    assert s.stats["rounds_cyclic"] == 2  # and the next round, opened on the decode
+    assert assigns(actions) == [] and s.stats["rounds_cyclic"] == 1
+    assert assigns(s.applied(1, 1.0))
+    assert s.stats["rounds_cyclic"] == 2  # and the next round, opened after the step
 
 
 def test_sync_one_round_one_partition_per_ready_worker_one_slot_each():
@@ -652,6 +688,52 @@ def test_sync_one_round_one_partition_per_ready_worker_one_slot_each():
     assert assigns(actions) == []  # the next round waits for the whole batch: wait for all
 
 
+def test_the_next_round_is_planned_at_the_stepped_version_sync_and_async():
+    """Regression: the refill after a decoded round used to be planned inside `result`, before
+    the server stepped the model, so every round (even --sync) ran one version stale. Now
+    `result` plans nothing when its round decodes; `applied(v + 1)` plans at version v + 1."""
+    # sync: every round at the version of the latest step (staleness 0)
+    s = make(n=600, batch=6, sync=True)
+    for w in "ab":
+        s.join(w, {}, 0.0)
+        s.workers[w].capacity = 1
+    got = assigns(s.ready("a", 1, 0.0)) + assigns(s.ready("b", 1, 0.0))
+    now = 0.0
+    for v in range(4):
+        assert sorted(x.worker for x in got) == ["a", "b"] and len(s.rounds) == 1
+        assert all(x.version == v for x in got) and len({x.round for x in got}) == 1
+        assert all(x.send_model for x in got)  # a new version each round: the model goes along
+        now += 1.0
+        ok, actions = s.result("a", got[0].slot, 0.1, now)
+        assert ok and not of(Decoded, actions) and assigns(actions) == []
+        ok, actions = s.result("b", got[1].slot, 0.1, now)
+        (dec,) = of(Decoded, actions)
+        assert ok and dec.version == v and dec.round == got[0].round
+        assert assigns(actions) == [] and s.rounds == {}  # nothing planned before the step
+        got = assigns(s.applied(v + 1, now))
+        assert all(x.version == v + 1 and x.send_model for x in got)
+        assert s.version_in_use(v + 1) and not s.version_in_use(v)
+    assert s.workers["a"].staleness == s.workers["b"].staleness == 0
+
+    # async, code none (the default): a decoded round's credit is refilled at v + 1
+    s = make(n=400, batch=4)
+    a = assigns(start(s, "a", 2))
+    assert [x.version for x in a] == [0, 0]
+    ok, actions = s.result("a", a[0].slot, 0.1, 1.0)
+    assert ok and of(Decoded, actions)[0].version == 0 and assigns(actions) == []
+    (x,) = assigns(s.applied(1, 1.0))
+    assert x.version == 1 and x.send_model
+    ok, actions = s.result("a", a[1].slot, 0.1, 2.0)  # planned at 0, answered at 1
+    assert ok and of(Decoded, actions)[0].version == 0 and assigns(actions) == []
+    (y,) = assigns(s.applied(2, 2.0))
+    assert y.version == 2 and y.send_model
+    assert s.workers["a"].staleness == 1  # only the round planned before the first step
+    ok, actions = s.result("a", x.slot, 0.1, 3.0)  # planned at 1, answered at 2
+    assert ok and of(Decoded, actions)[0].version == 1 and assigns(actions) == []
+    (z,) = assigns(s.applied(3, 3.0))
+    assert z.version == 3 and s.workers["a"].staleness == 2
+
+
 def late_setup(**config):
     s = coded("none", n=400, batch=4, open_rounds=2, min_deadline_s=1000.0, heartbeat_s=1000.0,
               speculate=True, spec_floor_s=0.5, spec_min_results=2, **config)
@@ -660,7 +742,7 @@ def late_setup(**config):
     for _ in range(3):  # a: 0.1 s per sample, steady
         (x,) = list(held(s, "a"))
         now += 0.4
-        s.result("a", x, 0.4, now)
+        answer(s, "a", x, 0.4, now)
     return s, now
 
 
@@ -670,7 +752,7 @@ def test_a_late_slot_is_speculated_to_a_free_worker_and_applied_once():
     assert s.tick(now + 0.5) == []  # on time (0.4 s predicted + 0.5 s floor)
     assert start(s, "b", 1, now + 0.5) != []
     (b_first,) = held(s, "b")
-    ok, actions = s.result("b", b_first, 0.4, now + 0.6)
+    ok, actions = answer(s, "b", b_first, 0.4, now + 0.6)
     (b_next,) = held(s, "b")
     actions = s.tick(now + 1.0)  # a's slot is 1.0 s old: late past 0.4 + 0.5
     assert s.stats["slots_speculated"] == 1
@@ -679,7 +761,7 @@ def test_a_late_slot_is_speculated_to_a_free_worker_and_applied_once():
     round_ = s.rounds[s.slots[late].round]
     assert round_.code.slots == 2 and round_.code.name == "none"
     # b finishes its slot and takes the speculative copy first
-    ok, actions = s.result("b", b_next, 0.4, now + 1.2)
+    ok, actions = answer(s, "b", b_next, 0.4, now + 1.2)
     (copy,) = [x for x in assigns(actions) if x.worker == "b"]
     assert copy.round == round_.id and copy.slot != late
     assert copy.parts == [list(p) for p in round_.parts]
@@ -697,14 +779,15 @@ def test_a_worker_late_twice_holds_fewer_slots():
     for _ in range(4):
         slot = sorted(held(s, "a"))[0]
         now += 0.4
-        s.result("a", slot, 0.4, now)
+        answer(s, "a", slot, 0.4, now)
     assert s.workers["a"].size_factor == 1.0 and len(held(s, "a")) == 4
     s.tick(now + 100.0)  # all four late
     assert s.workers["a"].late == 4 and s.workers["a"].size_factor < 1.0
     assert s.workers["a"].limit < 4
     for slot in sorted(held(s, "a")):
-        s.result("a", slot, 0.4, now + 101)
-    assert len(held(s, "a")) <= s.workers["a"].limit
+        answer(s, "a", slot, 0.4, now + 101)
+    assert held(s, "a")  # refilled after each step ...
+    assert len(held(s, "a")) <= s.workers["a"].limit  # ... but only up to its smaller limit
 
 
 def test_ewma_variance():
@@ -756,6 +839,11 @@ REDUNDANCY = ["none", "replicate:2", "cyclic:1", "cyclic:2", "adaptive"]
 
 
 class CodedHarness(Harness):
+    def perform(self, actions):
+        if self.s.config.sync:  # one round at a time, planned at the current version: never stale
+            assert all(a.version == self.version for a in of(Assign, actions))
+        super().perform(actions)
+
     def check_decoded(self, a: Decoded):
         # at most once, only accepted slots, and the decoded sum covers every sample once
         assert set(a.weights) <= {s for s in a.slots if self.accepted[s] == 1}
