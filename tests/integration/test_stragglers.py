@@ -16,7 +16,8 @@ from .harness import final_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-SLOW_DIGITS = ("--job", "digits", "--job-arg", "hidden=4096")
+# A small learning rate: training must outlast the checks made while the victim is stopped.
+SLOW_DIGITS = ("--job", "digits", "--job-arg", "hidden=4096", "--job-arg", "lr=0.0003")
 
 
 def worker_of(snap: dict, name: str):
@@ -27,7 +28,7 @@ def worker_of(snap: dict, name: str):
 def test_sigstopped_worker_does_not_block_rounds(cluster, request, redundancy):
     ckpt = cluster.dir / "ckpt"
     coordinator, workers = cluster.start_together(
-        [*SLOW_DIGITS, "--target", "accuracy=0.9", "--epochs", "200", "--partitions", "3",
+        [*SLOW_DIGITS, "--target", "accuracy=0.96", "--epochs", "200", "--partitions", "3",
          "--redundancy", redundancy, "--heartbeat", "5", "--task-timeout", "120",
          "--open-rounds", "1", "--no-speculate", "--checkpoint-dir", str(ckpt)], ["w1", "w2", "victim"])
     victim = workers[2]
@@ -64,7 +65,7 @@ def test_sigstopped_worker_does_not_block_rounds(cluster, request, redundancy):
     # Training reaches its target; the stopped worker never answered.
     assert status.follow(coordinator, timeout=90) == 0
     final = final_metrics(ckpt / "metrics.jsonl")
-    assert final["reason"] == "target" and final["metrics"]["accuracy"] >= 0.9
+    assert final["reason"] == "target" and final["metrics"]["accuracy"] >= 0.96
     last = worker_of(status.last, "victim")
     assert last is None or last["done"] == worker_of(before, "victim")["done"]
     for w in workers[:2]:
