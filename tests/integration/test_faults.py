@@ -27,7 +27,7 @@ def computing(snap: dict) -> set[str]:
 
 
 def test_worker_kill9_mid_training_loses_and_duplicates_nothing(cluster, digits_train_size):
-    epochs = 12
+    epochs = 30  # long enough to outlast the eviction (3 heartbeats of 0.5 s) on a fast machine
     total = epochs * digits_train_size
     ckpt = cluster.dir / "ckpt"
     coordinator, (survivor, victim) = cluster.start_together(
