@@ -56,7 +56,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -195,40 +194,6 @@ class Run:
                 log.close()
 
 
-def wait_for_hellos(address: str, names: list[str], procs: list[subprocess.Popen],
-                    timeout: float) -> None:
-    """A stand-in ROUTER on the coordinator's address until every worker has said HELLO, so that
-    all of them join the real coordinator within a moment of its bind (harness.start_together)."""
-    import zmq
-
-    from idlegrad.common import protocol as proto
-    from idlegrad.common.errors import ProtocolError
-
-    ctx = zmq.Context()
-    door = ctx.socket(zmq.ROUTER)
-    door.setsockopt(zmq.LINGER, 0)
-    door.bind(address)
-    try:
-        knocking: set[str] = set()
-        end = time.monotonic() + timeout
-        while knocking != set(names):
-            if time.monotonic() > end:
-                raise RuntimeError(f"only {sorted(knocking)} of {names} said hello in {timeout:g}s")
-            for proc in procs:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"a worker exited ({proc.returncode}) before saying hello")
-            if door.poll(200, zmq.POLLIN):
-                try:
-                    msg = proto.decode(door.recv_multipart()[1:])
-                except ProtocolError:
-                    continue
-                if isinstance(msg, proto.Hello):
-                    knocking.add(msg.worker_id)
-    finally:
-        door.close(0)
-        ctx.term()
-
-
 def coordinator_args(mode: str, args, address: str, ckpt: Path) -> list[str]:
     out = ["coordinator", "--bind", address, "--job", "synthetic",
            "--job-arg", f"params={args.params}", "--job-arg", f"batch_size={args.batch}",
@@ -276,7 +241,7 @@ class Wasted:
 
 
 def run_idlegrad(mode: str, args, directory: Path) -> dict:
-    from idlegrad.cli.processes import free_port
+    from idlegrad.cli.processes import free_port, wait_for_hellos
     from idlegrad.monitor.source import ZmqStatusSource
 
     faults = not mode.endswith("-clean")

@@ -49,6 +49,47 @@ def _signal(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def wait_for_hellos(address: str, names: Sequence[str], processes: Sequence[subprocess.Popen],
+                    timeout: float) -> None:
+    """Hold a stand-in ROUTER on a coordinator's address until every named worker has said HELLO.
+
+    Workers started first and released this way all join the real coordinator within a moment of
+    its bind, instead of seconds apart (a short run could otherwise end before a late worker
+    joins). A worker that said HELLO is in its reconnect loop and says it again to the real one.
+    Raises RuntimeError when a worker exits first or the deadline passes.
+    """
+    import zmq
+
+    from ..common import protocol as proto
+    from ..common.errors import ProtocolError
+
+    ctx = zmq.Context()
+    door = ctx.socket(zmq.ROUTER)
+    door.setsockopt(zmq.LINGER, 0)
+    door.bind(address)
+    try:
+        knocking: set[str] = set()
+        end = time.monotonic() + timeout
+        while knocking != set(names):
+            if time.monotonic() > end:
+                raise RuntimeError(f"only {sorted(knocking)} of {list(names)} said hello "
+                                   f"within {timeout:g}s")
+            for proc in processes:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"a worker (pid {proc.pid}) exited ({proc.returncode}) "
+                                       "before saying hello")
+            if door.poll(200, zmq.POLLIN):
+                try:
+                    msg = proto.decode(door.recv_multipart()[1:])
+                except ProtocolError:
+                    continue
+                if isinstance(msg, proto.Hello):
+                    knocking.add(msg.worker_id)
+    finally:
+        door.close(0)
+        ctx.term()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

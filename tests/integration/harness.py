@@ -18,11 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
-import zmq
-
-from idlegrad.cli.processes import free_port, spawn, stop
-from idlegrad.common import protocol as proto
-from idlegrad.common.errors import ProtocolError
+from idlegrad.cli.processes import free_port, spawn, stop, wait_for_hellos
 from idlegrad.monitor.source import ZmqStatusSource
 
 # Generous deadlines: the suite runs on 2 shared cores, where starting a process (importing torch)
@@ -203,32 +199,12 @@ class Cluster:
         coordinator as soon as it listens.
         """
         names = list(worker_names)
-        ctx = zmq.Context()
-        door = ctx.socket(zmq.ROUTER)
-        door.setsockopt(zmq.LINGER, 0)
-        door.bind(self.address)
+        workers = [self.worker(name, *worker_args) for name in names]
         try:
-            workers = [self.worker(name, *worker_args) for name in names]
-            knocking: set[str] = set()
-            end = time.monotonic() + DEADLINE
-            while knocking != set(names):
-                if time.monotonic() > end:
-                    raise AssertionError(f"only {sorted(knocking)} of {names} said hello within "
-                                         f"{DEADLINE:g}s")
-                for worker in workers:
-                    if not worker.running():
-                        raise AssertionError(f"{worker.name} exited ({worker.returncode}) before "
-                                             f"saying hello:\n{worker.tail(15)}")
-                if door.poll(200, zmq.POLLIN):
-                    try:
-                        msg = proto.decode(door.recv_multipart()[1:])
-                    except ProtocolError:
-                        continue
-                    if isinstance(msg, proto.Hello):
-                        knocking.add(msg.worker_id)
-        finally:
-            door.close(0)
-            ctx.term()
+            wait_for_hellos(self.address, names, [w.popen for w in workers], DEADLINE)
+        except RuntimeError as exc:
+            tails = "\n".join(f"{w.name}:\n{w.tail(15)}" for w in workers)
+            raise AssertionError(f"{exc}\n{tails}") from None
         return self.coordinator(*coordinator_args), workers
 
     def status(self, address: Optional[str] = None) -> Status:
