@@ -302,6 +302,7 @@ def run_idlegrad(mode: str, args, directory: Path) -> dict:
                          + int(rounds.get("slots_requeued", 0))) if last else None,
         "codes": (last or {}).get("redundancy", {}).get("rounds_by_code"),
         "slots_speculated": (last or {}).get("redundancy", {}).get("slots_speculated"),
+        "predicted_s_per_sample": (last or {}).get("redundancy", {}).get("predicted_s_per_sample"),
         "notes": "; ".join(notes), "curve": curve(records)})
     return result
 
@@ -510,6 +511,9 @@ def main():
                 r = run_ddp(args, directory) if mode == "ddp" else run_idlegrad(mode, args, directory)
                 runs[mode].append(r)
                 extra = f"codes {r['codes']}" if r.get("codes") else ""
+                if r.get("predicted_s_per_sample"):
+                    extra += " predicted us/sample " + ", ".join(
+                        f"{k} {v * 1e6:.0f}" for k, v in r["predicted_s_per_sample"].items())
                 print(f"{i + 1:>3} {mode:<15} {str(r['reached']):>7} "
                       f"{fmt(r['time_to_target_s']):>10} {fmt(r['samples_per_s'], '.0f'):>9} "
                       f"{fmt(r['rounds_decoded'], '.0f'):>7} {fmt(r['slots_wasted'], '.0f'):>7}  "

@@ -125,6 +125,7 @@ class WorkerRecord:
     s_per_sample: Optional[float] = None
     s_var: float = 0.0  # EWMA variance of seconds per sample
     observed: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=32))  # seconds per sample
     size_factor: float = 1.0  # < 1: it keeps missing predictions, so it holds fewer slots
     late: int = 0  # slots of its that were speculated (late past its prediction)
     late_streak: int = 0
@@ -393,10 +394,12 @@ class Scheduler:
             worker.s_per_sample = old + a * diff
             worker.s_var = (1 - a) * (worker.s_var + a * diff * diff)
         worker.observed += 1
-        self._observe(s_per_sample)
+        self._observe(s_per_sample, worker)
 
-    def _observe(self, s_per_sample: float) -> None:
+    def _observe(self, s_per_sample: float, worker: Optional[WorkerRecord] = None) -> None:
         self.times.append(s_per_sample)
+        if worker is not None:
+            worker.recent.append(s_per_sample)
         self._observations += 1
 
     def _prediction(self, worker: WorkerRecord) -> Optional[tuple[float, float]]:
@@ -435,7 +438,7 @@ class Scheduler:
             slot.speculated = True
             self.stats["slots_speculated"] += 1
             if slot.samples:
-                self._observe(elapsed / slot.samples)  # a lower bound: it has not answered yet
+                self._observe(elapsed / slot.samples, worker)  # a bound: it has not answered yet
             worker.late += 1
             worker.late_streak += 1
             if worker.late_streak >= 2:
@@ -465,7 +468,7 @@ class Scheduler:
         for holder in sorted(slot.holders):
             worker = self.workers[holder]
             if now is not None and slot.samples and holder in slot.started:
-                self._observe((now - slot.started[holder]) / slot.samples)  # censored: a bound
+                self._observe((now - slot.started[holder]) / slot.samples, worker)  # censored
             del worker.assigned[slot.id]
             worker.cancelled += 1
             self._update_hunger(worker)
@@ -529,10 +532,7 @@ class Scheduler:
         k = self.config.partitions
         if self.config.sync:
             k = max(1, len(self._active()))
-        batch = self.config.batch_size
-        if self.config.max_batch:
-            batch = max(1, min(batch, self.config.max_batch))
-        parts = self.sampler.next_round(batch, k)
+        parts = self.sampler.next_round(self._round_batch(), k)
         if parts is None:
             return False
         code = coding.build(self._policy(len(parts)), len(parts))
@@ -554,6 +554,12 @@ class Scheduler:
         self.stats["rounds_opened"] += 1
         return True
 
+    def _round_batch(self) -> int:
+        batch = self.config.batch_size
+        if self.config.max_batch:
+            batch = max(1, min(batch, self.config.max_batch))
+        return batch
+
     def _active(self) -> list[WorkerRecord]:
         return [w for w in self.workers.values()
                 if w.capacity > 0 and w.paused_since is None and not w.draining]
@@ -566,13 +572,18 @@ class Scheduler:
             return policy
         if len(self.times) < 8:
             return Redundancy()
-        workers = len(self._active())
+        active = self._active()
         choice, at = self._choice
-        key = (k, workers)
+        key = (k, len(active))
         if self._observations - at >= self.config.adaptive_every or self._choice_key != key:
+            speculation = None
+            if self.config.speculate:
+                speculation = adaptive.Speculation(self.config.spec_sd, self.config.spec_floor_s)
             choice, self.last_costs = adaptive.choose(
-                list(self.times), workers, k, self.config.adaptive_max_level,
-                seed=self._observations)
+                [list(w.recent) for w in active] or [list(self.times)], k,
+                samples_per_partition=self._round_batch() / k,
+                max_level=self.config.adaptive_max_level, seed=self._observations,
+                open_rounds=self.config.open_rounds, speculation=speculation)
             self._choice = (choice, self._observations)
             self._choice_key = key
         return choice
@@ -614,16 +625,21 @@ class Scheduler:
                 actions.append(Drained(worker_id))
         if self.paused:
             return actions
-        for worker_id in list(self._hungry):
-            worker = self.workers[worker_id]
-            while worker.free > 0 and not (self.config.sync and worker.assigned):
-                slot = self._next_slot_for(worker)
-                if slot is None:
-                    if self._open_round():
-                        continue
-                    break
-                actions.append(self._assign(worker, slot, now))
-            self._update_hunger(worker)
+        # One slot per hungry worker per pass: a round's slots spread over the fleet instead of
+        # filling the first worker's credits (which would run them one after another).
+        progress = True
+        while progress and self._hungry:
+            progress = False
+            for worker_id in list(self._hungry):
+                worker = self.workers[worker_id]
+                if worker.free > 0 and not (self.config.sync and worker.assigned):
+                    slot = self._next_slot_for(worker)
+                    if slot is None and self._open_round():
+                        slot = self._next_slot_for(worker)
+                    if slot is not None:
+                        actions.append(self._assign(worker, slot, now))
+                        progress = True
+                self._update_hunger(worker)
         return actions
 
     def _assign(self, worker: WorkerRecord, slot: Slot, now: float) -> Assign:

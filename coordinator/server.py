@@ -601,6 +601,7 @@ class Coordinator:
         stats = self.scheduler.stats
         redundancy = {
             "code": self.scheduler.last_code,
+            "predicted_s_per_sample": {k: round(v, 9) for k, v in self.scheduler.last_costs.items()},
             "policy": "sync" if self.config.sync else str(self.scheduler.config.redundancy),
             "partitions": self.config.partitions, "max_batch": self.config.max_batch,
             "speculate": self.scheduler.config.speculate,

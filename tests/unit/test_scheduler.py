@@ -808,17 +808,46 @@ def test_max_batch_caps_the_round():
 
 def test_adaptive_chooses_none_without_stragglers_and_redundancy_with_a_heavy_tail():
     steady = [0.01] * 64
-    assert str(adaptive.choose(steady, workers=3, partitions=3)[0]) == "none"
-    assert str(adaptive.choose(steady, workers=6, partitions=3)[0]) == "none"
-    assert str(adaptive.choose([0.01, 0.0102, 0.0099] * 20, workers=6, partitions=6)[0]) == "none"
+    assert str(adaptive.choose([steady] * 3, partitions=3)[0]) == "none"
+    assert str(adaptive.choose([steady] * 6, partitions=3)[0]) == "none"
+    assert str(adaptive.choose([[0.01, 0.0102, 0.0099] * 7] * 6, partitions=6)[0]) == "none"
     rng = np.random.default_rng(0)
     heavy = list(0.01 * (1 + rng.pareto(1.2, 200)))  # heavy-tailed: now and then 10-100x
-    choice, costs = adaptive.choose(heavy, workers=6, partitions=3)
+    choice, costs = adaptive.choose([heavy] * 6, partitions=3)
     assert choice.kind != "none", costs
     assert costs[str(choice)] < 0.95 * costs["none"]
-    stalls = [0.01] * 40 + [0.5] * 10  # one worker in five stalls 50x
-    assert adaptive.choose(stalls, workers=3, partitions=3)[0].kind != "none"
-    assert str(adaptive.choose([], workers=3, partitions=3)[0]) == "none"
+    stalls = [0.01] * 40 + [0.5] * 10  # one task in five stalls 50x
+    assert adaptive.choose([stalls] * 3, partitions=3)[0].kind != "none"
+    assert str(adaptive.choose([], partitions=3)[0]) == "none"
+    assert str(adaptive.choose([[], []], partitions=3)[0]) == "none"
+
+
+def test_adaptive_prefers_replication_when_one_worker_is_slow_and_one_stalls():
+    # The straggler benchmark's fleet (one worker 5x slow, one stalling now and then, the rest
+    # steady) with one round open at a time: replicas of the slow worker's partition go to the
+    # fast workers that finish first, where a cyclic code makes every slot twice the work and
+    # still waits for the stalling worker whenever the slow one is one of the stragglers.
+    fast = [0.01] * 32
+    fleet = [[0.05] * 32, [0.01] * 26 + [0.2] * 6, fast, fast, fast]
+    choice, costs = adaptive.choose(fleet, partitions=6, samples_per_partition=256,
+                                    open_rounds=1, speculation=adaptive.Speculation())
+    assert str(choice) == "replicate:2", costs
+    assert costs["replicate:2"] < costs["cyclic:1"] < costs["none"]
+
+
+def test_adaptive_prediction_is_pull_based_per_worker():
+    # Two workers, two partitions, one of them 10x slow: `none` must wait for the slow one
+    # (its slot started at once); `replicate:2` lets the fast worker take the second copy and
+    # decode after two fast slots. A prediction that pooled the records would miss this.
+    fast, slow = np.array([1.0]), np.array([10.0])
+    rng = np.random.default_rng(0)
+    none = adaptive.predict(adaptive.Redundancy("none"), [fast, slow], 2, 1.0, 8, rng, 1)
+    rep = adaptive.predict(adaptive.Redundancy("replicate", 2), [fast, slow], 2, 1.0, 8, rng, 1)
+    assert none == pytest.approx(10.0 / 2)
+    assert rep == pytest.approx(2.0 / 2)  # latency: the fast worker's two slots
+    # no worker computes a row twice, and a copy whose row arrived is skipped, not computed
+    cyc = adaptive.predict(adaptive.Redundancy("cyclic", 1), [fast, fast], 2, 1.0, 4, rng, 1)
+    assert cyc == pytest.approx(2.0 / 2)  # each slot covers two partitions; any one decodes
 
 
 def test_adaptive_scheduler_starts_with_none_then_follows_the_record():
@@ -828,7 +857,8 @@ def test_adaptive_scheduler_starts_with_none_then_follows_the_record():
         start(s, w, 1)
     assert {r.code.name for r in s.rounds.values()} == {"none"}
     for t in [0.01] * 40 + [0.5] * 10:
-        s._observe(t)
+        for w in "abc":
+            s._observe(t, s.workers[w])
     assert s._policy(3).kind != "none"
     assert s.last_costs and "none" in s.last_costs
 
