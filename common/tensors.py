@@ -6,6 +6,8 @@ layout both sides derive from the job (see `common.job.FlatModel`).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from .errors import GradientRejected, ProtocolError
@@ -62,8 +64,34 @@ def from_blob(blob: Blob, expect_numel: int | None = None,
     return out
 
 
+def blob_chunks(blob: Blob, expect_numel: int | None = None,
+                expect_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """A blob as flat tensor views of its frames, in order: no copy, however many frames.
+
+    A frame that does not hold whole elements (only a hostile or broken peer cuts one so) costs
+    one copy of the blob instead."""
+    if expect_numel is not None and blob.numel != expect_numel:
+        raise ProtocolError("tensor", f"{blob.numel} elements, expected {expect_numel}")
+    dtype = TORCH_DTYPES[blob.dtype]
+    if expect_dtype is not None and dtype != expect_dtype:
+        raise ProtocolError("tensor", f"dtype {blob.dtype}, expected {DTYPE_NAMES[expect_dtype]}")
+    size = DTYPE_SIZES[blob.dtype]
+    views = [memoryview(getattr(f, "buffer", f)) for f in blob.frames]
+    if any(v.nbytes % size for v in views):
+        return [from_blob(blob)]
+    return [torch.frombuffer(v, dtype=dtype) for v in views if v.nbytes]
+
+
+def all_finite(tensors: torch.Tensor | Sequence[torch.Tensor]) -> bool:
+    """Whether every value is finite, in one read pass and without a mask the size of the data:
+    a float64 sum of float32/16 values cannot overflow, so it is finite iff every value is."""
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    return all(bool(torch.isfinite(t.sum(dtype=torch.float64))) for t in tensors if t.numel())
+
+
 def check_finite(tensor: torch.Tensor) -> None:
-    if not bool(torch.isfinite(tensor).all()):
+    if not all_finite(tensor):
         raise GradientRejected("non-finite values")
 
 

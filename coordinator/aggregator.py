@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from ..common.errors import ConfigError, GradientRejected
 from ..common.job import FlatModel
+from ..common.tensors import all_finite
 
 
 @dataclass(frozen=True)
@@ -67,16 +68,37 @@ class Aggregator:
         Returns the staleness weight used, or None when the round is too stale (nothing changes).
         Raises GradientRejected for a gradient that must never be applied.
         """
+        return self.apply_terms([([gradient_sum], 1.0)], samples, round_version)
+
+    def apply_terms(self, terms: Sequence[tuple[Sequence[torch.Tensor], float]], samples: int,
+                    round_version: int) -> Optional[float]:
+        """`apply` for a gradient sum given as weighted terms, each a flat gradient cut into
+        consecutive chunks (the frames it arrived in): the sum is written straight into the
+        model's gradient, with no intermediate tensor the size of the model."""
         weight = self.weight_for(round_version)
         if weight is None:
             return None
         if samples <= 0:
             raise GradientRejected("a round of no samples")
+        if not terms:
+            raise GradientRejected("a round of no gradients")
         grads = self.model.grads
-        if gradient_sum.shape != grads.shape:
-            raise GradientRejected(f"gradient of {gradient_sum.numel()} values, model has {grads.numel()}")
-        torch.div(gradient_sum, samples, out=grads)
-        if not bool(torch.isfinite(grads).all()):
+        for i, (chunks, coefficient) in enumerate(terms):
+            if any(c.dim() != 1 for c in chunks):
+                raise GradientRejected("a gradient must be flat")
+            numel = sum(c.numel() for c in chunks)
+            if numel != grads.numel():
+                raise GradientRejected(f"gradient of {numel} values, model has {grads.numel()}")
+            scale = coefficient / samples
+            offset = 0
+            for chunk in chunks:
+                target = grads[offset:offset + chunk.numel()]
+                if i == 0:
+                    torch.mul(chunk, scale, out=target)
+                else:
+                    target.add_(chunk, alpha=scale)
+                offset += chunk.numel()
+        if not all_finite(grads):
             grads.zero_()
             raise GradientRejected("non-finite gradient")
         # The staleness weight scales the step, not the gradient: adaptive optimizers (Adam)

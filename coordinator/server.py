@@ -30,7 +30,7 @@ from ..common import protocol as proto
 from ..common.aio import on_stop_signals
 from ..common.errors import CheckpointError, ConfigError, GradientRejected, ProtocolError
 from ..common.job import BuiltJob, FlatModel, build, evaluate, load_job
-from ..common.tensors import from_blob, to_blob
+from ..common.tensors import all_finite, blob_chunks, to_blob
 from . import checkpoint
 from .aggregator import Aggregator, StalenessRule
 from .sampler import Sampler
@@ -100,7 +100,8 @@ class Coordinator:
 
         self.routes: dict[str, bytes] = {}  # worker id -> routing id
         self.peers: dict[bytes, str] = {}  # routing id -> worker id
-        self._grads: dict[int, torch.Tensor] = {}  # arrived slot gradients of open rounds
+        # arrived slot gradients of open rounds, as views of the frames they came in
+        self._grads: dict[int, list[torch.Tensor]] = {}
         self._snapshots: dict[int, tuple[torch.Tensor, proto.Blob]] = {}  # version -> model
         self.bad_messages: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()
@@ -406,11 +407,11 @@ class Coordinator:
         worker_id = self._worker_of(route)
         now = time.monotonic()
         try:
-            grad = from_blob(msg.gradient, self.model.numel, self.model.dtype)
+            grad = blob_chunks(msg.gradient, self.model.numel, self.model.dtype)
         except ProtocolError:
             await self._perform(self.scheduler.failed(worker_id, msg.slot, now))
             raise
-        if not bool(torch.isfinite(grad).all()):
+        if not all_finite(grad):
             self.counters["gradients_rejected"] += 1
             self._event("rejected", f"non-finite gradient from {worker_id} for slot {msg.slot}",
                         worker=worker_id, level=logging.WARNING)
@@ -528,20 +529,14 @@ class Coordinator:
 
     def _apply(self, decoded: Decoded) -> list:
         """Step with a decoded round (or replan it); returns the scheduler's follow-up actions."""
-        grads = [(self._grads[s], w) for s, w in decoded.weights.items()]
+        terms = [(self._grads[s], w) for s, w in decoded.weights.items()]
         for slot in decoded.slots:
             self._grads.pop(slot, None)
-        if len(grads) == 1 and grads[0][1] == 1.0:
-            total = grads[0][0]
-        else:
-            total = torch.zeros_like(self.model.params)
-            for grad, weight in grads:
-                total.add_(grad, alpha=weight)
         current = self.aggregator.version
         if self.scheduler.version_in_use(current):
             self._model_blob(current)  # rounds still open at this version need it kept
         try:
-            weight = self.aggregator.apply(total, decoded.samples, decoded.version)
+            weight = self.aggregator.apply_terms(terms, decoded.samples, decoded.version)
         except GradientRejected as exc:
             self.counters["rounds_rejected"] += 1
             self._event("rejected", f"round {decoded.round}: {exc}", level=logging.WARNING)

@@ -194,3 +194,39 @@ def test_adam_honours_the_weight_through_lr():
     step = (model.params - before).abs()
     # Adam's first step is lr * sign(g) (up to eps): here a quarter of lr
     assert torch.allclose(step, torch.full_like(step, 0.01 / 4), rtol=1e-3)
+
+
+# weighted terms in chunks (the frames a gradient arrived in) -----------------------------------
+
+
+def test_apply_terms_equals_apply_of_the_weighted_sum():
+    torch.manual_seed(0)
+    a, b = FlatModel(nn.Linear(5, 3)), FlatModel(nn.Linear(5, 3))
+    b.load(a.params)
+    opt_a = torch.optim.SGD(a.module.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(b.module.parameters(), lr=0.1, momentum=0.9)
+    agg_a = Aggregator(a, opt_a, StalenessRule("constant"))
+    agg_b = Aggregator(b, opt_b, StalenessRule("constant"))
+    g1, g2 = torch.randn(a.numel), torch.randn(a.numel)
+    agg_a.apply(0.5 * g1 - 2.0 * g2, samples=3, round_version=0)
+    # the same sum as two terms, each cut into uneven chunks
+    terms = [([g1[:7], g1[7:10], g1[10:]], 0.5), ([g2[:1], g2[1:]], -2.0)]
+    agg_b.apply_terms(terms, samples=3, round_version=0)
+    assert torch.allclose(a.params, b.params, atol=1e-6)
+    assert agg_b.version == 1
+
+
+def test_apply_terms_refuses_wrong_sizes_and_non_finite_terms():
+    model = FlatModel(nn.Linear(2, 2))
+    agg = Aggregator(model, torch.optim.SGD(model.module.parameters(), lr=0.1), StalenessRule())
+    before = model.params.clone()
+    with pytest.raises(GradientRejected):
+        agg.apply_terms([([torch.ones(3), torch.ones(2)], 1.0)], samples=1, round_version=0)
+    with pytest.raises(GradientRejected):
+        agg.apply_terms([], samples=1, round_version=0)
+    bad = torch.ones(model.numel)
+    bad[-1] = float("nan")
+    with pytest.raises(GradientRejected):
+        agg.apply_terms([([torch.ones(model.numel)], 1.0), ([bad[:2], bad[2:]], 1.0)], samples=1,
+                        round_version=0)
+    assert torch.equal(model.params, before) and agg.version == 0

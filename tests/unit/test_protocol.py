@@ -682,3 +682,47 @@ def test_fuzz_structured_headers(header, frames):
 @given(mutated_valid())
 def test_fuzz_mutated_messages(frames):
     must_be_message_or_protocol_error(frames)
+
+
+# chunked views of a blob's frames ------------------------------------------------------------
+
+
+def test_blob_chunks_view_every_frame_without_copying():
+    from idlegrad.common.tensors import blob_chunks
+
+    t = torch.arange(10, dtype=torch.float32)
+    blob = to_blob(t, frame_bytes=12)  # frames of 3, 3, 3 and 1 elements
+    chunks = blob_chunks(blob, 10, torch.float32)
+    assert [c.numel() for c in chunks] == [3, 3, 3, 1]
+    assert torch.equal(torch.cat(chunks), t)
+    t[0] = 42.0  # views of the same memory: nothing was copied
+    assert chunks[0][0] == 42.0
+    with pytest.raises(ProtocolError):
+        blob_chunks(blob, 11, torch.float32)
+    with pytest.raises(ProtocolError):
+        blob_chunks(blob, 10, torch.float64)
+
+
+def test_blob_chunks_of_frames_cut_mid_element_copy_once():
+    from idlegrad.common.protocol import Blob
+    from idlegrad.common.tensors import blob_chunks
+
+    raw = torch.arange(4, dtype=torch.float32).view(torch.uint8).numpy().tobytes()
+    blob = Blob("float32", 4, (raw[:5], raw[5:]))  # a hostile cut: 5 + 11 bytes
+    (whole,) = blob_chunks(blob, 4, torch.float32)
+    assert torch.equal(whole, torch.arange(4, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_all_finite_finds_any_non_finite_value(value):
+    from idlegrad.common.tensors import all_finite
+
+    t = torch.randn(1000)
+    assert all_finite(t) and all_finite([t[:10], t[10:]]) and all_finite(torch.empty(0))
+    big = torch.full((100,), 3.0e38)  # finite, though its float32 sum would overflow
+    assert all_finite(big)
+    t[537] = value
+    assert not all_finite(t) and not all_finite([t[:500], t[500:]])
+    half = torch.ones(10, dtype=torch.float16)
+    half[3] = value
+    assert not all_finite(half)

@@ -1,0 +1,212 @@
+"""What the coordinator costs per slot, against a bare ZeroMQ exchange of the same messages (issue 7).
+
+One process plays a swarm of N lightweight simulated workers: N DEALER sockets, each says hello,
+announces its credits and answers every task at once with a tiny gradient (it computes nothing).
+The same swarm runs against two servers, side by side in one run (alternating order across runs,
+since this machine is shared and noisy):
+
+- `idlegrad`: a real coordinator process (`idlegrad coordinator`, job `synthetic` with a ~100
+  parameter model, one partition per round, so every answer decodes a round, steps the optimizer
+  and opens the next round at a new version, whose model travels with the next task);
+- `ceiling`: a bare pyzmq ROUTER that answers a hello with a pre-encoded welcome and every ready and
+  result with pre-encoded tasks of the same shape (header fields and model frame), decoding
+  nothing: what the sockets, the swarm and the interpreter allow.
+
+slots/s is counted in the swarm over a window after a warm-up. The ratio is idlegrad / ceiling.
+
+    python benchmarks/overhead.py --runs 3 --json
+
+With `--json` its last line is {"ratio": ..., "slots_per_s": ..., "ceiling_per_s": ...,
+"by_workers": {"10": {...}, ...}} (top-level figures at 100 workers, medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import zmq
+
+HERE = os.path.abspath(__file__)
+PARAMS = 100
+BATCH = 8
+
+
+# the swarm ------------------------------------------------------------------------------------
+
+
+def swarm(address: str, workers: int, warmup: float, window: float, credits: int) -> dict:
+    from idlegrad.common import protocol as proto
+
+    ctx = zmq.Context()
+    socks = []
+    poller = zmq.Poller()
+    try:
+        for i in range(workers):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.IDENTITY, f"sim-{i:05d}".encode())
+            s.connect(address)
+            s.send_multipart(proto.encode(proto.Hello(
+                worker_id=f"sim-{i:05d}", host="swarm", cores=1, threads=1, device="cpu",
+                memory_mb=1, versions={})))
+            poller.register(s, zmq.POLLIN)
+            socks.append(s)
+        gradient = proto.Blob("float32", PARAMS, (bytes(4 * PARAMS),))
+        answered = 0
+        start = time.monotonic()
+        counting_from = start + warmup
+        end = counting_from + window
+        counted = 0
+        while True:
+            now = time.monotonic()
+            if now >= end:
+                break
+            for sock, _ in poller.poll(timeout=max(1, int((end - now) * 1000))):
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    msg = proto.decode(frames)
+                    if isinstance(msg, proto.Task):
+                        sock.send_multipart(proto.encode(proto.Result(
+                            slot=msg.slot, version=msg.version,
+                            samples=sum(p[2] for p in msg.parts), loss=0.0, compute_s=1e-4,
+                            gradient=gradient)), copy=False)
+                        answered += 1
+                        if time.monotonic() >= counting_from:
+                            counted += 1
+                    elif isinstance(msg, proto.Welcome):
+                        sock.send_multipart(proto.encode(proto.Ready(
+                            credits=credits, fingerprint=msg.fingerprint)))
+        return {"slots": counted, "seconds": window, "slots_per_s": counted / window,
+                "answered": answered}
+    finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()
+
+
+# the ceiling ----------------------------------------------------------------------------------
+
+
+def bare_server(address: str) -> None:
+    """Answer with pre-encoded messages of idlegrad's shapes, decoding nothing, until SIGTERM."""
+    from idlegrad.common import protocol as proto
+
+    welcome = proto.encode(proto.Welcome(job="synthetic", job_args={}, fingerprint="f" * 16,
+                                         seed=0, heartbeat_s=60.0, liveness=3))
+    model = proto.Blob("float32", PARAMS, (bytes(4 * PARAMS),))
+    task = proto.encode(proto.Task(slot=123456, round=123455, version=4321,
+                                   parts=[[0, 1024, BATCH]], coefficients=[1.0],
+                                   deadline_s=30.0, model=model))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(address)
+    seen: set[bytes] = set()
+    try:
+        while True:
+            frames = sock.recv_multipart(copy=False)
+            route = frames[0].bytes
+            if route not in seen:  # its hello
+                seen.add(route)
+                sock.send_multipart([route, *welcome], copy=False)
+            elif len(frames) == 2:  # its ready (a result has a gradient frame): two credits
+                sock.send_multipart([route, *task], copy=False)
+                sock.send_multipart([route, *task], copy=False)
+            else:  # a result
+                sock.send_multipart([route, *task], copy=False)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+# runs -----------------------------------------------------------------------------------------
+
+
+def run_swarm(address: str, args, workers: int) -> dict:
+    out = subprocess.run([sys.executable, HERE, "--swarm", address, "--workers", str(workers),
+                          "--warmup", str(args.warmup), "--window", str(args.window)],
+                         capture_output=True, text=True,
+                         timeout=args.warmup + args.window + 120)
+    if out.returncode != 0:
+        raise RuntimeError(f"swarm failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(kind: str, args, workers: int) -> float:
+    from idlegrad.cli.processes import free_port, spawn, stop
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    with tempfile.TemporaryDirectory(prefix="idlegrad-overhead-") as tmp:
+        log = open(os.path.join(tmp, "server.log"), "w")
+        if kind == "idlegrad":
+            server = spawn(["coordinator", "--bind", address, "--job", "synthetic",
+                            "--job-arg", f"params={PARAMS}", "--job-arg", f"batch_size={BATCH}",
+                            "--epochs", "100000", "--heartbeat", "60", "--eval-every", "3600",
+                            "--threads", "1", "--log-level", "warning"], log=log)
+        else:
+            server = subprocess.Popen([sys.executable, HERE, "--bare", address], stdout=log,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      start_new_session=True)
+        try:
+            result = run_swarm(address, args, workers)
+        finally:
+            stop([server], grace=5.0)
+            log.close()
+    return result["slots_per_s"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", default="10,100,1000", help="simulated worker counts")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--window", type=float, default=4.0)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--swarm", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--bare", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.bare:
+        bare_server(args.bare)
+        return
+    if args.swarm:
+        print(json.dumps(swarm(args.swarm, int(args.workers), args.warmup, args.window, 2)))
+        return
+
+    counts = [int(w) for w in args.workers.split(",")]
+    by_workers = {}
+    print(f"{'workers':>8} {'run':>4} {'idlegrad/s':>11} {'ceiling/s':>10} {'ratio':>6}", flush=True)
+    for n in counts:
+        ours, ceiling = [], []
+        for i in range(args.runs):
+            order = ["idlegrad", "ceiling"] if i % 2 == 0 else ["ceiling", "idlegrad"]
+            got = {kind: measure(kind, args, n) for kind in order}
+            ours.append(got["idlegrad"])
+            ceiling.append(got["ceiling"])
+            print(f"{n:>8} {i + 1:>4} {got['idlegrad']:>11.0f} {got['ceiling']:>10.0f} "
+                  f"{got['idlegrad'] / max(1e-9, got['ceiling']):>6.2f}", flush=True)
+        ratios = [a / max(1e-9, b) for a, b in zip(ours, ceiling)]
+        by_workers[str(n)] = {"slots_per_s": statistics.median(ours),
+                              "ceiling_per_s": statistics.median(ceiling),
+                              "ratio": statistics.median(ratios), "runs_ratio": ratios}
+    print("\nmedians")
+    for n, r in by_workers.items():
+        print(f"{n:>8} workers: idlegrad {r['slots_per_s']:.0f} slots/s, ceiling "
+              f"{r['ceiling_per_s']:.0f}/s, ratio {r['ratio']:.2f}")
+    if args.json:
+        top = by_workers.get("100") or next(iter(by_workers.values()))
+        print(json.dumps({"ratio": top["ratio"], "slots_per_s": top["slots_per_s"],
+                          "ceiling_per_s": top["ceiling_per_s"], "by_workers": by_workers}))
+
+
+if __name__ == "__main__":
+    main()

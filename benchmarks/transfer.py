@@ -1,0 +1,238 @@
+"""Gradient bytes/s through idlegrad against a bare zero-copy ZeroMQ exchange (issue 7).
+
+One real worker and a real coordinator exchange a model of `--params` float32 parameters (10M and
+50M by default): the gradient goes up, is applied, and the model of the new version comes down with
+the next task (each round advances the version, so every task carries the model). The job
+(`make_job` below, loaded by both sides as `benchmarks/transfer.py:make_job`) is a tiny linear
+classifier plus a payload vector that the loss touches lightly, so its gradient is as large as the
+model while computing it is little more than writing it: what is measured is the data path.
+
+The ceiling, in the same run (alternating order across runs): two bare pyzmq processes exchanging
+the same bytes the same way, zero-copy from preallocated buffers in frames of at most 16 MiB:
+the "worker" keeps two gradients in flight (idlegrad's default credits), the "coordinator" answers
+each gradient it receives with a model of the same size. Nothing is decoded, copied or applied.
+
+    python benchmarks/transfer.py --runs 3 --json
+
+With `--json` its last line is {"ratio": ..., "gbps": ..., "ceiling_gbps": ..., "by_params": {...}}
+(top-level figures for the largest model, medians; GB/s of gradient bytes, 1 GB = 1e9 bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.abspath(__file__)
+FRAME = 16 * 1024 * 1024
+
+
+# the job ----------------------------------------------------------------------------------------
+
+
+def make_job(params: int = 10_000_000, batch_size: int = 8, lr: float = 1e-3):
+    import torch
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    from idlegrad.common.job import Job
+
+    class Payload(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(8, 2)
+            self.payload = nn.Parameter(torch.zeros(max(1, params - 18)))
+
+        def forward(self, x):
+            # The payload's gradient is dense (every element written) at the cost of a fill.
+            return self.head(x) + self.payload.sum() * 0.0
+
+    def datasets():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2048, 8, generator=g)
+        y = (x[:, 0] > 0).long()
+        return TensorDataset(x[:1536], y[:1536]), TensorDataset(x[1536:], y[1536:])
+
+    def loss(model, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(model(x), y)
+
+    return Job(name="transfer", build_model=Payload, build_datasets=datasets, loss=loss,
+               build_optimizer=lambda p: torch.optim.SGD(p, lr=lr), batch_size=batch_size)
+
+
+# the ceiling ------------------------------------------------------------------------------------
+
+
+def bare_coordinator(address: str, nbytes: int) -> None:
+    import zmq
+
+    model = bytearray(nbytes)
+    frames = [memoryview(model)[i:i + FRAME] for i in range(0, nbytes, FRAME)]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(address)
+    try:
+        while True:
+            got = sock.recv_multipart(copy=False)
+            sock.send_multipart([got[0], b"task", *frames], copy=False)
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def bare_worker(address: str, nbytes: int, warmup: float, window: float) -> dict:
+    import zmq
+
+    grad = bytearray(nbytes)
+    frames = [memoryview(grad)[i:i + FRAME] for i in range(0, nbytes, FRAME)]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        for _ in range(2):  # two credits in flight
+            sock.send_multipart([b"result", *frames], copy=False)
+        start = time.monotonic()
+        counted, t_first = 0, None
+        while True:
+            sock.recv_multipart(copy=False)
+            now = time.monotonic()
+            if now - start >= warmup:
+                if t_first is None:
+                    t_first = now
+                else:
+                    counted += 1
+                if now - t_first >= window:
+                    break
+            sock.send_multipart([b"result", *frames], copy=False)
+        return {"gbps": counted * nbytes / (now - t_first) / 1e9, "exchanges": counted}
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+# runs -------------------------------------------------------------------------------------------
+
+
+def measure_ceiling(args, params: int) -> float:
+    from idlegrad.cli.processes import free_port, stop
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    nbytes = params * 4
+    server = subprocess.Popen([sys.executable, HERE, "--bare-coordinator", address,
+                               "--params", str(params)], stdin=subprocess.DEVNULL,
+                              start_new_session=True)
+    try:
+        out = subprocess.run([sys.executable, HERE, "--bare-worker", address, "--params",
+                              str(params), "--warmup", str(args.warmup), "--window",
+                              str(args.window)], capture_output=True, text=True,
+                             timeout=args.warmup + args.window + 120)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr[-2000:])
+        return json.loads(out.stdout.strip().splitlines()[-1])["gbps"]
+    finally:
+        stop([server], grace=5.0)
+    del nbytes
+
+
+def measure_idlegrad(args, params: int) -> float:
+    from idlegrad.cli.processes import free_port, spawn, stop, wait_for_hellos
+    from idlegrad.monitor.source import ZmqStatusSource
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    job = ["--job", f"{HERE}:make_job", "--job-arg", f"params={params}"]
+    with tempfile.TemporaryDirectory(prefix="idlegrad-transfer-") as tmp:
+        logs = [open(os.path.join(tmp, n), "w") for n in ("worker.log", "coordinator.log")]
+        procs = []
+        source = None
+        try:
+            procs.append(spawn(["worker", "--coordinator", address, "--id", "w1", *job,
+                                "--threads", "1", "--device", "cpu", "--no-idle-policy",
+                                "--connect-timeout", "60", "--log-level", "warning"], log=logs[0]))
+            wait_for_hellos(address, ["w1"], procs, timeout=120)
+            procs.append(spawn(["coordinator", "--bind", address, *job, "--epochs", "100000",
+                                "--eval-every", "3600", "--heartbeat", "5", "--threads", "1",
+                                "--log-level", "warning"], log=logs[1]))
+            source = ZmqStatusSource(address)
+
+            def version() -> tuple[float, int]:
+                for _ in range(50):
+                    snap = source.fetch(timeout=2.0)
+                    if snap is not None:
+                        return time.monotonic(), int(snap["version"])
+                raise RuntimeError("the coordinator does not answer status requests")
+
+            t0, v0 = version()
+            while v0 < 2 or time.monotonic() - t0 < args.warmup:  # warm: the worker has joined
+                time.sleep(0.2)
+                _, v0 = version()
+            t0, v0 = version()
+            time.sleep(args.window)
+            t1, v1 = version()
+            if v1 <= v0:
+                raise RuntimeError(f"no progress in {args.window}s; see {tmp}")
+            return (v1 - v0) * params * 4 / (t1 - t0) / 1e9
+        finally:
+            if source is not None:
+                source.close()
+            stop(procs, grace=5.0)
+            for log in logs:
+                log.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10000000,50000000", help="model sizes (parameters)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--window", type=float, default=6.0)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--params", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--bare-coordinator", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--bare-worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.bare_coordinator:
+        bare_coordinator(args.bare_coordinator, args.params * 4)
+        return
+    if args.bare_worker:
+        print(json.dumps(bare_worker(args.bare_worker, args.params * 4, args.warmup, args.window)))
+        return
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    by_params = {}
+    print(f"{'params':>11} {'run':>4} {'idlegrad GB/s':>14} {'ceiling GB/s':>13} {'ratio':>6}",
+          flush=True)
+    for params in sizes:
+        ours, ceiling = [], []
+        for i in range(args.runs):
+            order = ["idlegrad", "ceiling"] if i % 2 == 0 else ["ceiling", "idlegrad"]
+            got = {k: (measure_idlegrad if k == "idlegrad" else measure_ceiling)(args, params)
+                   for k in order}
+            ours.append(got["idlegrad"])
+            ceiling.append(got["ceiling"])
+            print(f"{params:>11} {i + 1:>4} {got['idlegrad']:>14.2f} {got['ceiling']:>13.2f} "
+                  f"{got['idlegrad'] / got['ceiling']:>6.2f}", flush=True)
+        ratios = [a / b for a, b in zip(ours, ceiling)]
+        by_params[str(params)] = {"gbps": statistics.median(ours),
+                                  "ceiling_gbps": statistics.median(ceiling),
+                                  "ratio": statistics.median(ratios), "runs_ratio": ratios}
+    print("\nmedians")
+    for p, r in by_params.items():
+        print(f"{int(p):>11,} params: idlegrad {r['gbps']:.2f} GB/s, ceiling "
+              f"{r['ceiling_gbps']:.2f} GB/s, ratio {r['ratio']:.2f}")
+    if args.json:
+        top = by_params[str(max(sizes))]
+        print(json.dumps({"ratio": top["ratio"], "gbps": top["gbps"],
+                          "ceiling_gbps": top["ceiling_gbps"], "by_params": by_params}))
+
+
+if __name__ == "__main__":
+    main()
