@@ -38,6 +38,13 @@ PARAMS = 100
 BATCH = 8
 
 
+def model_numel() -> int:
+    """The parameter count of the coordinator's model (`synthetic` rounds `params` to a width)."""
+    from idlegrad.common.builtin_jobs import synthetic
+
+    return sum(p.numel() for p in synthetic(params=PARAMS).build_model().parameters())
+
+
 # the swarm ------------------------------------------------------------------------------------
 
 
@@ -58,7 +65,7 @@ def swarm(address: str, workers: int, warmup: float, window: float, credits: int
                 memory_mb=1, versions={})))
             poller.register(s, zmq.POLLIN)
             socks.append(s)
-        gradient = proto.Blob("float32", PARAMS, (bytes(4 * PARAMS),))
+        gradient = proto.Blob("float32", model_numel(), (bytes(4 * model_numel()),))
         answered = 0
         start = time.monotonic()
         counting_from = start + warmup
@@ -81,6 +88,8 @@ def swarm(address: str, workers: int, warmup: float, window: float, credits: int
                             samples=sum(p[2] for p in msg.parts), loss=0.0, compute_s=1e-4,
                             gradient=gradient)), copy=False)
                         answered += 1
+                        if msg.model is not None and msg.model.numel != gradient.numel:
+                            raise SystemExit(f"the model has {msg.model.numel} parameters")
                         if time.monotonic() >= counting_from:
                             counted += 1
                     elif isinstance(msg, proto.Welcome):
@@ -103,7 +112,7 @@ def bare_server(address: str) -> None:
 
     welcome = proto.encode(proto.Welcome(job="synthetic", job_args={}, fingerprint="f" * 16,
                                          seed=0, heartbeat_s=60.0, liveness=3))
-    model = proto.Blob("float32", PARAMS, (bytes(4 * PARAMS),))
+    model = proto.Blob("float32", model_numel(), (bytes(4 * model_numel()),))
     task = proto.encode(proto.Task(slot=123456, round=123455, version=4321,
                                    parts=[[0, 1024, BATCH]], coefficients=[1.0],
                                    deadline_s=30.0, model=model))

@@ -14,7 +14,7 @@ whichever they are, with the rest still decoding.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from itertools import combinations
 from math import comb
 from typing import Iterable, Optional, Sequence
@@ -42,6 +42,15 @@ class Code:
     @property
     def partitions(self) -> int:
         return self.matrix.shape[1]
+
+    @cached_property
+    def unit_rows(self) -> tuple[int, ...]:
+        """For each row, the partition it is the unit vector of (one coefficient, 1.0), else -1."""
+        out = []
+        for row in self.matrix:
+            nonzero = np.flatnonzero(row)
+            out.append(int(nonzero[0]) if len(nonzero) == 1 and row[nonzero[0]] == 1.0 else -1)
+        return tuple(out)
 
     def row(self, slot: int) -> list[tuple[int, float]]:
         """The (partition, coefficient) pairs that slot `slot` computes."""
@@ -247,6 +256,14 @@ def decode(code: Code, arrived: Iterable[int]) -> Optional[dict[int, float]]:
     slots = sorted(set(arrived))
     if not slots:
         return None
+    # Fast path, exact: a unit row for every partition (no code, replicas, speculative copies).
+    units = code.unit_rows
+    chosen: dict[int, int] = {}
+    for s in slots:
+        if units[s] >= 0:
+            chosen.setdefault(units[s], s)
+    if len(chosen) == code.partitions:
+        return {s: 1.0 for s in chosen.values()}
     rows = code.matrix[slots]  # |I| x k
     if np.any(np.all(rows == 0, axis=0)):  # some partition is covered by no arrived slot
         return None

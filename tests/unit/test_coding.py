@@ -66,7 +66,8 @@ def test_replication_matrix():
     assert coding.decode(REPLICATION, {2}) is None
     weights = coding.decode(REPLICATION, {0, 1, 2})
     assert weights is not None
-    assert weights[0] + weights[1] == pytest.approx(1.0) and weights[2] == pytest.approx(1.0)
+    assert weights.get(0, 0) + weights.get(1, 0) == pytest.approx(1.0)  # either copy, or a mix
+    assert weights[2] == pytest.approx(1.0)
     assert REPLICATION.row(1) == [(0, 1.0)]
 
 
