@@ -165,8 +165,17 @@ def parse_redundancy(text: str) -> Redundancy:
     return Redundancy(kind, value)
 
 
+@lru_cache(maxsize=64)
 def build(policy: Redundancy, partitions: int) -> Code:
-    """The code of a fixed policy over `partitions` partitions (cyclic:S is capped at k-1)."""
+    """The code of a fixed policy over `partitions` partitions (cyclic:S is capped at k-1).
+
+    Cached, and read-only: a round's code is built once per policy and size, not per round."""
+    code = _build(policy, partitions)
+    code.matrix.setflags(write=False)
+    return code
+
+
+def _build(policy: Redundancy, partitions: int) -> Code:
     if policy.kind == "replicate":
         return replicate(partitions, policy.level)
     if policy.kind == "cyclic":

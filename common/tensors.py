@@ -6,8 +6,10 @@ layout both sides derive from the job (see `common.job.FlatModel`).
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .errors import GradientRejected, ProtocolError
@@ -84,10 +86,21 @@ def blob_chunks(blob: Blob, expect_numel: int | None = None,
 
 def all_finite(tensors: torch.Tensor | Sequence[torch.Tensor]) -> bool:
     """Whether every value is finite, in one read pass and without a mask the size of the data:
-    a float64 sum of float32/16 values cannot overflow, so it is finite iff every value is."""
+    a float64 sum of float32/16 values cannot overflow, so it is finite iff every value is.
+    (numpy's widening sum is ~8x faster than torch's here, and torch's isfinite().all() builds
+    a mask.)"""
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
-    return all(bool(torch.isfinite(t.sum(dtype=torch.float64))) for t in tensors if t.numel())
+    for t in tensors:
+        if not t.numel():
+            continue
+        if t.dtype in (torch.float32, torch.float16, torch.float64) and t.device.type == "cpu":
+            total = float(t.detach().numpy().sum(dtype=np.float64))
+        else:  # bfloat16 (no numpy type) or an accelerator's tensor
+            total = float(t.sum(dtype=torch.float64))
+        if not math.isfinite(total):
+            return False
+    return True
 
 
 def check_finite(tensor: torch.Tensor) -> None:
