@@ -67,9 +67,9 @@ def swarm(address: str, workers: int, warmup: float, window: float, credits: int
             socks.append(s)
         gradient = proto.Blob("float32", model_numel(), (bytes(4 * model_numel()),))
         answered = 0
-        start = time.monotonic()
-        counting_from = start + warmup
-        end = counting_from + window
+        # the window opens `warmup` seconds after the first task (the server may still be
+        # starting when the swarm connects), and must open within a minute
+        counting_from = end = time.monotonic() + 60
         counted = 0
         while True:
             now = time.monotonic()
@@ -83,6 +83,9 @@ def swarm(address: str, workers: int, warmup: float, window: float, credits: int
                         break
                     msg = proto.decode(frames)
                     if isinstance(msg, proto.Task):
+                        if answered == 0:
+                            counting_from = time.monotonic() + warmup
+                            end = counting_from + window
                         sock.send_multipart(proto.encode(proto.Result(
                             slot=msg.slot, version=msg.version,
                             samples=sum(p[2] for p in msg.parts), loss=0.0, compute_s=1e-4,

@@ -17,7 +17,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import msgpack
 
@@ -224,6 +224,7 @@ def _schema(cls: type[Message]) -> list[tuple[str, Any, bool]]:
 _SCHEMAS = {name: _schema(cls) for name, cls in MESSAGE_TYPES.items()}
 
 
+
 def _is_optional(hint) -> tuple[bool, Any]:
     if typing.get_origin(hint) in (Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -234,42 +235,100 @@ def _is_optional(hint) -> tuple[bool, Any]:
 
 def _check(value, hint, where: str):
     """Raise ProtocolError unless `value` (already msgpack-decoded) fits `hint`."""
+    _validator(hint)(value, where)
+
+
+def _validator(hint) -> Callable[[Any, str], None]:
+    """A checker for values of type `hint`, built once per schema field: decoding walks no type
+    hints and formats no paths unless a value is wrong."""
     if hint is Any:
-        return  # bounded by msgpack's own limits; None is a value like any other here
-    optional, hint = _is_optional(hint)
-    if value is None:
-        if optional:
-            return
-        raise ProtocolError("schema", f"{where} is missing")
+        return lambda value, where: None  # bounded by msgpack's own limits; None is a value too
+    optional, base = _is_optional(hint)
+    check = _base_validator(base)
+    if optional:
+        def check_optional(value, where):
+            if value is not None:
+                check(value, where)
+        return check_optional
+
+    def check_required(value, where):
+        if value is None:
+            raise ProtocolError("schema", f"{where} is missing")
+        check(value, where)
+    return check_required
+
+
+def _base_validator(hint) -> Callable[[Any, str], None]:
     origin = typing.get_origin(hint)
     if origin is list:
-        if not isinstance(value, list) or len(value) > MAX_LIST:
-            raise ProtocolError("schema", f"{where} must be a list")
-        (item,) = typing.get_args(hint)
-        for i, v in enumerate(value):
-            _check(v, item, f"{where}[{i}]")
-        return
+        (item_hint,) = typing.get_args(hint)
+        item = _validator(item_hint)
+
+        def check_list(value, where):
+            if not isinstance(value, list) or len(value) > MAX_LIST:
+                raise ProtocolError("schema", f"{where} must be a list")
+            i = 0
+            try:  # items are checked with an empty path; it is filled in only on an error
+                for i, v in enumerate(value):
+                    item(v, "")
+            except ProtocolError as exc:
+                raise ProtocolError(exc.reason, f"{where}[{i}]{exc.detail}") from None
+        return check_list
     if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError("schema", f"{where} must be a map")
-        _, item = typing.get_args(hint)
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise ProtocolError("schema", f"{where} keys must be strings")
-            _check(v, item, f"{where}.{k}")
-        return
+        _, item_hint = typing.get_args(hint)
+        item = _validator(item_hint)
+
+        def check_map(value, where):
+            if not isinstance(value, dict):
+                raise ProtocolError("schema", f"{where} must be a map")
+            key = ""
+            try:
+                for key, v in value.items():
+                    if not isinstance(key, str):
+                        raise ProtocolError("schema", f"{where} keys must be strings")
+                    item(v, "")
+            except ProtocolError as exc:
+                if not isinstance(key, str):
+                    raise
+                raise ProtocolError(exc.reason, f"{where}.{key[:40]}{exc.detail}") from None
+        return check_map
+    name = getattr(hint, "__name__", str(hint))
     if hint is bool:
-        ok = isinstance(value, bool)
+        def ok(v):
+            return isinstance(v, bool)
     elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
+        def ok(v):
+            return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
     elif hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        def ok(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     elif hint is str:
-        ok = isinstance(value, str) and len(value) <= MAX_STR
+        def ok(v):
+            return isinstance(v, str) and len(v) <= MAX_STR
     else:
-        raise TypeError(f"unsupported schema type {hint!r} at {where}")
-    if not ok:
-        raise ProtocolError("schema", f"{where} must be {hint.__name__}, got {type(value).__name__}")
+        raise TypeError(f"unsupported schema type {hint!r}")
+
+    def check_scalar(value, where):
+        if not ok(value):
+            raise ProtocolError("schema", f"{where} must be {name}, got {type(value).__name__}")
+    return check_scalar
+
+
+def _fields(schema) -> list[tuple[str, bool, bool, bool, Optional[Callable]]]:
+    """(name, required, is a blob, may be None, checker) for each field of a message."""
+    out = []
+    for name, hint, required in schema:
+        optional, base = _is_optional(hint)
+        if base is Blob:
+            out.append((name, required, True, optional, None))
+        else:
+            out.append((name, required, False, optional, _validator(hint)))
+    return out
+
+
+_FIELDS = {kind: _fields(schema) for kind, schema in _SCHEMAS.items()}
+_FIELD_NAMES = {kind: frozenset(name for name, _, _ in schema) | {"v", "type"}
+                for kind, schema in _SCHEMAS.items()}
 
 
 # encode / decode ------------------------------------------------------------------------------
@@ -279,13 +338,13 @@ def encode(msg: Message) -> list:
     """Message -> [header bytes, blob frames...], ready for send_multipart(copy=False)."""
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg.TYPE}
     frames: list = []
-    for f in dataclasses.fields(msg):
-        value = getattr(msg, f.name)
-        if isinstance(value, Blob):
-            header[f.name] = {"dtype": value.dtype, "numel": value.numel, "frames": len(value.frames)}
+    for name, _, blob, _, _ in _FIELDS[msg.TYPE]:
+        value = getattr(msg, name)
+        if blob and value is not None:
+            header[name] = {"dtype": value.dtype, "numel": value.numel, "frames": len(value.frames)}
             frames.extend(value.frames)
         else:
-            header[f.name] = value
+            header[name] = value
     return [msgpack.packb(header, use_bin_type=True), *frames]
 
 
@@ -324,25 +383,23 @@ def decode(frames: Sequence) -> Message:
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError("type", f"unknown message type {str(kind)[:40]!r}")
-    unknown = set(header) - {"v", "type"} - {name for name, _, _ in _SCHEMAS[kind]}
+    unknown = header.keys() - _FIELD_NAMES[kind]
     if unknown:
         raise ProtocolError("schema", f"{kind}: unknown fields {sorted(map(str, unknown))[:5]}")
 
     values: dict[str, Any] = {}
     next_frame = 1
-    for name, hint, required in _SCHEMAS[kind]:
-        value = header.get(name)
+    for name, required, blob, optional, check in _FIELDS[kind]:
         if name not in header and not required:
             continue
-        optional, base = _is_optional(hint)
-        if base is Blob:
+        value = header.get(name)
+        if blob:
             if value is None and optional:
                 values[name] = None
                 continue
-            blob, next_frame = _take_blob(value, frames, next_frame, f"{kind}.{name}")
-            values[name] = blob
+            values[name], next_frame = _take_blob(value, frames, next_frame, f"{kind}.{name}")
             continue
-        _check(value, hint, f"{kind}.{name}")
+        check(value, f"{kind}.{name}")
         values[name] = value
     if next_frame != len(frames):
         raise ProtocolError("frames", f"{kind}: {len(frames) - next_frame} unexpected frames")

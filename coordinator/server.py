@@ -186,6 +186,11 @@ class Coordinator:
             ctx.term()
             raise ConfigError(f"cannot bind {self.config.bind}: {exc}") from None
         self.sock = sock
+        # A plain (blocking-API) view of the same socket, for the hot path: while a received
+        # batch is handled no receive is pending, so sending and draining through it cannot
+        # swallow the wake-up that asyncio waits for; it skips a Future per message. A ROUTER's
+        # send never blocks (it drops at the high-water mark), so it never stalls the loop.
+        self._direct = zmq.Socket.shadow(sock.underlying)
         on_stop_signals(self._on_signal)
         if self.config.metrics_path:
             os.makedirs(os.path.dirname(os.path.abspath(self.config.metrics_path)), exist_ok=True)
@@ -224,13 +229,17 @@ class Coordinator:
                 waiting = {recv} if eval_task is None else {recv, eval_task}
                 await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if recv.done():
-                    await self._handle(recv.result())
-                    for _ in range(256):  # drain what is queued before the periodic work
-                        try:
-                            frames = await sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        await self._handle(frames)
+                    self._handling = True
+                    try:
+                        await self._handle(recv.result())
+                        for _ in range(256):  # drain what is queued before the periodic work
+                            try:
+                                frames = self._direct.recv_multipart(zmq.NOBLOCK, copy=False)
+                            except zmq.Again:
+                                break
+                            await self._handle(frames)
+                    finally:
+                        self._handling = False
                     recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
                 now = time.monotonic()
                 if now >= next_tick:
@@ -484,8 +493,13 @@ class Coordinator:
 
     # actions --------------------------------------------------------------------------------
 
+    _handling = False  # a received batch is being handled: no receive is pending
+
     async def _send(self, route: bytes, msg: proto.Message) -> None:
-        await self.sock.send_multipart([route, *proto.encode(msg)], copy=False)
+        if self._handling:
+            self._direct.send_multipart([route, *proto.encode(msg)], copy=False)
+        else:
+            await self.sock.send_multipart([route, *proto.encode(msg)], copy=False)
 
     async def _perform(self, actions: list) -> None:
         for action in actions:
