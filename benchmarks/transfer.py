@@ -148,7 +148,7 @@ def measure_idlegrad(args, params: int) -> float:
     from idlegrad.monitor.source import ZmqStatusSource
 
     address = f"tcp://127.0.0.1:{free_port()}"
-    job = ["--job", f"{HERE}:make_job", "--job-arg", f"params={params}"]
+    job = ["--job", f"{HERE}:make_job"]  # its arguments travel to the worker in WELCOME
     with tempfile.TemporaryDirectory(prefix="idlegrad-transfer-") as tmp:
         logs = [open(os.path.join(tmp, n), "w") for n in ("worker.log", "coordinator.log")]
         procs = []
@@ -158,7 +158,8 @@ def measure_idlegrad(args, params: int) -> float:
                                 "--threads", "1", "--device", "cpu", "--no-idle-policy",
                                 "--connect-timeout", "60", "--log-level", "warning"], log=logs[0]))
             wait_for_hellos(address, ["w1"], procs, timeout=120)
-            procs.append(spawn(["coordinator", "--bind", address, *job, "--epochs", "100000",
+            procs.append(spawn(["coordinator", "--bind", address, *job, "--job-arg",
+                                f"params={params}", "--epochs", "100000",
                                 "--eval-every", "3600", "--heartbeat", "5", "--threads", "1",
                                 "--log-level", "warning"], log=logs[1]))
             source = ZmqStatusSource(address)

@@ -179,9 +179,29 @@ class FlatModel:
                 p.grad = self.grads[offset:offset + n].view_as(p)
                 offset += n
 
-    def load(self, flat: torch.Tensor) -> None:
+    def load(self, flat: torch.Tensor | list[torch.Tensor]) -> None:
+        """Copy in a flat parameter vector, whole or as consecutive chunks (received frames)."""
         with torch.no_grad():
-            self.params.copy_(flat, non_blocking=False)
+            if isinstance(flat, torch.Tensor):
+                self.params.copy_(flat, non_blocking=False)
+                return
+            offset = 0
+            for chunk in flat:
+                self.params[offset:offset + chunk.numel()].copy_(chunk)
+                offset += chunk.numel()
+            if offset != self.numel:
+                raise ValueError(f"chunks of {offset} values for a model of {self.numel}")
+
+    def use_grads(self, buffer: torch.Tensor) -> None:
+        """Make `buffer` (flat, numel values) the gradient store: each parameter's .grad becomes
+        a view of it. Lets a caller send one gradient while the next is computed into another."""
+        if buffer.shape != (self.numel,) or buffer.dtype != self.dtype:
+            raise ValueError("a gradient buffer must be flat, of the model's size and dtype")
+        offset = 0
+        for p in self.module.parameters():
+            p.grad = buffer[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.grads = buffer
 
     def layout(self) -> list[list]:
         return [[name, list(p.shape), str(p.dtype).replace("torch.", "")]

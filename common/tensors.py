@@ -38,7 +38,12 @@ def to_blob(tensor: torch.Tensor, frame_bytes: int = MAX_FRAME_BYTES) -> Blob:
         tensor = tensor.cpu()
     tensor = tensor.contiguous()
     raw = memoryview(tensor.view(torch.uint8).numpy())
-    frames = tuple(raw[i:i + frame_bytes] for i in range(0, raw.nbytes, frame_bytes))
+    # Frames of near-equal size: no small last frame, which ZeroMQ would copy and whose (done)
+    # tracker would then vouch for the big zero-copy frames before it (see BufferPool).
+    item = tensor.element_size()
+    count = max(1, -(-raw.nbytes // frame_bytes))
+    size = max(item, min(-(-raw.nbytes // (count * item)) * item, frame_bytes // item * item))
+    frames = tuple(raw[i:i + size] for i in range(0, raw.nbytes, size))
     return Blob(DTYPE_NAMES[tensor.dtype], tensor.numel(), frames)
 
 
@@ -101,6 +106,50 @@ def all_finite(tensors: torch.Tensor | Sequence[torch.Tensor]) -> bool:
         if not math.isfinite(total):
             return False
     return True
+
+
+def finite_norm(tensors: torch.Tensor | Sequence[torch.Tensor]) -> float:
+    """The L2 norm, or inf/nan when a value is not finite: one BLAS pass, no temporary.
+
+    Squares are summed in the tensors' own precision, so a chunk whose sum of squares overflows
+    (values beyond ~1e19 in float32) also reads as non-finite: no usable gradient is that large."""
+    if isinstance(tensors, torch.Tensor):
+        tensors = [tensors]
+    total = 0.0
+    for t in tensors:
+        if t.numel():
+            t = t.detach()
+            if t.dtype not in (torch.float32, torch.float64):
+                t = t.float()  # half types: no BLAS dot on every device
+            total += float(torch.dot(t, t))
+    return math.sqrt(total) if math.isfinite(total) else total
+
+
+class BufferPool:
+    """Flat buffers of one size and dtype, reused once ZeroMQ is done sending them.
+
+    A fresh buffer of hundreds of MB costs more than the copy into it (the kernel maps and zeroes
+    every page); a buffer sent zero-copy may be reused only when its send is complete, which its
+    MessageTracker says. Pure bookkeeping: the caller sends and hands the trackers in."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, keep: int = 4):
+        self.numel, self.dtype, self.keep = numel, dtype, keep
+        self._free: list[tuple[torch.Tensor, list]] = []
+        self.allocated = 0
+
+    def take(self) -> torch.Tensor:
+        for i, (buffer, trackers) in enumerate(self._free):
+            if all(t.done for t in trackers):
+                del self._free[i]
+                return buffer
+        self.allocated += 1
+        return torch.empty(self.numel, dtype=self.dtype)
+
+    def give(self, buffer: torch.Tensor, trackers: Sequence = ()) -> None:
+        """Return `buffer`; it is reused once every tracker (of sends of it) is done."""
+        if buffer.numel() == self.numel and buffer.dtype == self.dtype and buffer.is_contiguous():
+            self._free.append((buffer, [t for t in trackers if t is not None]))
+            del self._free[:-self.keep]
 
 
 def check_finite(tensor: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from ..common.errors import ConfigError, GradientRejected
 from ..common.job import FlatModel
-from ..common.tensors import all_finite
+from ..common.tensors import finite_norm
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class Aggregator:
                 else:
                     target.add_(chunk, alpha=scale)
                 offset += chunk.numel()
-        if not all_finite(grads):
+        if not math.isfinite(finite_norm(grads)):
             grads.zero_()
             raise GradientRejected("non-finite gradient")
         # The staleness weight scales the step, not the gradient: adaptive optimizers (Adam)

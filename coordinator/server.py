@@ -30,7 +30,7 @@ from ..common import protocol as proto
 from ..common.aio import on_stop_signals
 from ..common.errors import CheckpointError, ConfigError, GradientRejected, ProtocolError
 from ..common.job import BuiltJob, FlatModel, build, evaluate, load_job
-from ..common.tensors import all_finite, blob_chunks, to_blob
+from ..common.tensors import BufferPool, blob_chunks, finite_norm, to_blob
 from . import checkpoint
 from .aggregator import Aggregator, StalenessRule
 from .sampler import Sampler
@@ -102,7 +102,9 @@ class Coordinator:
         self.peers: dict[bytes, str] = {}  # routing id -> worker id
         # arrived slot gradients of open rounds, as views of the frames they came in
         self._grads: dict[int, list[torch.Tensor]] = {}
-        self._snapshots: dict[int, tuple[torch.Tensor, proto.Blob]] = {}  # version -> model
+        # version -> (model, its blob, trackers of the zero-copy sends of it)
+        self._snapshots: dict[int, tuple[torch.Tensor, proto.Blob, list]] = {}
+        self._snapshot_buffers = BufferPool(self.model.numel, self.model.dtype)
         self.bad_messages: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()
         self.events: deque[dict] = deque(maxlen=self.EVENTS_KEPT)
@@ -420,7 +422,7 @@ class Coordinator:
         except ProtocolError:
             await self._perform(self.scheduler.failed(worker_id, msg.slot, now))
             raise
-        if not all_finite(grad):
+        if not math.isfinite(finite_norm(grad)):
             self.counters["gradients_rejected"] += 1
             self._event("rejected", f"non-finite gradient from {worker_id} for slot {msg.slot}",
                         worker=worker_id, level=logging.WARNING)
@@ -495,21 +497,25 @@ class Coordinator:
 
     _handling = False  # a received batch is being handled: no receive is pending
 
-    async def _send(self, route: bytes, msg: proto.Message) -> None:
+    async def _send(self, route: bytes, msg: proto.Message, track: bool = False):
+        """Send `msg`; with `track`, return the MessageTracker of its zero-copy frames."""
         if self._handling:
-            self._direct.send_multipart([route, *proto.encode(msg)], copy=False)
-        else:
-            await self.sock.send_multipart([route, *proto.encode(msg)], copy=False)
+            return self._direct.send_multipart([route, *proto.encode(msg)], copy=False,
+                                               track=track)
+        return await self.sock.send_multipart([route, *proto.encode(msg)], copy=False,
+                                              track=track)
 
     async def _perform(self, actions: list) -> None:
         for action in actions:
             if isinstance(action, Assign):
                 route = self.routes[action.worker]
                 model = self._model_blob(action.version) if action.send_model else None
-                await self._send(route, proto.Task(
+                tracker = await self._send(route, proto.Task(
                     slot=action.slot, round=action.round, version=action.version,
                     parts=action.parts, coefficients=action.coefficients,
-                    deadline_s=min(action.deadline_s, 1e9), model=model))
+                    deadline_s=min(action.deadline_s, 1e9), model=model), track=model is not None)
+                if model is not None:
+                    self._snapshots[action.version][2].append(tracker)
             elif isinstance(action, CancelSlots):
                 route = self.routes.get(action.worker)
                 if route is not None:
@@ -531,15 +537,22 @@ class Coordinator:
 
     def _model_blob(self, version: int) -> proto.Blob:
         """The model at `version`, as an immutable copy: frames go out zero-copy, asynchronously,
-        so the live parameters must not be what they point at."""
+        so the live parameters must not be what they point at. Copies live in reused buffers."""
         snap = self._snapshots.get(version)
         if snap is None:
             if version != self.aggregator.version:
                 raise RuntimeError(f"no snapshot of version {version}")  # a scheduler bug
-            tensor = self.model.params.detach().clone()
-            snap = (tensor, to_blob(tensor))
+            tensor = self._snapshot_buffers.take()
+            tensor.copy_(self.model.params.detach())
+            snap = (tensor, to_blob(tensor), [])
             self._snapshots[version] = snap
         return snap[1]
+
+    def _release_snapshots(self) -> None:
+        """Snapshots no open round needs go back to the pool (reused once sent)."""
+        for version in [v for v in self._snapshots if not self.scheduler.version_in_use(v)]:
+            tensor, _, trackers = self._snapshots.pop(version)
+            self._snapshot_buffers.give(tensor, trackers)
 
     def _apply(self, decoded: Decoded) -> list:
         """Step with a decoded round (or replan it); returns the scheduler's follow-up actions."""
@@ -563,8 +576,7 @@ class Coordinator:
         else:
             self.samples_applied += decoded.samples
             self._rate.append((time.monotonic(), self.samples_applied))
-            for version in [v for v in self._snapshots if not self.scheduler.version_in_use(v)]:
-                del self._snapshots[version]
+            self._release_snapshots()
         return self.scheduler.applied(self.aggregator.version, time.monotonic())
 
     # status ---------------------------------------------------------------------------------

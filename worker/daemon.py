@@ -43,7 +43,7 @@ from ..common import protocol as proto
 from ..common.aio import on_stop_signals
 from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
 from ..common.job import BuiltJob, build, builtin_job_names, load_job
-from ..common.tensors import from_blob, to_blob
+from ..common.tensors import blob_chunks, to_blob
 from .engine import Cancelled, Engine, Outcome, Work
 from .idle import Decision, IdlePolicy, PolicyConfig, Readings
 from .probes import Probes
@@ -111,7 +111,8 @@ class Worker:
         self.heartbeat_s = 1.0
         self.liveness = 3
         self._queue: deque[Work] = deque()
-        self._cache: Optional[tuple[int, torch.Tensor]] = None  # (version, model)
+        # (version, model as views of the frames it came in)
+        self._cache: Optional[tuple[int, list[torch.Tensor]]] = None
         self._current: Optional[tuple[Work, threading.Event]] = None
         self._stop: Optional[str] = None
         self.results_sent = 0
@@ -316,10 +317,11 @@ class Worker:
                     outcome = self._finish(computing)
                     computing = None
                     if outcome is not None:
-                        await self._send(sock, proto.Result(
+                        tracker = await sock.send_multipart(proto.encode(proto.Result(
                             slot=outcome.slot, version=outcome.version, samples=outcome.samples,
                             loss=outcome.loss, compute_s=outcome.compute_s,
-                            gradient=to_blob(outcome.gradient)))
+                            gradient=to_blob(outcome.gradient))), copy=False, track=True)
+                        self.engine.release(outcome.gradient, tracker)
                         self.results_sent += 1
                 if computing is None and self._queue and self._stop is None and not self.paused:
                     work = self._queue.popleft()
@@ -405,7 +407,7 @@ class Worker:
     def _on_task(self, task: proto.Task) -> None:
         if task.model is not None:
             try:
-                params = from_blob(task.model, self.built.model.numel, self.built.model.dtype)
+                params = blob_chunks(task.model, self.built.model.numel, self.built.model.dtype)
             except ProtocolError as exc:
                 log.warning("task %d: bad model: %s", task.slot, exc)
                 return

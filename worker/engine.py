@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..common.job import BuiltJob, batch_to, gather
+from ..common.tensors import BufferPool
 from ..common.permutation import part_indices
 
 
@@ -28,7 +29,9 @@ class Cancelled(Exception):
 class Work:
     slot: int
     version: int
-    params: torch.Tensor  # the model at `version`, flat
+    # The model at `version`: flat, or consecutive chunks (the frames it arrived in). It must not
+    # change once handed over: the engine skips loading a params object it loaded last.
+    params: torch.Tensor | Sequence[torch.Tensor]
     parts: Sequence[Sequence[int]]  # [epoch, offset, count] each
     coefficients: Sequence[float]
 
@@ -37,7 +40,7 @@ class Work:
 class Outcome:
     slot: int
     version: int
-    gradient: torch.Tensor  # flat, CPU, owned by the caller
+    gradient: torch.Tensor  # flat, CPU; the caller owns it, and may hand it back (`release`)
     samples: int
     loss: float
     compute_s: float
@@ -51,6 +54,10 @@ class Engine:
         self.seed = seed
         self.device = device
         self.micro_batch = 16  # grows after the first measurement
+        # Gradients go out zero-copy: each slot computes into a buffer of this pool, and a sent
+        # one is reused only when ZeroMQ is done with it (`release`).
+        self._gradients = BufferPool(built.model.numel, built.model.dtype)
+        self._loaded: object = None  # the params object the model holds
         self._s_per_sample: Optional[float] = None
         # fault injection for tests and benchmarks (the worker's --slowdown and --stall)
         self.slowdown = 1.0
@@ -72,7 +79,13 @@ class Engine:
         start = time.perf_counter()
         paused_s = 0.0
         model = self.built.model
-        model.load(work.params)
+        if work.params is not self._loaded:  # a new version (a slot at the same one: no copy)
+            self._loaded = None
+            model.load(work.params if isinstance(work.params, torch.Tensor) else list(work.params))
+            self._loaded = work.params
+        on_cpu = model.grads.device.type == "cpu"
+        if on_cpu:
+            model.use_grads(self._gradients.take())
         model.grads.zero_()
         model.module.train()
         loss_sum, samples = 0.0, 0
@@ -100,10 +113,19 @@ class Engine:
         injected = self._injected_delay(time.perf_counter() - start - paused_s)
         if injected > 0:
             paused_s += self._sleep(injected, cancel, running)
-        gradient = model.grads.detach().to("cpu", copy=True)
+        if on_cpu:
+            gradient = model.grads  # the next slot computes into another buffer
+        else:
+            gradient = self._gradients.take()
+            gradient.copy_(model.grads)
         return Outcome(work.slot, work.version, gradient, samples,
                        loss_sum / samples if samples else 0.0,
                        max(0.0, time.perf_counter() - start - paused_s))
+
+    def release(self, gradient: torch.Tensor, tracker=None) -> None:
+        """Hand back an outcome's gradient, to be reused once `tracker` (of its zero-copy send)
+        is done."""
+        self._gradients.give(gradient, [tracker] if tracker is not None else [])
 
     INJECT_STEP_S = 0.05  # injected delays sleep in steps this small: cancel and pause stay prompt
 
