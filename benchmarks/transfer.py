@@ -7,6 +7,8 @@ the next task (each round advances the version, so every task carries the model)
 classifier plus a payload vector that the loss touches lightly, so its gradient is as large as the
 model while computing it is little more than writing it: what is measured is the data path.
 
+The worker runs at normal priority (`--no-low-priority`), like the bare pair it is compared with.
+
 The ceiling, in the same run (alternating order across runs): two bare pyzmq processes exchanging
 the same bytes the same way, zero-copy from preallocated buffers in frames of at most 16 MiB:
 the "worker" keeps two gradients in flight (idlegrad's default credits), the "coordinator" answers
@@ -156,7 +158,9 @@ def measure_idlegrad(args, params: int) -> float:
         try:
             procs.append(spawn(["worker", "--coordinator", address, "--id", "w1", *job,
                                 "--threads", "1", "--device", "cpu", "--no-idle-policy",
-                                "--connect-timeout", "60", "--log-level", "warning"], log=logs[0]))
+                                # the bare pair runs at normal priority: so does this worker
+                                "--no-low-priority", "--connect-timeout", "120",
+                                "--log-level", "warning"], log=logs[0]))
             wait_for_hellos(address, ["w1"], procs, timeout=120)
             procs.append(spawn(["coordinator", "--bind", address, *job, "--job-arg",
                                 f"params={params}", "--epochs", "100000",
@@ -172,9 +176,10 @@ def measure_idlegrad(args, params: int) -> float:
                 raise RuntimeError("the coordinator does not answer status requests")
 
             t0, v0 = version()
-            while v0 < 2 or time.monotonic() - t0 < args.warmup:  # warm: the worker has joined
+            while v0 < 1:  # the worker has joined and the first step is done
                 time.sleep(0.2)
-                _, v0 = version()
+                t0, v0 = version()
+            time.sleep(args.warmup)
             t0, v0 = version()
             time.sleep(args.window)
             t1, v1 = version()
@@ -193,8 +198,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="10000000,50000000", help="model sizes (parameters)")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--warmup", type=float, default=3.0)
-    parser.add_argument("--window", type=float, default=6.0)
+    parser.add_argument("--warmup", type=float, default=10.0,
+                        help="seconds after the first step before the window opens (buffers "
+                             "and pages are first touched then)")
+    parser.add_argument("--window", type=float, default=10.0)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--params", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--bare-coordinator", default=None, help=argparse.SUPPRESS)

@@ -489,3 +489,36 @@ def test_type_error_inside_a_factory_is_a_job_error(job_file):
     with pytest.raises(JobError) as e:
         load_job(f"{job_file}:raises_type_error_inside")
     one_line(e.value)
+
+
+def test_flat_model_loads_chunks_and_swaps_gradient_buffers(digits_built):
+    flat = digits_built.model
+    target = torch.randn(flat.numel)
+    flat.load([target[:100], target[100:101], target[101:]])
+    assert torch.equal(flat.params, target)
+    with pytest.raises(ValueError):
+        flat.load([target[:5]])
+    buffer = torch.full((flat.numel,), 7.0)
+    flat.use_grads(buffer)
+    first = next(flat.module.parameters())
+    assert first.grad.data_ptr() == buffer.data_ptr() and flat.grads is buffer
+    with pytest.raises(ValueError):
+        flat.use_grads(torch.zeros(3))
+
+
+def test_engine_gradients_stay_valid_until_released_then_are_reused(digits_built):
+    engine = Engine(digits_built, seed=0, device=torch.device("cpu"))
+    params = random_params(digits_built, 3)
+    one = engine.compute(Work(1, 0, params, [[0, 0, 16]], [1.0]), threading.Event())
+    kept = one.gradient.clone()
+    two = engine.compute(Work(2, 0, params, [[0, 16, 16]], [1.0]), threading.Event())
+    assert two.gradient.data_ptr() != one.gradient.data_ptr()
+    assert torch.equal(one.gradient, kept)  # not overwritten by the next slot
+    engine.release(one.gradient)  # no tracker: free at once
+    three = engine.compute(Work(3, 0, params, [[0, 0, 16]], [1.0]), threading.Event())
+    assert three.gradient.data_ptr() == one.gradient.data_ptr()
+    assert torch.allclose(three.gradient, kept)  # same slot, same model: same gradient
+    # the model is loaded once per params object: a chunked copy of other values reloads it
+    chunks = [torch.zeros(10), torch.zeros(digits_built.model.numel - 10)]
+    engine.compute(Work(4, 1, chunks, [[0, 0, 4]], [1.0]), threading.Event())
+    assert float(digits_built.model.params.abs().sum()) == 0.0

@@ -729,3 +729,44 @@ def test_all_finite_finds_any_non_finite_value(value):
     half = torch.ones(10, dtype=torch.float16)
     half[3] = value
     assert not all_finite(half)
+
+
+# reused buffers and the norm check -------------------------------------------------------------
+
+
+class _Tracker:
+    def __init__(self, done: bool):
+        self.done = done
+
+
+def test_buffer_pool_reuses_a_buffer_only_once_its_sends_are_done():
+    from idlegrad.common.tensors import BufferPool
+
+    pool = BufferPool(8, torch.float32, keep=2)
+    a = pool.take()
+    assert pool.allocated == 1 and a.shape == (8,)
+    in_flight = _Tracker(False)
+    pool.give(a, [in_flight])
+    b = pool.take()  # a is still being sent: a new buffer
+    assert b is not a and pool.allocated == 2
+    in_flight.done = True
+    assert pool.take() is a and pool.allocated == 2
+    pool.give(torch.empty(3))  # the wrong size is not kept
+    pool.give(b, [None])  # copied sends have no tracker
+    assert pool.take() is b and pool.allocated == 2
+    for _ in range(5):
+        pool.give(torch.empty(8), [])
+    assert len(pool._free) == 2  # bounded
+
+
+def test_finite_norm():
+    from idlegrad.common.tensors import finite_norm
+
+    t = torch.tensor([3.0, 4.0, 0.0])
+    assert finite_norm(t) == pytest.approx(5.0)
+    assert finite_norm([t[:1], t[1:]]) == pytest.approx(5.0)
+    assert finite_norm(t.half()) == pytest.approx(5.0) and finite_norm(torch.empty(0)) == 0.0
+    for bad in (float("nan"), float("inf"), -float("inf"), 1e30):  # 1e30: its square overflows
+        u = t.clone()
+        u[2] = bad
+        assert not math.isfinite(finite_norm([u[:2], u[2:]]))
