@@ -131,6 +131,7 @@ class WorkerRecord:
     late_streak: int = 0
     done: int = 0
     samples: int = 0
+    compute_s: float = 0.0  # seconds of compute its results report
     cancelled: int = 0
     missed: int = 0
     failed: int = 0
@@ -271,6 +272,7 @@ class Scheduler:
         worker.done += 1
         worker.staleness += max(0, self.version - self.rounds[slot.round].version)
         worker.samples += slot.samples
+        worker.compute_s += max(0.0, compute_s)
         if slot.samples and compute_s > 0:
             self._observe_speed(worker, compute_s / slot.samples)
         if not slot.speculated or worker.late_streak == 0:
