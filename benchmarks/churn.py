@@ -32,7 +32,10 @@ PARAMS = 20_000
 
 
 def swarm(address: str, workers: int, seconds: float, period: float, fraction: float,
-          seed: int) -> dict:
+          seed: int, task_s: float) -> dict:
+    import heapq
+    import itertools
+
     import zmq
 
     from idlegrad.common import protocol as proto
@@ -46,6 +49,8 @@ def swarm(address: str, workers: int, seconds: float, period: float, fraction: f
     serial = 0
     gradient = proto.Blob("float32", PARAMS, (bytes(4 * PARAMS),))
     beat = proto.encode(proto.Heartbeat(state="working"))
+    order = itertools.count()  # ties in `due` never compare sockets
+    due: list = []  # (when, serial, socket, result frames): answers wait `task_s` (a slot's work)
 
     def join(worker_id: str) -> None:
         s = ctx.socket(zmq.DEALER)
@@ -92,7 +97,13 @@ def swarm(address: str, workers: int, seconds: float, period: float, fraction: f
                         serial += 1
                         join(f"churn-{serial:06d}")
                 next_churn = now + period
-            for sock, _ in poller.poll(timeout=100):
+            while due and due[0][0] <= now:
+                _, _, sock, frames = heapq.heappop(due)
+                if sock in owner:  # it may have left meanwhile
+                    sock.send_multipart(frames, copy=False)
+                    counts["results"] += 1
+            wait = 100 if not due else max(0, min(100, int((due[0][0] - now) * 1000)))
+            for sock, _ in poller.poll(timeout=wait):
                 while sock in owner:
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -103,11 +114,11 @@ def swarm(address: str, workers: int, seconds: float, period: float, fraction: f
                         sock.send_multipart(proto.encode(proto.Ready(
                             credits=2, fingerprint=msg.fingerprint)))
                     elif isinstance(msg, proto.Task):
-                        sock.send_multipart(proto.encode(proto.Result(
-                            slot=msg.slot, version=msg.version,
-                            samples=sum(p[2] for p in msg.parts), loss=0.0, compute_s=1e-3,
-                            gradient=gradient)), copy=False)
-                        counts["results"] += 1
+                        heapq.heappush(due, (time.monotonic() + task_s * rng.uniform(0.5, 1.5),
+                                             next(order), sock, proto.encode(proto.Result(
+                                                 slot=msg.slot, version=msg.version,
+                                                 samples=sum(p[2] for p in msg.parts), loss=0.0,
+                                                 compute_s=task_s, gradient=gradient))))
                     elif isinstance(msg, proto.Reject):  # evicted while it was silent: rejoin
                         worker_id = owner[sock]
                         drop(worker_id, bye=False)
@@ -125,6 +136,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=50, help="simulated workers at any time")
     parser.add_argument("--period", type=float, default=1.0, help="seconds between churn steps")
     parser.add_argument("--fraction", type=float, default=0.1, help="share that leaves per step")
+    parser.add_argument("--task-s", type=float, default=0.1, help="seconds a worker takes per slot")
     parser.add_argument("--sample-every", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=60.0, help="seconds left out of growth")
     parser.add_argument("--json", action="store_true")
@@ -132,7 +144,8 @@ def main() -> None:
     args = parser.parse_args()
     seconds = args.minutes * 60
     if args.swarm:
-        print(json.dumps(swarm(args.swarm, args.workers, seconds, args.period, args.fraction, 0)))
+        print(json.dumps(swarm(args.swarm, args.workers, seconds, args.period, args.fraction, 0,
+                               args.task_s)))
         return
 
     import psutil
@@ -151,7 +164,7 @@ def main() -> None:
         swarm_proc = subprocess.Popen(
             [sys.executable, HERE, "--swarm", address, "--workers", str(args.workers),
              "--minutes", str(args.minutes), "--period", str(args.period), "--fraction",
-             str(args.fraction)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+             str(args.fraction), "--task-s", str(args.task_s)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
             start_new_session=True)
         samples = []
         try:
