@@ -27,7 +27,8 @@ import zmq.asyncio
 from .. import __version__
 from ..common import coding
 from ..common import protocol as proto
-from ..common.aio import on_stop_signals
+from ..common import security
+from ..common.aio import on_reload_signal, on_stop_signals
 from ..common.errors import CheckpointError, ConfigError, GradientRejected, ProtocolError
 from ..common.job import BuiltJob, FlatModel, build, evaluate, load_job
 from ..common.tensors import from_blob, to_blob
@@ -65,6 +66,9 @@ class CoordinatorConfig:
     sync: bool = False  # synchronous SGD: one round, code none, a partition per ready worker
     max_batch: Optional[int] = None  # cap on a round's batch
     speculate: bool = True  # duplicate late slots to free workers (never with sync)
+    secret_key: Optional[str] = None  # CURVE: this coordinator's NAME.key_secret file
+    allow_keys: Optional[str] = None  # CURVE: directory of the workers' and monitors' NAME.key files
+    insecure: bool = False  # without keys, listen beyond loopback anyway
 
 
 class Coordinator:
@@ -73,6 +77,7 @@ class Coordinator:
 
     def __init__(self, config: CoordinatorConfig):
         self.config = config
+        self.keypair, self.allowed_keys = self._check_security(config)
         if config.threads:
             torch.set_num_threads(config.threads)
         job = load_job(config.job, config.job_args)
@@ -99,6 +104,7 @@ class Coordinator:
             self.sampler, version=version, next_id=next_id)
 
         self.routes: dict[str, bytes] = {}  # worker id -> routing id
+        self.key_of: dict[str, bytes] = {}  # worker id -> the CURVE public key that holds it
         self.peers: dict[bytes, str] = {}  # routing id -> worker id
         self._grads: dict[int, torch.Tensor] = {}  # arrived slot gradients of open rounds
         self._snapshots: dict[int, tuple[torch.Tensor, proto.Blob]] = {}  # version -> model
@@ -117,6 +123,60 @@ class Coordinator:
         self._metrics_file = None
 
     # setup ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_security(config: CoordinatorConfig) -> tuple[Optional[tuple[bytes, bytes]],
+                                                              frozenset[bytes]]:
+        """The CURVE key pair and allow-list, or (None, empty) for a plain loopback coordinator."""
+        if (config.secret_key is None) != (config.allow_keys is None):
+            raise ConfigError("--secret-key and --allow-keys go together: give both or neither")
+        if config.secret_key is not None:
+            return security.load_keypair(config.secret_key), security.load_allowed(config.allow_keys)
+        if not security.is_loopback(config.bind):
+            if not config.insecure:
+                raise ConfigError(
+                    f"refusing to listen on {config.bind} without keys: anyone who reaches it could "
+                    "train your model; give --secret-key and --allow-keys (see `idlegrad keys "
+                    "generate`), bind to 127.0.0.1, or say --insecure")
+            log.warning("listening on %s WITHOUT encryption or authentication (--insecure): "
+                        "anyone who can reach it may join and send gradients", config.bind)
+        return None, frozenset()
+
+    @property
+    def secure(self) -> bool:
+        return self.keypair is not None
+
+    async def reload_keys(self) -> None:
+        """Re-read --allow-keys (SIGHUP): new keys may connect; a removed key's connections
+        are cut off from the next message on, and its worker is evicted."""
+        if not self.secure:
+            self._event("keys", "SIGHUP ignored: this coordinator runs without keys")
+            return
+        try:
+            allowed = security.load_allowed(self.config.allow_keys)
+        except ConfigError as exc:
+            # Fail closed: an unreadable list admits nobody until it is fixed and re-read.
+            allowed = frozenset()
+            self._event("keys", f"{exc}; admitting nobody", level=logging.ERROR)
+        revoked = self.allowed_keys - allowed
+        self.allowed_keys = allowed
+        self._event("keys", f"--allow-keys re-read: {len(allowed)} keys, {len(revoked)} revoked")
+        for worker_id, key in list(self.key_of.items()):
+            if key not in allowed:
+                self.counters["workers_revoked"] += 1
+                self._event("revoked", f"{worker_id}: key {_short(key)} revoked",
+                            worker=worker_id, level=logging.WARNING)
+                await self._forget(worker_id, "key revoked")
+
+    async def _forget(self, worker_id: str, reason: str) -> None:
+        """Evict a worker now (revoked, banned): its slots go back to the pool, and nothing
+        more from its connection is used."""
+        if worker_id in self.scheduler.workers:
+            await self._perform(self.scheduler.leave(worker_id, time.monotonic(), reason))
+        route = self.routes.pop(worker_id, None)
+        if route is not None:
+            self.peers.pop(route, None)
+        self.key_of.pop(worker_id, None)
 
     def _resume(self) -> Optional[tuple[int, int]]:
         state = checkpoint.load(self.config.checkpoint_dir)
@@ -178,20 +238,29 @@ class Coordinator:
         sock.setsockopt(zmq.MAXMSGSIZE, proto.SOCKET_MAX_MSG_BYTES)
         sock.setsockopt(zmq.LINGER, 500)  # let SHUTDOWNs flush, but never hold the exit long
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        auth = None
+        if self.secure:
+            auth = self._start_authenticator(ctx, sock)
         try:
             sock.bind(self.config.bind)
         except zmq.ZMQError as exc:
             sock.close(0)
+            if auth is not None:
+                auth.stop()
             ctx.term()
             raise ConfigError(f"cannot bind {self.config.bind}: {exc}") from None
         self.sock = sock
         on_stop_signals(self._on_signal)
+        if self.secure:
+            on_reload_signal(lambda: asyncio.ensure_future(self.reload_keys()))
         if self.config.metrics_path:
             os.makedirs(os.path.dirname(os.path.abspath(self.config.metrics_path)), exist_ok=True)
             self._metrics_file = open(self.config.metrics_path, "a", buffering=1)
         self.started = time.monotonic()
+        security_note = (f"CURVE, {len(self.allowed_keys)} keys allowed" if self.secure
+                         else "no keys: unencrypted")
         self._event("start", f"job {self.built.job.name} at version {self.aggregator.version}, "
-                             f"listening on {self.config.bind}")
+                             f"listening on {self.config.bind} ({security_note})")
         try:
             await self._loop()
             await self._finish()
@@ -199,8 +268,39 @@ class Coordinator:
             if self._metrics_file:
                 self._metrics_file.close()
             sock.close()
+            if auth is not None:
+                auth.stop()
             ctx.term()
         return self.stop_reason or "stopped"
+
+    def _start_authenticator(self, ctx, sock):
+        """ZAP through pyzmq's asyncio authenticator, asking our allow-list for every handshake.
+
+        Fails closed twice over: a handshake nobody answers never completes, and every message's
+        User-Id is checked against the allow-list again in `_handle`."""
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        coordinator = self
+
+        class AllowList:
+            def callback(self, domain, key: bytes) -> bool:
+                allowed = key in coordinator.allowed_keys
+                if not allowed:
+                    coordinator.counters["handshakes_refused"] += 1
+                return allowed
+
+        auth = AsyncioAuthenticator(ctx, log=logging.getLogger("idlegrad.coordinator.auth"))
+        try:
+            auth.start()
+            auth.configure_curve_callback("*", credentials_provider=AllowList())
+        except Exception as exc:
+            auth.stop()
+            raise ConfigError(f"cannot start the CURVE authenticator: {exc}") from None
+        public, secret = self.keypair
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+        return auth
 
     def _on_signal(self, sig) -> None:
         if self.stop_reason is None:
@@ -336,6 +436,17 @@ class Coordinator:
             self._bad(b"?", ProtocolError("frames", "no routing id or no header"))
             return
         route = bytes(frames[0].buffer)
+        key = None
+        if self.secure:
+            key = _user_id(frames[1])
+            if key not in self.allowed_keys:
+                # Admitted before a SIGHUP revoked it (or, were the authenticator to fail, never
+                # admitted at all): nothing it says is used.
+                self.counters["messages_unlisted_key"] += 1
+                worker_id = self.peers.get(route)
+                if worker_id is not None:
+                    await self._forget(worker_id, "key revoked")
+                return
         try:
             msg = proto.decode(frames[1:])
         except ProtocolError as exc:
@@ -349,8 +460,21 @@ class Coordinator:
         if handler is None:
             self._bad(route, ProtocolError("unexpected", f"{msg.TYPE} is not for the coordinator"))
             return
+        if key is not None and isinstance(msg, proto.Hello):
+            owner = self.key_of.get(msg.worker_id)
+            if owner is not None and owner != key:
+                self.counters["hello_identity"] += 1
+                await self._send(route, proto.Reject(
+                    code="identity", reason=f"worker id {msg.worker_id!r} belongs to another key"))
+                return
+        elif key is not None and route in self.peers and self.key_of.get(self.peers[route]) != key:
+            self._bad(route, ProtocolError("identity", "message under another key than its hello"))
+            return
         try:
-            await handler(self, route, msg)
+            if isinstance(msg, proto.Hello):
+                await self._on_hello(route, msg, key)
+            else:
+                await handler(self, route, msg)
         except _NeedHello:
             # A worker of an earlier coordinator process (or one we evicted): it re-handshakes.
             self.counters["hello_first"] += 1
@@ -373,7 +497,7 @@ class Coordinator:
             raise _NeedHello()
         return worker_id
 
-    async def _on_hello(self, route: bytes, msg: proto.Hello) -> None:
+    async def _on_hello(self, route: bytes, msg: proto.Hello, key: Optional[bytes] = None) -> None:
         old_route = self.routes.get(msg.worker_id)
         await self._perform(self.scheduler.join(msg.worker_id, {
             "host": msg.host, "cores": msg.cores, "threads": msg.threads, "device": msg.device,
@@ -383,6 +507,8 @@ class Coordinator:
         self.peers.pop(route, None)
         self.routes[msg.worker_id] = route
         self.peers[route] = msg.worker_id
+        if key is not None:
+            self.key_of[msg.worker_id] = key
         self._event("join", f"{msg.worker_id} joined from {msg.host} ({msg.device}, "
                             f"{msg.threads} threads)", worker=msg.worker_id)
         await self._send(route, proto.Welcome(
@@ -511,6 +637,7 @@ class Coordinator:
                 route = self.routes.pop(action.worker, None)
                 if route is not None:
                     self.peers.pop(route, None)
+                self.key_of.pop(action.worker, None)
                 self._event("leave", f"{action.worker} left ({action.reason}); "
                                      f"{action.requeued} slots requeued", worker=action.worker)
 
@@ -617,6 +744,18 @@ class Coordinator:
         return build_snapshot(self.scheduler, time.monotonic(), base, curve=self.curve,
                               events=self.events, cursor=cursor, last_event=self._event_id,
                               redundancy=redundancy, events_limit=self.EVENTS_PER_STATUS)
+
+
+def _user_id(frame) -> Optional[bytes]:
+    """The peer's CURVE public key (Z85), which the authenticator made the message's User-Id."""
+    try:
+        return frame.get("User-Id").encode("ascii")
+    except (zmq.ZMQError, AttributeError, UnicodeError):
+        return None
+
+
+def _short(key: bytes) -> str:
+    return key[:8].decode("ascii", errors="replace") + "..."
 
 
 class _NeedHello(ProtocolError):

@@ -35,6 +35,8 @@ class Settings:
     connect_timeout: float = 60.0
     id: Optional[str] = None
     state_log: Optional[str] = None
+    coordinator_key: Optional[str] = None  # CURVE: the coordinator's NAME.key
+    secret_key: Optional[str] = None  # CURVE: this worker's NAME.key_secret
     # [limits] the owner's
     threads: Optional[int] = None
     max_cores: Optional[str] = None  # "N" cores or "P%" of this machine's
@@ -77,7 +79,8 @@ class Settings:
 
 
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "": ("coordinator", "job", "device", "credits", "connect_timeout", "id", "state_log"),
+    "": ("coordinator", "job", "device", "credits", "connect_timeout", "id", "state_log",
+         "coordinator_key", "secret_key"),
     "limits": ("threads", "max_cores", "memory_max_mb", "hours", "low_priority"),
     "idle": ("enabled", "resume_after", "sample_every", "cpu_others_max_pct", "cpu_ignore_niced",
              "user_idle_min_s", "pause_on_battery", "memory_available_min_mb",
@@ -202,7 +205,7 @@ def _check(name: str, value: Any, where: str) -> Any:
         if "://" not in value:
             raise _fail(where, name, f"{value!r} is not a ZeroMQ address like tcp://host:5555")
         return value
-    if name in ("job", "id", "state_log"):
+    if name in ("job", "id", "state_log", "coordinator_key", "secret_key"):
         return _string(value, where, name)
     if name == "device":
         value = _string(value, where, name, optional=False)

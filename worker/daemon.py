@@ -43,6 +43,7 @@ from ..common import protocol as proto
 from ..common.aio import on_stop_signals
 from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
 from ..common.job import BuiltJob, build, builtin_job_names, load_job
+from ..common.security import ClientKeys
 from ..common.tensors import from_blob, to_blob
 from .engine import Cancelled, Engine, Outcome, Work
 from .idle import Decision, IdlePolicy, PolicyConfig, Readings
@@ -67,6 +68,7 @@ class WorkerConfig:
     state_log: Optional[str] = None  # JSON lines: every change of state, with its readings
     slowdown: float = 1.0  # fault injection (tests, benchmarks): tasks take this many times as long
     stall: Optional[tuple[float, float]] = None  # fault injection: (probability, seconds)
+    keys: Optional[ClientKeys] = None  # CURVE: the coordinator's pinned key and this worker's pair
 
 
 class _Rehello(Exception):
@@ -182,6 +184,8 @@ class Worker:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.MAXMSGSIZE, proto.SOCKET_MAX_MSG_BYTES)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.config.keys is not None:
+            self.config.keys.apply(sock)
         sock.connect(self.config.coordinator)
         return sock
 
