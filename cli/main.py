@@ -120,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-speculate", dest="speculate", action="store_false",
                    help="do not duplicate late tasks to free workers")
     c.add_argument("--threads", type=_positive(int), metavar="N", help="torch threads")
+    c.add_argument("--reject-norm", type=_non_negative(float), default=10.0, metavar="K",
+                   help="refuse a gradient whose norm per sample is over K times the running "
+                        "median of recent ones; 0: no check (default: 10)")
+    c.add_argument("--ban-after", type=_non_negative(int), default=3, metavar="N",
+                   help="ban a worker (its key, with keys) after N refused gradients or "
+                        "malformed results within 10 minutes; 0: never (default: 3)")
     c.add_argument("--secret-key", metavar="FILE",
                    help="CURVE: this coordinator's NAME.key_secret (from `idlegrad keys generate`); "
                         "with --allow-keys, traffic is encrypted and only listed keys may talk")
@@ -219,6 +225,7 @@ def _run_coordinator(args) -> int:
     from ..coordinator.aggregator import StalenessRule
     from ..coordinator.server import Coordinator, CoordinatorConfig
     from ..coordinator.target import Target
+    from ..coordinator.trust import TrustConfig
 
     metrics = args.metrics
     if metrics is None and args.checkpoint_dir:
@@ -233,13 +240,21 @@ def _run_coordinator(args) -> int:
         min_deadline_s=args.task_timeout, threads=args.threads, pause_grace_s=args.pause_grace,
         redundancy=str(parse_redundancy(args.redundancy)), sync=args.sync,
         max_batch=args.max_batch, speculate=args.speculate, secret_key=args.secret_key,
-        allow_keys=args.allow_keys, insecure=args.insecure)
+        allow_keys=args.allow_keys, insecure=args.insecure,
+        trust=_trust_config(TrustConfig, args.reject_norm, args.ban_after))
     coordinator = Coordinator(config)
     reason = coordinator.run()
     logging.getLogger("idlegrad.coordinator").info(
         "done (%s): version %d, %d samples, metrics %s", reason, coordinator.aggregator.version,
         coordinator.samples_applied, coordinator.metrics)
     return EXIT_FAILED if reason == "bad target" else EXIT_OK
+
+
+def _trust_config(cls, reject_norm: float, ban_after: int):
+    try:
+        return cls(norm_factor=reject_norm, ban_after=ban_after)
+    except ValueError as exc:
+        raise ConfigError(f"--reject-norm / --ban-after: {exc}") from None
 
 
 def _run_status(args) -> int:

@@ -59,6 +59,9 @@ SETTING_FLAGS: list[tuple[str, str, str, str]] = [
     ("--stall", "stall", "P:SECONDS",
      "fault injection for tests and benchmarks: with probability P a task stalls SECONDS "
      "(default: never)"),
+    ("--poison", "poison", "scale:X|flip|nan",
+     "fault injection for tests and benchmarks: send hostile gradients (times X, sign-flipped, "
+     "or NaN) (default: honest)"),
 ]
 BOOL_FLAGS: list[tuple[str, str, str]] = [
     ("--idle-policy", "enabled",
@@ -186,7 +189,8 @@ def run_worker(args) -> int:
         worker_id=settings.id, policy=settings.policy(), sample_every=settings.sample_every,
         cpu_ignore_niced=settings.cpu_ignore_niced, state_log=settings.state_log,
         slowdown=settings.slowdown,
-        stall=config.parse_stall(settings.stall) if settings.stall else None, keys=keys))
+        stall=config.parse_stall(settings.stall) if settings.stall else None,
+        poison=config.parse_poison(settings.poison) if settings.poison else None, keys=keys))
     reason = worker.run()
     log.info("stopped (%s) after %d results, %d pauses", reason, worker.results_sent, worker.pauses)
     return 0

@@ -286,3 +286,20 @@ def _default_evaluate(job: Job, module: nn.Module, test: Dataset, chunk: int) ->
     if classify and counted == n:
         metrics["accuracy"] = correct / n
     return metrics
+
+
+def reference_gradient_norm(job: Job, model: FlatModel, train: Dataset, seed: int,
+                            count: int = 32) -> float:
+    """The norm of the summed per-sample gradient of the first `count` samples of epoch 0, divided
+    by `count`: what an honest slot's gradient looks like, per sample, at `model`'s parameters.
+
+    `model`'s gradients are overwritten: pass a scratch copy.
+    """
+    count = max(1, min(count, len(train)))
+    model.grads.zero_()
+    model.module.train()
+    loss = job.loss(model.module, part_batch(train, seed, 0, 0, count))
+    (loss * count).backward()
+    norm = float(torch.linalg.vector_norm(model.grads, dtype=torch.float64))
+    model.grads.zero_()
+    return norm / count

@@ -30,7 +30,7 @@ from ..common import protocol as proto
 from ..common import security
 from ..common.aio import on_reload_signal, on_stop_signals
 from ..common.errors import CheckpointError, ConfigError, GradientRejected, ProtocolError
-from ..common.job import BuiltJob, FlatModel, build, evaluate, load_job
+from ..common.job import BuiltJob, FlatModel, build, evaluate, load_job, reference_gradient_norm
 from ..common.tensors import from_blob, to_blob
 from . import checkpoint
 from .aggregator import Aggregator, StalenessRule
@@ -38,6 +38,7 @@ from .sampler import Sampler
 from .scheduler import Assign, CancelSlots, Decoded, Drained, Evicted, Scheduler, SchedulerConfig
 from .status import CURVE_POINTS, build_snapshot
 from .target import Target
+from .trust import TrustConfig, TrustPolicy
 
 log = logging.getLogger("idlegrad.coordinator")
 
@@ -69,6 +70,7 @@ class CoordinatorConfig:
     secret_key: Optional[str] = None  # CURVE: this coordinator's NAME.key_secret file
     allow_keys: Optional[str] = None  # CURVE: directory of the workers' and monitors' NAME.key files
     insecure: bool = False  # without keys, listen beyond loopback anyway
+    trust: TrustConfig = field(default_factory=TrustConfig)  # outlier gradients, offences, bans
 
 
 class Coordinator:
@@ -103,6 +105,10 @@ class Coordinator:
                             speculate=config.speculate and not config.sync),
             self.sampler, version=version, next_id=next_id)
 
+        self._eval_model.load(self.model.params)
+        self.trust = TrustPolicy(config.trust, reference=reference_gradient_norm(
+            job, self._eval_model, self.built.train, config.seed))
+        self.identity_names: dict[str, str] = {}  # trust identity -> the worker id it last used
         self.routes: dict[str, bytes] = {}  # worker id -> routing id
         self.key_of: dict[str, bytes] = {}  # worker id -> the CURVE public key that holds it
         self.peers: dict[bytes, str] = {}  # routing id -> worker id
@@ -460,6 +466,11 @@ class Coordinator:
         if handler is None:
             self._bad(route, ProtocolError("unexpected", f"{msg.TYPE} is not for the coordinator"))
             return
+        if isinstance(msg, proto.Hello) and self.trust.is_banned(self._identity(msg.worker_id, key)):
+            self.counters["hello_banned"] += 1
+            await self._send(route, proto.Reject(
+                code="banned", reason="banned by this coordinator for repeated bad gradients"))
+            return
         if key is not None and isinstance(msg, proto.Hello):
             owner = self.key_of.get(msg.worker_id)
             if owner is not None and owner != key:
@@ -490,6 +501,45 @@ class Coordinator:
             self._bad_logged_at = now
             self._event("rejected", f"bad message from {who}: {exc} "
                                     f"({sum(self.bad_messages.values())} so far)", level=logging.WARNING)
+
+    def _identity(self, worker_id: str, key: Optional[bytes] = None) -> str:
+        """Who is judged and banned: the CURVE key when there are keys, else the worker id."""
+        key = key if key is not None else self.key_of.get(worker_id)
+        return "key:" + key.decode("ascii") if key is not None else worker_id
+
+    def _slot_scale(self, worker_id: str, slot_id: int) -> Optional[float]:
+        """sum |coefficient| x samples over the slot's parts, if the slot is this worker's."""
+        record = self.scheduler.workers.get(worker_id)
+        slot = self.scheduler.slots.get(slot_id)
+        if record is None or slot is None or slot_id not in record.assigned:
+            return None
+        round_ = self.scheduler.rounds.get(slot.round)
+        if round_ is None:
+            return None
+        return sum(abs(c) * round_.parts[j][2] for j, c in slot.row)
+
+    async def _offence(self, worker_id: str, slot: int, reason: str, detail: str,
+                       banned: bool) -> None:
+        self.counters["gradients_rejected"] += 1
+        self.counters["rejected_" + reason.replace("-", "_")] += 1
+        self._event("rejected", f"{detail} from {worker_id} for slot {slot}", worker=worker_id,
+                    level=logging.WARNING)
+        await self._perform(self.scheduler.failed(worker_id, slot, time.monotonic()))
+        if banned:
+            await self._ban(worker_id)
+
+    async def _ban(self, worker_id: str) -> None:
+        identity = self._identity(worker_id)
+        offender = self.trust.offenders[identity]
+        self.counters["workers_banned"] += 1
+        self._event("banned", f"{worker_id} banned after {offender.total} offences "
+                              f"({', '.join(f'{k} x{v}' for k, v in offender.reasons.items())})",
+                    worker=worker_id, level=logging.WARNING)
+        route = self.routes.get(worker_id)
+        if route is not None:
+            await self._send(route, proto.Reject(
+                code="banned", reason="banned by this coordinator for repeated bad gradients"))
+        await self._forget(worker_id, "banned")
 
     def _worker_of(self, route: bytes) -> str:
         worker_id = self.peers.get(route)
@@ -531,16 +581,25 @@ class Coordinator:
     async def _on_result(self, route: bytes, msg: proto.Result) -> None:
         worker_id = self._worker_of(route)
         now = time.monotonic()
+        identity = self._identity(worker_id)
+        self.identity_names[identity] = worker_id
         try:
             grad = from_blob(msg.gradient, self.model.numel, self.model.dtype)
         except ProtocolError:
             await self._perform(self.scheduler.failed(worker_id, msg.slot, now))
+            if self.trust.offence(identity, "malformed", now):
+                await self._ban(worker_id)
             raise
+        scale = self._slot_scale(worker_id, msg.slot)
         if not bool(torch.isfinite(grad).all()):
-            self.counters["gradients_rejected"] += 1
-            self._event("rejected", f"non-finite gradient from {worker_id} for slot {msg.slot}",
-                        worker=worker_id, level=logging.WARNING)
-            await self._perform(self.scheduler.failed(worker_id, msg.slot, now))
+            verdict = self.trust.judge(identity, math.nan, 1.0, now)
+        elif scale is not None:  # a result for a slot it does not hold is refused below anyway
+            verdict = self.trust.judge(
+                identity, float(torch.linalg.vector_norm(grad, dtype=torch.float64)), scale, now)
+        else:
+            verdict = None
+        if verdict is not None and not verdict.ok:
+            await self._offence(worker_id, msg.slot, verdict.reason, verdict.detail, verdict.banned)
             return
         accepted, actions = self.scheduler.result(worker_id, msg.slot, msg.compute_s, now)
         if accepted:
@@ -694,6 +753,13 @@ class Coordinator:
                             "worker": worker, "text": text})
         log.log(level, "%s: %s", kind, text)
 
+    def _trust_summary(self) -> dict:
+        summary = self.trust.summary()
+        name = lambda identity: self.identity_names.get(identity, identity)  # noqa: E731
+        summary["banned"] = [name(i) for i in summary["banned"]]
+        summary["offenders"] = {name(i): o for i, o in summary["offenders"].items()}
+        return summary
+
     def samples_per_s(self, window: float = 5.0) -> float:
         if len(self._rate) < 2:
             return 0.0
@@ -722,6 +788,7 @@ class Coordinator:
             "target_value": target.value if target else None,
             "target_higher": target.higher_is_better if target else None,
             "counters": dict(self.counters), "bad_messages": dict(self.bad_messages),
+            "trust": self._trust_summary(),
             "host": pysocket.gethostname(),
         }
         staleness = self.config.staleness

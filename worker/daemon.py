@@ -68,6 +68,7 @@ class WorkerConfig:
     state_log: Optional[str] = None  # JSON lines: every change of state, with its readings
     slowdown: float = 1.0  # fault injection (tests, benchmarks): tasks take this many times as long
     stall: Optional[tuple[float, float]] = None  # fault injection: (probability, seconds)
+    poison: Optional[tuple[str, float]] = None  # fault injection: (kind, factor), engine.parse_poison
     keys: Optional[ClientKeys] = None  # CURVE: the coordinator's pinned key and this worker's pair
 
 
@@ -243,6 +244,7 @@ class Worker:
             self.built = build(job, device=self.device)
             self.engine = Engine(self.built, welcome.seed, self.device)
             self.engine.slowdown, self.engine.stall = self.config.slowdown, self.config.stall
+            self.engine.poison = self.config.poison
             self._built_for = key
         self.heartbeat_s = welcome.heartbeat_s
         self.liveness = welcome.liveness
