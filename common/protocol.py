@@ -30,6 +30,7 @@ MAX_HEADER_BYTES = 1024 * 1024
 MAX_BLOB_FRAMES = 1024  # 16 GiB per blob at most
 MAX_STR = 4096
 MAX_LIST = 65536
+MAX_DEPTH = 32  # containers nest at most this deep in a header (msgpack's own limit is far deeper)
 # ZMQ_MAXMSGSIZE for every socket: the peer is disconnected by ZeroMQ itself past this.
 SOCKET_MAX_MSG_BYTES = max(MAX_FRAME_BYTES, MAX_HEADER_BYTES) + 4096
 
@@ -317,6 +318,8 @@ def decode(frames: Sequence) -> Message:
         raise ProtocolError("msgpack", f"{type(exc).__name__}: {exc}"[:200]) from None
     if not isinstance(header, dict):
         raise ProtocolError("schema", "header must be a map")
+    if _too_deep(header, MAX_DEPTH):
+        raise ProtocolError("schema", f"header nests deeper than {MAX_DEPTH}")
     version = header.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError("version", f"protocol {version!r}, expected {PROTOCOL_VERSION}")
@@ -349,6 +352,20 @@ def decode(frames: Sequence) -> Message:
     msg = cls(**values)
     _semantic_checks(msg)
     return msg
+
+
+def _too_deep(value, limit: int) -> bool:
+    """Whether containers nest more than `limit` deep (iteratively: no recursion to exhaust)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, (dict, list)))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item if isinstance(v, (dict, list)))
+    return False
 
 
 def _take_blob(desc, frames: Sequence, start: int, where: str) -> tuple[Blob, int]:
