@@ -23,7 +23,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: ack; hello.instance; welcome.instance and welcome.holding
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # tensor frames are cut to this; larger zero-copy frames slow down
 MAX_HEADER_BYTES = 1024 * 1024
@@ -71,6 +71,9 @@ class Hello(Message):
     memory_mb: int
     versions: dict[str, str]
     job: Optional[str] = None  # the job the worker was configured with; None: any built-in job
+    # The coordinator instance (welcome.instance) of the session this worker resumes, with the
+    # slots and results it still holds; None: a fresh start.
+    instance: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,8 @@ class Welcome(Message):
     seed: int
     heartbeat_s: float
     liveness: int
+    instance: str = ""  # this coordinator process; a worker's results are only for the one they came from
+    holding: list[int] = field(default_factory=list)  # slots of the resumed session it still holds
 
 
 @dataclass(frozen=True)
@@ -148,6 +153,14 @@ class Task(Message):
 @dataclass(frozen=True)
 class Cancel(Message):
     TYPE: ClassVar[str] = "cancel"
+    slots: list[int]
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    """The coordinator has taken these results (used, refused or dropped): forget them."""
+
+    TYPE: ClassVar[str] = "ack"
     slots: list[int]
 
 
@@ -205,7 +218,7 @@ class ControlReply(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Ready, Result, Heartbeat, Bye, Welcome, Task, Cancel, Reject, Shutdown,
+    for cls in (Hello, Ready, Result, Heartbeat, Bye, Welcome, Task, Cancel, Ack, Reject, Shutdown,
                 StatusRequest, Status, Control, ControlReply)
 }
 

@@ -549,9 +549,19 @@ class Coordinator:
 
     async def _on_hello(self, route: bytes, msg: proto.Hello, key: Optional[bytes] = None) -> None:
         old_route = self.routes.get(msg.worker_id)
-        await self._perform(self.scheduler.join(msg.worker_id, {
-            "host": msg.host, "cores": msg.cores, "threads": msg.threads, "device": msg.device,
-            "memory_mb": msg.memory_mb, "versions": msg.versions, "job": msg.job}, time.monotonic()))
+        record = self.scheduler.workers.get(msg.worker_id)
+        now = time.monotonic()
+        resumed = (record is not None and msg.instance == self.instance
+                   and (key is None or self.key_of.get(msg.worker_id) == key))
+        if resumed:
+            # The same worker process back on a new connection, before its eviction: it keeps
+            # its slots, and resends the results it has not seen acknowledged.
+            self.counters["sessions_resumed"] += 1
+            self.scheduler.seen(msg.worker_id, now)
+        else:
+            await self._perform(self.scheduler.join(msg.worker_id, {
+                "host": msg.host, "cores": msg.cores, "threads": msg.threads, "device": msg.device,
+                "memory_mb": msg.memory_mb, "versions": msg.versions, "job": msg.job}, now))
         if old_route is not None:
             self.peers.pop(old_route, None)
         self.peers.pop(route, None)
@@ -559,13 +569,14 @@ class Coordinator:
         self.peers[route] = msg.worker_id
         if key is not None:
             self.key_of[msg.worker_id] = key
-        self._event("join", f"{msg.worker_id} joined from {msg.host} ({msg.device}, "
-                            f"{msg.threads} threads)", worker=msg.worker_id)
+        self._event("join", f"{msg.worker_id} {'came back' if resumed else 'joined'} from "
+                            f"{msg.host} ({msg.device}, {msg.threads} threads)", worker=msg.worker_id)
+        holding = sorted(self.scheduler.workers[msg.worker_id].assigned) if resumed else []
         await self._send(route, proto.Welcome(
             # the job's name, not the spec: no local paths to strangers
             job=self.built.job.name, job_args=self.config.job_args, fingerprint=self.built.fingerprint,
             seed=self.config.seed, heartbeat_s=self.config.heartbeat_s,
-            liveness=self.config.liveness))
+            liveness=self.config.liveness, instance=self.instance, holding=holding))
 
     async def _on_ready(self, route: bytes, msg: proto.Ready) -> None:
         worker_id = self._worker_of(route)
@@ -580,6 +591,15 @@ class Coordinator:
 
     async def _on_result(self, route: bytes, msg: proto.Result) -> None:
         worker_id = self._worker_of(route)
+        try:
+            await self._take_result(worker_id, msg)
+        finally:
+            # Taken: used, refused or dropped. The worker forgets it; unacknowledged, it would be
+            # resent after a reconnect.
+            if worker_id in self.routes:
+                await self._send(self.routes[worker_id], proto.Ack(slots=[msg.slot]))
+
+    async def _take_result(self, worker_id: str, msg: proto.Result) -> None:
         now = time.monotonic()
         identity = self._identity(worker_id)
         self.identity_names[identity] = worker_id

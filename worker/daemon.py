@@ -98,6 +98,7 @@ def usable_cores() -> int:
 
 
 class Worker:
+    MAX_UNACKED = 16  # results kept for resending; acknowledgements come within milliseconds
     def __init__(self, config: WorkerConfig):
         if config.credits < 1:
             raise ConfigError("credits must be at least 1")
@@ -118,6 +119,11 @@ class Worker:
         self._current: Optional[tuple[Work, threading.Event]] = None
         self._stop: Optional[str] = None
         self.results_sent = 0
+        self.results_resent = 0
+        # The coordinator process this worker's slots and results belong to (welcome.instance),
+        # and the results it has not yet seen acknowledged: resent after a reconnect to it.
+        self._instance: Optional[str] = None
+        self._unacked: dict[int, proto.Result] = {}
         uses_gpu = self.device.type == "cuda"
         self.policy = IdlePolicy(dataclasses.replace(config.policy, uses_gpu=uses_gpu))
         self.probes = Probes(ignore_niced=config.cpu_ignore_niced,
@@ -197,7 +203,7 @@ class Worker:
             memory_mb=psutil.virtual_memory().total // 2**20,
             versions={"idlegrad": __version__, "torch": torch.__version__,
                       "python": platform.python_version(), "protocol": str(proto.PROTOCOL_VERSION)},
-            job=self.config.job)
+            job=self.config.job, instance=self._instance)
 
     async def _send(self, sock, msg: proto.Message) -> None:
         await sock.send_multipart(proto.encode(msg), copy=False)
@@ -260,6 +266,7 @@ class Worker:
                 except (Refused, ConfigError) as exc:  # this worker cannot run that job
                     await self._send(sock, proto.Bye(reason=str(exc)[:500]))
                     raise
+                await self._resume(sock, welcome)
                 if self.paused:
                     await self._send(sock, proto.Heartbeat(state="paused"))
                 await self._send(sock, proto.Ready(credits=self._credits(),
@@ -271,7 +278,6 @@ class Worker:
                 return
             except _Rehello:
                 log.info("the coordinator does not know this session (restarted?); saying hello again")
-                self._abort_work()
                 welcome = await self._handshake(sock, timeout=self.heartbeat_s * self.liveness)
                 if welcome is None:
                     return
@@ -281,6 +287,33 @@ class Worker:
         self._cache = None
         if self._current is not None:
             self._current[1].set()
+
+    def _forget_session(self) -> None:
+        """Nothing held is any use: the next hello starts afresh."""
+        self._abort_work()
+        self._unacked.clear()
+        self._instance = None
+
+    async def _resume(self, sock, welcome: proto.Welcome) -> None:
+        """After a welcome: keep what this coordinator still expects of us, resend the results it
+        has not acknowledged, drop the rest (a restarted coordinator knows none of our slots)."""
+        if welcome.instance != self._instance:
+            if self._instance is not None:
+                log.info("a new coordinator process: dropping %d queued slots and %d unacknowledged "
+                         "results of the old one", len(self._queue), len(self._unacked))
+            self._queue.clear()
+            self._unacked.clear()
+            self._instance = welcome.instance
+            return
+        holding = set(welcome.holding)
+        self._queue = deque(w for w in self._queue if w.slot in holding)
+        for slot in [s for s in self._unacked if s not in holding]:
+            del self._unacked[slot]
+        for result in list(self._unacked.values()):
+            await sock.send_multipart(proto.encode(result), copy=False)
+            self.results_resent += 1
+        if self._unacked:
+            log.info("resent %d unacknowledged results", len(self._unacked))
 
     async def _serve(self, sock) -> None:
         last_heard = time.monotonic()
@@ -322,11 +355,7 @@ class Worker:
                     outcome = self._finish(computing)
                     computing = None
                     if outcome is not None:
-                        await self._send(sock, proto.Result(
-                            slot=outcome.slot, version=outcome.version, samples=outcome.samples,
-                            loss=outcome.loss, compute_s=outcome.compute_s,
-                            gradient=to_blob(outcome.gradient)))
-                        self.results_sent += 1
+                        await self._send_result(sock, outcome)
                 if computing is None and self._queue and self._stop is None and not self.paused:
                     work = self._queue.popleft()
                     cancel = threading.Event()
@@ -338,10 +367,29 @@ class Worker:
             if sampling is not None:
                 await asyncio.wait({sampling})
             if computing is not None:
+                work = self._current[0] if self._current is not None else None
                 if self._current is not None:
                     self._current[1].set()
                 await asyncio.wait({computing})
-                self._finish(computing)
+                outcome = self._finish(computing)
+                if self._stop is None:
+                    if outcome is not None:  # finished just now: sent after the reconnect
+                        self._keep_result(outcome)
+                    elif work is not None:  # interrupted by the lost session: compute it again
+                        self._queue.appendleft(work)
+
+    def _keep_result(self, outcome: Outcome) -> proto.Result:
+        result = proto.Result(
+            slot=outcome.slot, version=outcome.version, samples=outcome.samples,
+            loss=outcome.loss, compute_s=outcome.compute_s, gradient=to_blob(outcome.gradient))
+        self._unacked[outcome.slot] = result
+        while len(self._unacked) > self.MAX_UNACKED:  # a coordinator that never acknowledges
+            del self._unacked[next(iter(self._unacked))]
+        return result
+
+    async def _send_result(self, sock, outcome: Outcome) -> None:
+        await self._send(sock, self._keep_result(outcome))
+        self.results_sent += 1
 
     def _beat_state(self, computing) -> str:
         if self.paused:
@@ -400,6 +448,9 @@ class Worker:
             self._queue = deque(w for w in self._queue if w.slot not in cancelled)
             if self._current is not None and self._current[0].slot in cancelled:
                 self._current[1].set()
+        elif isinstance(msg, proto.Ack):
+            for slot in msg.slots:
+                self._unacked.pop(slot, None)
         elif isinstance(msg, proto.Shutdown):
             log.info("the coordinator says: %s", msg.reason)
             self._stop = f"shutdown: {msg.reason}"
@@ -418,6 +469,7 @@ class Worker:
             self._cache = (task.version, params)
         elif self._cache is None or self._cache[0] != task.version:
             # The coordinator thinks we hold a model we do not: start the session afresh.
+            self._forget_session()
             raise _Rehello()
         work = Work(task.slot, task.version, self._cache[1], task.parts, task.coefficients)
         try:

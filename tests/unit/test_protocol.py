@@ -18,7 +18,7 @@ from idlegrad.common.errors import GradientRejected, ProtocolError
 from idlegrad.common.protocol import (
     MAX_BLOB_FRAMES, MAX_DEPTH, MAX_FRAME_BYTES, MAX_HEADER_BYTES, MAX_LIST, MAX_STR, MESSAGE_TYPES,
     PROTOCOL_VERSION,
-    Blob, Bye, Cancel, Control, ControlReply, Heartbeat, Hello, Ready, Reject, Result, Shutdown,
+    Ack, Blob, Bye, Cancel, Control, ControlReply, Heartbeat, Hello, Ready, Reject, Result, Shutdown,
     Status, StatusRequest, Task, Welcome, decode, encode)
 from idlegrad.common.tensors import DTYPE_NAMES, check_finite, from_blob, to_blob
 
@@ -56,6 +56,12 @@ def sample_messages() -> list[proto.Message]:
         Heartbeat(state="coordinator"),
         Bye(),
         Bye(reason="owner is back"),
+        Hello(worker_id="w", host="h", cores=1, threads=1, device="cpu", memory_mb=1, versions={},
+              instance="coordinator-host-123-1700000000.000"),
+        Welcome(job="digits", job_args={}, fingerprint="f", seed=0, heartbeat_s=1.0, liveness=3,
+                instance="coordinator-host-123-1700000000.000", holding=[3, 5]),
+        Ack(slots=[1]),
+        Ack(slots=[]),
         Welcome(job="synthetic", job_args={"params": 5000, "lr": 0.5, "flag": True, "name": "x",
                                            "nested": {"a": [1, 2.5, None]}},
                 fingerprint="abc", seed=7, heartbeat_s=0.5, liveness=3),
@@ -107,10 +113,10 @@ def test_header_layout():
 
 
 def test_optional_fields_may_be_omitted():
-    assert decode([packb({"v": 1, "type": "heartbeat"})]) == Heartbeat(state="idle")
-    assert decode([packb({"v": 1, "type": "bye"})]) == Bye(reason="")
-    assert decode([packb({"v": 1, "type": "status_request"})]) == StatusRequest(cursor=0)
-    hello = {"v": 1, "type": "hello", "worker_id": "w", "host": "h", "cores": 1, "threads": 1,
+    assert decode([packb({"v": PROTOCOL_VERSION, "type": "heartbeat"})]) == Heartbeat(state="idle")
+    assert decode([packb({"v": PROTOCOL_VERSION, "type": "bye"})]) == Bye(reason="")
+    assert decode([packb({"v": PROTOCOL_VERSION, "type": "status_request"})]) == StatusRequest(cursor=0)
+    hello = {"v": PROTOCOL_VERSION, "type": "hello", "worker_id": "w", "host": "h", "cores": 1, "threads": 1,
              "device": "cpu", "memory_mb": 1, "versions": {}}
     assert decode([packb(hello)]).job is None
     assert decode([packb({**hello, "job": None})]).job is None
@@ -213,7 +219,7 @@ def test_from_blob_survives_empty_frames_that_decode_accepts():
     # turn it into the tensor, not crash (a hostile worker could otherwise take the loop down).
     t = grad_tensor(4)
     raw = t.numpy().tobytes()
-    header = packb({"v": 1, "type": "result", "slot": 1, "version": 0, "samples": 1, "loss": 0.0,
+    header = packb({"v": PROTOCOL_VERSION, "type": "result", "slot": 1, "version": 0, "samples": 1, "loss": 0.0,
                     "compute_s": 0.0, "gradient": {"dtype": "float32", "numel": 4, "frames": 3}})
     msg = decode([header, b"", raw[:6], raw[6:]])
     assert torch.equal(from_blob(msg.gradient, 4, torch.float32), t)
@@ -239,14 +245,14 @@ def reason_of(frames) -> str:
     return e.value.reason
 
 
-READY = {"v": 1, "type": "ready", "credits": 2, "fingerprint": "fp"}
-HELLO = {"v": 1, "type": "hello", "worker_id": "w", "host": "h", "cores": 4, "threads": 2,
+READY = {"v": PROTOCOL_VERSION, "type": "ready", "credits": 2, "fingerprint": "fp"}
+HELLO = {"v": PROTOCOL_VERSION, "type": "hello", "worker_id": "w", "host": "h", "cores": 4, "threads": 2,
          "device": "cpu", "memory_mb": 100, "versions": {"idlegrad": "0.1.0"}}
-WELCOME = {"v": 1, "type": "welcome", "job": "digits", "job_args": {}, "fingerprint": "f",
+WELCOME = {"v": PROTOCOL_VERSION, "type": "welcome", "job": "digits", "job_args": {}, "fingerprint": "f",
            "seed": 0, "heartbeat_s": 1.0, "liveness": 3}
-TASK = {"v": 1, "type": "task", "slot": 1, "round": 1, "version": 0, "parts": [[0, 0, 4]],
+TASK = {"v": PROTOCOL_VERSION, "type": "task", "slot": 1, "round": 1, "version": 0, "parts": [[0, 0, 4]],
         "coefficients": [1.0], "deadline_s": 30.0}
-RESULT = {"v": 1, "type": "result", "slot": 1, "version": 0, "samples": 4, "loss": 0.5,
+RESULT = {"v": PROTOCOL_VERSION, "type": "result", "slot": 1, "version": 0, "samples": 4, "loss": 0.5,
           "compute_s": 0.1, "gradient": {"dtype": "float32", "numel": 2, "frames": 1}}
 GRAD = b"\x00" * 8
 
@@ -288,7 +294,7 @@ def test_header_not_a_map(header):
     assert reason_of([packb(header)]) == "schema"
 
 
-@pytest.mark.parametrize("version", [0, 2, -1, "1", None, [1], 1.5, 2**64 - 1])
+@pytest.mark.parametrize("version", [0, 1, 3, -1, "2", None, [2], 1.5, 2**64 - 1])
 def test_wrong_version(version):
     assert reason_of([packb({**READY, "v": version})]) == "version"
 
@@ -320,8 +326,8 @@ def test_unknown_field():
 @pytest.mark.parametrize("template,field", [
     (READY, "credits"), (READY, "fingerprint"), (HELLO, "worker_id"), (HELLO, "versions"),
     (WELCOME, "job_args"), (TASK, "parts"), (TASK, "coefficients"), (RESULT, "loss"),
-    ({"v": 1, "type": "cancel", "slots": []}, "slots"),
-    ({"v": 1, "type": "status", "snapshot": {}}, "snapshot"),
+    ({"v": PROTOCOL_VERSION, "type": "cancel", "slots": []}, "slots"),
+    ({"v": PROTOCOL_VERSION, "type": "status", "snapshot": {}}, "snapshot"),
 ])
 def test_missing_required_field(template, field):
     header = dict(template)
@@ -384,21 +390,21 @@ def test_int_where_float_is_accepted():
 
 
 def test_too_long_list():
-    assert reason_of([packb({"v": 1, "type": "cancel", "slots": [0] * (proto.MAX_LIST + 1)})]) in (
+    assert reason_of([packb({"v": PROTOCOL_VERSION, "type": "cancel", "slots": [0] * (proto.MAX_LIST + 1)})]) in (
         "msgpack", "schema")
 
 
 @pytest.mark.parametrize("ext", [msgpack.ExtType(5, b"ab"), msgpack.ExtType(0, b""),
                                  msgpack.ExtType(127, b"\x00" * 20)], ids=["ext5", "ext0", "ext127"])
 def test_msgpack_ext_types_rejected(ext):
-    raw = msgpack.packb({"v": 1, "type": "status", "snapshot": {"t": ext}})
+    raw = msgpack.packb({"v": PROTOCOL_VERSION, "type": "status", "snapshot": {"t": ext}})
     assert reason_of([raw]) in ("msgpack", "schema")
-    raw = msgpack.packb({"v": 1, "type": "bye", "reason": ext})
+    raw = msgpack.packb({"v": PROTOCOL_VERSION, "type": "bye", "reason": ext})
     assert reason_of([raw]) in ("msgpack", "schema")
 
 
 def test_msgpack_timestamp_rejected():
-    raw = msgpack.packb({"v": 1, "type": "status", "snapshot": {"t": msgpack.Timestamp(1, 0)}})
+    raw = msgpack.packb({"v": PROTOCOL_VERSION, "type": "status", "snapshot": {"t": msgpack.Timestamp(1, 0)}})
     assert reason_of([raw]) in ("msgpack", "schema")
     # the same by hand: fixext4 of type -1 (timestamp32)
     raw = (b"\x83" + packb("v") + packb(1) + packb("type") + packb("status") + packb("snapshot")
@@ -485,7 +491,7 @@ def test_task_model_blob_checked_too():
     (RESULT, "slot"), (RESULT, "version"), (RESULT, "samples"), (RESULT, "compute_s"),
     (TASK, "slot"), (TASK, "round"), (TASK, "version"), (TASK, "deadline_s"),
     (HELLO, "cores"), (HELLO, "threads"), (HELLO, "memory_mb"), (READY, "credits"),
-    ({"v": 1, "type": "status_request", "cursor": 0}, "cursor"),
+    ({"v": PROTOCOL_VERSION, "type": "status_request", "cursor": 0}, "cursor"),
 ])
 def test_negative_values(template, field):
     frames = [packb({**template, field: -1})] + ([GRAD] if template is RESULT else [])
@@ -513,15 +519,15 @@ def test_task_parts(parts, coefficients):
 
 
 @pytest.mark.parametrize("header", [
-    {"v": 1, "type": "control", "action": "stop"},
-    {"v": 1, "type": "control", "action": ""},
-    {"v": 1, "type": "control", "action": "drain"},
-    {"v": 1, "type": "control", "action": "drain", "worker": ""},
-    {"v": 1, "type": "control", "action": "drain", "worker": 5},
-    {"v": 1, "type": "control", "action": ["pause"]},
-    {"v": 1, "type": "control"},
-    {"v": 1, "type": "control", "action": "pause", "extra": 1},
-    {"v": 1, "type": "control_reply", "action": "pause", "ok": 1},
+    {"v": PROTOCOL_VERSION, "type": "control", "action": "stop"},
+    {"v": PROTOCOL_VERSION, "type": "control", "action": ""},
+    {"v": PROTOCOL_VERSION, "type": "control", "action": "drain"},
+    {"v": PROTOCOL_VERSION, "type": "control", "action": "drain", "worker": ""},
+    {"v": PROTOCOL_VERSION, "type": "control", "action": "drain", "worker": 5},
+    {"v": PROTOCOL_VERSION, "type": "control", "action": ["pause"]},
+    {"v": PROTOCOL_VERSION, "type": "control"},
+    {"v": PROTOCOL_VERSION, "type": "control", "action": "pause", "extra": 1},
+    {"v": PROTOCOL_VERSION, "type": "control_reply", "action": "pause", "ok": 1},
 ])
 def test_control_schema(header):
     assert reason_of([packb(header)]) == "schema"
@@ -529,7 +535,7 @@ def test_control_schema(header):
 
 @pytest.mark.parametrize("state", ["", "busy", "WORKING", "x" * 100])
 def test_heartbeat_unknown_state(state):
-    assert reason_of([packb({"v": 1, "type": "heartbeat", "state": state})]) == "schema"
+    assert reason_of([packb({"v": PROTOCOL_VERSION, "type": "heartbeat", "state": state})]) == "schema"
 
 
 def test_ready_credits_limit():
