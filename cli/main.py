@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ban-after", type=_non_negative(int), default=3, metavar="N",
                    help="ban a worker (its key, with keys) after N refused gradients or "
                         "malformed results within 10 minutes; 0: never (default: 3)")
+    c.add_argument("--ledger", metavar="FILE",
+                   help="append every task sent, result acknowledged and round applied as JSON "
+                        "lines, across restarts (for audits and benchmarks/chaos.py)")
     c.add_argument("--secret-key", metavar="FILE",
                    help="CURVE: this coordinator's NAME.key_secret (from `idlegrad keys generate`); "
                         "with --allow-keys, traffic is encrypted and only listed keys may talk")
@@ -240,7 +243,7 @@ def _run_coordinator(args) -> int:
         min_deadline_s=args.task_timeout, threads=args.threads, pause_grace_s=args.pause_grace,
         redundancy=str(parse_redundancy(args.redundancy)), sync=args.sync,
         max_batch=args.max_batch, speculate=args.speculate, secret_key=args.secret_key,
-        allow_keys=args.allow_keys, insecure=args.insecure,
+        allow_keys=args.allow_keys, insecure=args.insecure, ledger_path=args.ledger,
         trust=_trust_config(TrustConfig, args.reject_norm, args.ban_after))
     coordinator = Coordinator(config)
     reason = coordinator.run()

@@ -303,3 +303,25 @@ def reference_gradient_norm(job: Job, model: FlatModel, train: Dataset, seed: in
     norm = float(torch.linalg.vector_norm(model.grads, dtype=torch.float64))
     model.grads.zero_()
     return norm / count
+
+
+def coded_gradient(job: Job, model: FlatModel, params: torch.Tensor, train: Dataset, seed: int,
+                   parts: list, coefficients: list, chunk: int = 256) -> torch.Tensor:
+    """sum_j coefficients[j] * (summed per-sample gradient of parts[j]) at `params`: what a
+    worker returns for a slot, computed here in one piece (the coordinator's third opinion).
+
+    `model` is a scratch copy: its parameters and gradients are overwritten.
+    """
+    model.load(params)
+    model.grads.zero_()
+    model.module.train()
+    n = len(train)
+    for (epoch, offset, count), coefficient in zip(parts, coefficients):
+        if coefficient == 0.0:
+            continue
+        indices = part_indices(seed, n, epoch, offset, count)
+        for start in range(0, count, chunk):
+            piece = indices[start:start + chunk]
+            loss = job.loss(model.module, gather(train, piece))
+            (loss * (len(piece) * coefficient)).backward()
+    return model.grads.detach().clone()

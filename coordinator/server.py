@@ -30,10 +30,12 @@ from ..common import protocol as proto
 from ..common import security
 from ..common.aio import on_reload_signal, on_stop_signals
 from ..common.errors import CheckpointError, ConfigError, GradientRejected, ProtocolError
-from ..common.job import BuiltJob, FlatModel, build, evaluate, load_job, reference_gradient_norm
+from ..common.job import (BuiltJob, FlatModel, build, coded_gradient, evaluate, load_job,
+                          reference_gradient_norm)
 from ..common.tensors import from_blob, to_blob
 from . import checkpoint
 from .aggregator import Aggregator, StalenessRule
+from .ledger import LedgerWriter
 from .sampler import Sampler
 from .scheduler import Assign, CancelSlots, Decoded, Drained, Evicted, Scheduler, SchedulerConfig
 from .status import CURVE_POINTS, build_snapshot
@@ -71,6 +73,7 @@ class CoordinatorConfig:
     allow_keys: Optional[str] = None  # CURVE: directory of the workers' and monitors' NAME.key files
     insecure: bool = False  # without keys, listen beyond loopback anyway
     trust: TrustConfig = field(default_factory=TrustConfig)  # outlier gradients, offences, bans
+    ledger_path: Optional[str] = None  # JSON lines: slots sent, results acknowledged, rounds applied
 
 
 class Coordinator:
@@ -109,6 +112,9 @@ class Coordinator:
         self.trust = TrustPolicy(config.trust, reference=reference_gradient_norm(
             job, self._eval_model, self.built.train, config.seed))
         self.identity_names: dict[str, str] = {}  # trust identity -> the worker id it last used
+        self._check_model: Optional[FlatModel] = None  # scratch model for third computations
+        self._verifying: Optional[asyncio.Future] = None  # the suspected result being settled
+        self._suspect: Optional[tuple] = None  # (worker, result, gradient, scale, identity)
         self.routes: dict[str, bytes] = {}  # worker id -> routing id
         self.key_of: dict[str, bytes] = {}  # worker id -> the CURVE public key that holds it
         self.peers: dict[bytes, str] = {}  # routing id -> worker id
@@ -127,6 +133,7 @@ class Coordinator:
         self.stop_reason: Optional[str] = None
         self.started = time.monotonic()
         self._metrics_file = None
+        self.ledger: Optional[LedgerWriter] = None
 
     # setup ----------------------------------------------------------------------------------
 
@@ -226,6 +233,8 @@ class Coordinator:
             "metrics": dict(self.metrics),
         })
         self.counters["checkpoints"] += 1
+        if self.ledger is not None:
+            self.ledger.write("checkpoint", version=self.aggregator.version)
         self._event("checkpoint", f"version {self.aggregator.version} saved")
         return path
 
@@ -262,6 +271,10 @@ class Coordinator:
         if self.config.metrics_path:
             os.makedirs(os.path.dirname(os.path.abspath(self.config.metrics_path)), exist_ok=True)
             self._metrics_file = open(self.config.metrics_path, "a", buffering=1)
+        if self.config.ledger_path:
+            self.ledger = LedgerWriter(self.config.ledger_path, self.instance)
+            self.ledger.write("start", version=self.aggregator.version, samples=self.samples_applied,
+                              time=time.time())
         self.started = time.monotonic()
         security_note = (f"CURVE, {len(self.allowed_keys)} keys allowed" if self.secure
                          else "no keys: unencrypted")
@@ -273,6 +286,8 @@ class Coordinator:
         finally:
             if self._metrics_file:
                 self._metrics_file.close()
+            if self.ledger is not None:
+                self.ledger.close()
             sock.close()
             if auth is not None:
                 auth.stop()
@@ -327,6 +342,8 @@ class Coordinator:
                 due = min(next_tick, next_checkpoint, next_eval if eval_task is None else math.inf)
                 wait = max(0.0, due - now)
                 waiting = {recv} if eval_task is None else {recv, eval_task}
+                if self._verifying is not None:
+                    waiting.add(self._verifying)
                 await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if recv.done():
                     await self._handle(recv.result())
@@ -337,6 +354,8 @@ class Coordinator:
                             break
                         await self._handle(frames)
                     recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
+                if self._verifying is not None and self._verifying.done():
+                    await self._settle()
                 now = time.monotonic()
                 if now >= next_tick:
                     await self._perform(self.scheduler.tick(now))
@@ -359,6 +378,8 @@ class Coordinator:
             recv.cancel()
             if eval_task is not None:
                 await asyncio.wait({eval_task})
+            if self._verifying is not None:
+                await asyncio.wait({self._verifying})
 
     async def _finish(self) -> None:
         if self.stop_reason != "interrupted":
@@ -518,6 +539,62 @@ class Coordinator:
             return None
         return sum(abs(c) * round_.parts[j][2] for j, c in slot.row)
 
+    async def _suspect_result(self, worker_id: str, msg: proto.Result, grad: torch.Tensor,
+                              scale: float, identity: str, verdict) -> bool:
+        """An outlier norm: settle it with a third computation, the coordinator's own, in a
+        thread. One at a time; a suspect arriving meanwhile goes back to the pool (no offence)."""
+        self.counters["gradients_suspected"] += 1
+        if self._verifying is not None:
+            self.counters["suspects_requeued"] += 1
+            await self._perform(self.scheduler.failed(worker_id, msg.slot, time.monotonic()))
+            return False
+        slot = self.scheduler.slots[msg.slot]
+        round_ = self.scheduler.rounds[slot.round]
+        parts = [round_.parts[j] for j, _ in slot.row]
+        coefficients = [c for _, c in slot.row]
+        snap = self._snapshots.get(round_.version)
+        if snap is not None:
+            params = snap[0]
+        elif round_.version == self.aggregator.version:
+            params = self.model.params.detach().clone()
+        else:  # no copy of that model is left: cannot settle it; back to the pool
+            await self._perform(self.scheduler.failed(worker_id, msg.slot, time.monotonic()))
+            return False
+        if self._check_model is None:
+            self._check_model = FlatModel(self.built.job.build_model())
+        self._event("suspected", f"{verdict.detail} from {worker_id} for slot {msg.slot}: "
+                                 "computing it here to settle it", worker=worker_id)
+        self._suspect = (worker_id, msg, grad, scale, identity)
+        self._verifying = asyncio.ensure_future(asyncio.to_thread(
+            coded_gradient, self.built.job, self._check_model, params, self.built.train,
+            self.config.seed, parts, coefficients))
+        return False  # not yet: `_settle` uses it once it is found honest
+
+    async def _settle(self) -> None:
+        worker_id, msg, grad, scale, identity = self._suspect
+        task, self._verifying, self._suspect = self._verifying, None, None
+        now = time.monotonic()
+        try:
+            reference = task.result()
+        except Exception as exc:  # the job's code failed here: give the slot to someone else
+            log.warning("could not compute slot %d to settle it: %s", msg.slot, exc)
+            await self._perform(self.scheduler.failed(worker_id, msg.slot, now))
+            return
+        distance = float(torch.linalg.vector_norm(grad.double() - reference.double()))
+        size = float(torch.linalg.vector_norm(reference.double()))
+        if distance <= 1e-3 * max(size, 1e-12):
+            self.counters["suspects_honest"] += 1
+            self.trust.accept(float(size), scale)
+            self._event("verified", f"slot {msg.slot} from {worker_id}: computed here, it matches "
+                                    "(an honest outlier); used", worker=worker_id)
+            await self._use_result(worker_id, msg, grad, now)
+            return
+        self.counters["suspects_wrong"] += 1
+        banned = self.trust.confirmed(identity, now)
+        await self._offence(worker_id, msg.slot, "norm",
+                            f"gradient {distance / max(size, 1e-12):.3g}x off the slot's true one "
+                            f"(computed here)", banned)
+
     async def _offence(self, worker_id: str, slot: int, reason: str, detail: str,
                        banned: bool) -> None:
         self.counters["gradients_rejected"] += 1
@@ -591,15 +668,19 @@ class Coordinator:
 
     async def _on_result(self, route: bytes, msg: proto.Result) -> None:
         worker_id = self._worker_of(route)
+        used = False
         try:
-            await self._take_result(worker_id, msg)
+            used = await self._take_result(worker_id, msg)
         finally:
+            if self.ledger is not None:
+                self.ledger.write("ack", slot=msg.slot, worker=worker_id, used=used)
             # Taken: used, refused or dropped. The worker forgets it; unacknowledged, it would be
             # resent after a reconnect.
             if worker_id in self.routes:
                 await self._send(self.routes[worker_id], proto.Ack(slots=[msg.slot]))
 
-    async def _take_result(self, worker_id: str, msg: proto.Result) -> None:
+    async def _take_result(self, worker_id: str, msg: proto.Result) -> bool:
+        """Judge and hand a result to the scheduler; whether its gradient is used."""
         now = time.monotonic()
         identity = self._identity(worker_id)
         self.identity_names[identity] = worker_id
@@ -618,9 +699,15 @@ class Coordinator:
                 identity, float(torch.linalg.vector_norm(grad, dtype=torch.float64)), scale, now)
         else:
             verdict = None
+        if verdict is not None and verdict.reason == "norm":
+            return await self._suspect_result(worker_id, msg, grad, scale, identity, verdict)
         if verdict is not None and not verdict.ok:
             await self._offence(worker_id, msg.slot, verdict.reason, verdict.detail, verdict.banned)
-            return
+            return False
+        return await self._use_result(worker_id, msg, grad, now)
+
+    async def _use_result(self, worker_id: str, msg: proto.Result, grad: torch.Tensor,
+                          now: float) -> bool:
         accepted, actions = self.scheduler.result(worker_id, msg.slot, msg.compute_s, now)
         if accepted:
             self._grads[msg.slot] = grad
@@ -630,6 +717,7 @@ class Coordinator:
         else:
             self.counters["results_dropped"] += 1
         await self._perform(actions)
+        return accepted
 
     async def _on_heartbeat(self, route: bytes, msg: proto.Heartbeat) -> None:
         worker_id = self._worker_of(route)
@@ -696,6 +784,8 @@ class Coordinator:
             if isinstance(action, Assign):
                 route = self.routes[action.worker]
                 model = self._model_blob(action.version) if action.send_model else None
+                if self.ledger is not None:
+                    self.ledger.write("sent", slot=action.slot, worker=action.worker)
                 await self._send(route, proto.Task(
                     slot=action.slot, round=action.round, version=action.version,
                     parts=action.parts, coefficients=action.coefficients,
@@ -759,6 +849,9 @@ class Coordinator:
             self.scheduler.replan(decoded)
         else:
             self.samples_applied += decoded.samples
+            if self.ledger is not None:
+                self.ledger.write("applied", round=decoded.round, version=self.aggregator.version,
+                                  parts=[list(p) for p in decoded.parts], t=time.time())
             self._rate.append((time.monotonic(), self.samples_applied))
             for version in [v for v in self._snapshots if not self.scheduler.version_in_use(v)]:
                 del self._snapshots[version]

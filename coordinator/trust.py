@@ -10,8 +10,12 @@ sampling noise dominates. The median is robust: up to half the recent results ma
 before it moves. It starts from a reference the coordinator computes itself, so the very first
 results are judged too.
 
-Each refusal is an offence of the sender's identity (its CURVE key, or its worker id without
-keys); `ban_after` offences within `offence_window_s` seconds ban it for the rest of the run.
+A non-finite gradient is an offence of the sender's identity (its CURVE key, or its worker id
+without keys) at once. An outlier norm is only a suspicion: late in training a batch holding a few
+badly fit samples honestly has a gradient many times the median. The server settles it with a third
+computation (it computes the slot itself): a match is accepted (`accept`, and the median learns
+from it), a mismatch is an offence (`offence`). `ban_after` offences within `offence_window_s`
+seconds ban the identity for the rest of the run.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ class TrustConfig:
 @dataclass(frozen=True)
 class Verdict:
     ok: bool
-    reason: str = ""  # why it was refused: "non-finite" or "norm"
+    reason: str = ""  # why it was refused: "non-finite", or "norm" (a suspicion to settle)
     detail: str = ""  # one line for the event log
     banned: bool = False  # this refusal banned the sender
 
@@ -66,6 +70,7 @@ class TrustPolicy:
         self.offenders: dict[str, Offender] = {}
         self.accepted = 0
         self.refused = 0
+        self.suspected = 0
 
     def median(self) -> Optional[float]:
         return statistics.median(self._norms) if self._norms else None
@@ -90,14 +95,24 @@ class TrustPolicy:
             typical = statistics.median(self._scales) if self._scales else scale
             limit = self.config.norm_factor * median * math.sqrt(max(1.0, typical / scale))
             if per_unit > limit:
-                return self._refuse(
-                    identity, "norm", f"gradient norm {per_unit:.3g} per sample is "
-                                      f"{per_unit / median:.3g}x the recent median {median:.3g} "
-                                      f"(limit {limit / median:.3g}x)", now)
-        self._norms.append(per_unit)
-        self._scales.append(scale)
-        self.accepted += 1
+                self.suspected += 1
+                return Verdict(False, "norm", f"gradient norm {per_unit:.3g} per sample is "
+                                              f"{per_unit / median:.3g}x the recent median "
+                                              f"{median:.3g} (limit {limit / median:.3g}x)")
+        self.accept(norm, scale)
         return Verdict(True)
+
+    def accept(self, norm: float, scale: float) -> None:
+        """A gradient found honest (by the median, or by a third computation)."""
+        if math.isfinite(norm) and scale > 0:
+            self._norms.append(norm / scale)
+            self._scales.append(scale)
+        self.accepted += 1
+
+    def confirmed(self, identity: str, now: float) -> bool:
+        """A suspected outlier proved wrong: an offence. True if it bans."""
+        self.refused += 1
+        return self.offence(identity, "norm", now)
 
     def offence(self, identity: str, reason: str, now: float) -> bool:
         """Record an offence that is not a gradient's (a malformed result, say); True if it bans."""
@@ -123,7 +138,7 @@ class TrustPolicy:
         return {
             "norm_factor": self.config.norm_factor, "ban_after": self.config.ban_after,
             "median_norm": None if median is None else float(f"{median:.4g}"),
-            "accepted": self.accepted, "refused": self.refused,
+            "accepted": self.accepted, "refused": self.refused, "suspected": self.suspected,
             "banned": self.banned(),
             "offenders": {i: {"offences": o.total, "reasons": dict(o.reasons),
                               "banned": o.banned_at is not None}

@@ -58,16 +58,31 @@ def test_median_is_robust_to_a_minority_of_poison():
     assert policy.median() == pytest.approx(1.0)
 
 
+def test_an_outlier_is_a_suspicion_not_an_offence_until_confirmed():
+    policy = TrustPolicy(TrustConfig(norm_factor=10, ban_after=3))
+    honest(policy, 20)
+    for _ in range(5):
+        verdict = policy.judge("unlucky", 1e6, 32.0, 0.0)
+        assert not verdict.ok and verdict.reason == "norm" and not verdict.banned
+    assert not policy.is_banned("unlucky") and policy.suspected == 5
+    # A third computation found it honest: accepted, and the median learns from it.
+    before = policy.median()
+    for _ in range(30):
+        policy.accept(1e6, 32.0)
+    assert policy.median() > before
+    assert policy.judge("unlucky", 1e6, 32.0, 1.0).ok
+
+
 def test_ban_after_repeated_offences_within_the_window():
     policy = TrustPolicy(TrustConfig(norm_factor=10, ban_after=3, offence_window_s=60))
     honest(policy, 20)
-    assert not policy.judge("evil", 1e6, 32.0, 0.0).banned
-    assert not policy.judge("evil", 1e6, 32.0, 100.0).banned  # the first was forgiven
+    assert not policy.confirmed("evil", 0.0)
+    assert not policy.confirmed("evil", 100.0)  # the first was forgiven
     assert not policy.is_banned("evil")
-    assert not policy.judge("evil", math.nan, 32.0, 110.0).banned
-    verdict = policy.judge("evil", 1e6, 32.0, 120.0)
-    assert verdict.banned and policy.is_banned("evil") and policy.banned() == ["evil"]
-    assert not policy.judge("evil", 1e6, 32.0, 121.0).banned  # banned once, not again
+    assert not policy.judge("evil", math.nan, 32.0, 110.0).banned  # non-finite: an offence at once
+    assert policy.confirmed("evil", 120.0)
+    assert policy.is_banned("evil") and policy.banned() == ["evil"]
+    assert not policy.confirmed("evil", 121.0)  # banned once, not again
     summary = policy.summary()
     assert summary["banned"] == ["evil"]
     assert summary["offenders"]["evil"]["reasons"] == {"norm": 4, "non-finite": 1}
