@@ -64,6 +64,7 @@ class Run:
     procs: list = field(default_factory=list)
     coordinator: Optional[subprocess.Popen] = None
     workers: dict = field(default_factory=dict)  # name -> Popen (the live one)
+    pace: float = 1.0  # fault intervals are multiplied by this
     recoveries: list = field(default_factory=list)
     injections: int = 0
     _logs: list = field(default_factory=list)
@@ -180,7 +181,7 @@ def inject(run: Run, watcher: Watcher, rng: random.Random) -> None:
     victims = max(1, round(0.3 * WORKERS))
     if fault == "kill9":
         while run.coordinator.poll() is None:
-            if _sleep_or_end(run, 10.0):
+            if _sleep_or_end(run, 10.0 * run.pace):
                 return
             before, t0 = watcher.version, time.monotonic()
             for name in rng.sample(honest, victims):
@@ -191,7 +192,7 @@ def inject(run: Run, watcher: Watcher, rng: random.Random) -> None:
             run.recoveries.append(watcher.recovery(t0, before))
     elif fault == "sigstop":
         while run.coordinator.poll() is None:
-            if _sleep_or_end(run, 3.0):
+            if _sleep_or_end(run, 3.0 * run.pace):
                 return
             names = rng.sample(honest, victims)
             before, t0 = watcher.version, time.monotonic()
@@ -206,7 +207,7 @@ def inject(run: Run, watcher: Watcher, rng: random.Random) -> None:
             run.recoveries.append(recovered)
     elif fault == "restart":
         for _ in range(3):
-            if _sleep_or_end(run, 8.0):
+            if _sleep_or_end(run, 8.0 * run.pace):
                 return
             before = watcher.version
             os.kill(run.coordinator.pid, signal.SIGKILL)
@@ -242,8 +243,8 @@ def train_size(job: tuple[str, ...]) -> int:
 
 
 def run_one(fault: str, root: Path, job: tuple[str, ...], epochs: int, n_train: int,
-            seed: int, timeout: float) -> dict:
-    run = Run(fault, root / fault, job, epochs, curve=fault == "unknown_key")
+            seed: int, timeout: float, pace: float = 1.0) -> dict:
+    run = Run(fault, root / fault, job, epochs, curve=fault == "unknown_key", pace=pace)
     run.directory.mkdir(parents=True)
     if run.curve:
         prepare_keys(run)
@@ -316,6 +317,8 @@ def main(argv=None) -> int:
     parser.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, help="per run")
+    parser.add_argument("--pace", type=float, default=1.0,
+                        help="multiply every fault interval by this (the tests' fast subset: <1)")
     parser.add_argument("--keep", metavar="DIR", help="keep logs and ledgers in DIR")
     parser.add_argument("--json", action="store_true", help="the summary as JSON on the last line")
     args = parser.parse_args(argv)
@@ -330,7 +333,8 @@ def main(argv=None) -> int:
     results = {}
     for i, fault in enumerate(["clean", *faults]):
         print(f"[{fault}] running ...", file=sys.stderr, flush=True)
-        results[fault] = run_one(fault, root, job, args.epochs, n_train, args.seed + i, args.timeout)
+        results[fault] = run_one(fault, root, job, args.epochs, n_train, args.seed + i, args.timeout,
+                                 args.pace)
         r = results[fault]
         print(f"[{fault}] {json.dumps(r, default=str)}", file=sys.stderr, flush=True)
     clean_span = results["clean"]["span_s"]
@@ -364,7 +368,10 @@ def main(argv=None) -> int:
                               "recovery_s": round(max(recov), 2) if recov else None,
                               "accuracy": r["accuracy"], "clean_accuracy": results["clean"]["accuracy"],
                               "acknowledged": a["acknowledged"], "sent": a["sent"],
-                              "applied_rounds": a["applied_rounds"]}
+                              "applied_rounds": a["applied_rounds"],
+                              "injections": r["injections"], "banned": bool(r["banned"]),
+                              "intruder_joined": r["intruder_joined"],
+                              "tracebacks": r["tracebacks"]}
     print(f"logs and ledgers in {root}", file=sys.stderr)
     if args.json:
         print(json.dumps({"faults": summary}))

@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--keep", metavar="DIR", help="keep checkpoint, metrics and logs in DIR")
     d.add_argument("--timeout", type=_positive(float), default=600.0, metavar="SECONDS",
                    help="give up after this long (default: 600)")
+    d.add_argument("--curve", action="store_true",
+                   help="encrypt and authenticate with CurveZMQ keys made for the demo, as across "
+                        "machines")
     d.add_argument("--tui", action="store_true",
                    help="watch the demo in the terminal UI (`idlegrad top`) instead of a progress bar")
     _add_common(d)

@@ -107,7 +107,6 @@ def parse_stall(text: str) -> tuple[float, float]:
     return prob, wait
 
 
-POISONS = ("scale", "flip", "nan")
 
 
 def parse_poison(text: str) -> tuple[str, float]:
