@@ -7,7 +7,11 @@ answered by an ACK. Plain and CURVE (with the ZAP authenticator admitting the cl
 alternately, `--repeats` times each, in one process; the table gives the median gradients/s and
 MB/s of each and the ratio CURVE / plain.
 
-    python benchmarks/curve_cost.py [--numel 1000000] [--messages 200] [--repeats 5] [--json]
+With --training it also runs `idlegrad demo` (3 workers, digits with a wider hidden layer, a fixed
+number of epochs) with and without `--curve`, alternately, and compares training samples/s.
+
+    python benchmarks/curve_cost.py [--numel 1000000] [--messages 200] [--repeats 5] [--training]
+        [--json]
 """
 
 from __future__ import annotations
@@ -93,12 +97,28 @@ def run_once(numel: int, messages: int, window: int, curve: bool) -> float:
     return elapsed
 
 
+def demo_rate(curve: bool, epochs: int, hidden: int) -> float:
+    """Training samples/s of one `idlegrad demo` run (3 workers), from its JSON summary."""
+    import subprocess
+
+    args = [sys.executable, "-m", "idlegrad.cli", "demo", "--workers", "3", "--json",
+            "--target", "accuracy=1.01", "--epochs", str(epochs), "--job-arg", f"hidden={hidden}",
+            "--log-level", "warning"] + (["--curve"] if curve else [])
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    return summary["samples"] / summary["training_s"]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--numel", type=int, default=1_000_000, help="gradient size (float32)")
     parser.add_argument("--messages", type=int, default=200, help="gradients per measurement")
     parser.add_argument("--window", type=int, default=2, help="messages in flight (credits)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--training", action="store_true",
+                        help="also compare end-to-end training throughput (idlegrad demo)")
+    parser.add_argument("--epochs", type=int, default=20, help="with --training")
+    parser.add_argument("--hidden", type=int, default=2048, help="with --training: digits' width")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     times = {"plain": [], "curve": []}
@@ -118,9 +138,23 @@ def main(argv=None) -> int:
     for mode, row in rows.items():
         print(f"{mode:<6} {row['gradients_per_s']:>12.1f} {row['mb_per_s']:>8.1f}")
     print(f"CURVE / plain throughput: {ratio:.3f}")
+    result = {"numel": args.numel, "plain": rows["plain"], "curve": rows["curve"],
+              "ratio": round(ratio, 4)}
+    if args.training:
+        rates = {"plain": [], "curve": []}
+        for _ in range(args.repeats):
+            for mode in ("plain", "curve"):
+                rates[mode].append(demo_rate(mode == "curve", args.epochs, args.hidden))
+        medians = {m: statistics.median(r) for m, r in rates.items()}
+        training_ratio = medians["curve"] / medians["plain"]
+        print(f"training (demo, 3 workers, digits hidden={args.hidden}, {args.epochs} epochs): "
+              f"plain {medians['plain']:.0f} samples/s, curve {medians['curve']:.0f} samples/s, "
+              f"ratio {training_ratio:.3f}")
+        result["training"] = {"plain_samples_per_s": [round(r, 1) for r in rates["plain"]],
+                              "curve_samples_per_s": [round(r, 1) for r in rates["curve"]],
+                              "ratio": round(training_ratio, 4)}
     if args.json:
-        print(json.dumps({"numel": args.numel, "plain": rows["plain"], "curve": rows["curve"],
-                          "ratio": round(ratio, 4)}))
+        print(json.dumps(result))
     return 0
 
 

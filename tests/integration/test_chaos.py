@@ -16,9 +16,11 @@ CHAOS = Path(__file__).resolve().parents[2] / "benchmarks" / "chaos.py"
 
 
 def test_chaos_subset_loses_and_duplicates_nothing(tmp_path):
-    faults = ["restart", "kill9", "scale", "unknown_key"]
+    # The driven faults; the poisoned and the unlisted worker have their own, quicker tests
+    # (test_poison.py, test_security.py).
+    faults = ["restart", "kill9"]
     out = subprocess.run(
-        [sys.executable, str(CHAOS), "--faults", ",".join(faults), "--epochs", "40",
+        [sys.executable, str(CHAOS), "--faults", ",".join(faults), "--epochs", "30",
          "--pace", "0.3", "--target", "0.9", "--keep", str(tmp_path / "chaos"), "--json",
          "--timeout", "240"],
         capture_output=True, text=True, timeout=580)
@@ -32,5 +34,3 @@ def test_chaos_subset_loses_and_duplicates_nothing(tmp_path):
         assert row["tracebacks"] == 0, (fault, row)
         assert row["slowdown"] > 0
     assert summary["restart"]["injections"] >= 1 and summary["kill9"]["injections"] >= 1
-    assert summary["scale"]["banned"]
-    assert not summary["unknown_key"]["intruder_joined"]

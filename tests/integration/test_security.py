@@ -133,3 +133,16 @@ def test_no_keys_means_loopback_only(cluster):
         said = proc.said()
         assert len(said) == 1 and expected in said[0], said
     cluster.assert_no_tracebacks()
+
+
+def test_demo_with_curve_keys(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "idlegrad.cli", "demo", "--workers", "2", "--curve",
+                          "--json", "--keep", str(tmp_path / "demo"), "--timeout", "180"],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["reached"] and summary["workers_seen"] == 2
+    log = (tmp_path / "demo" / "coordinator.log").read_text()
+    assert "(CURVE, 3 keys allowed)" in log
