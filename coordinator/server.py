@@ -29,7 +29,8 @@ from ..common import coding
 from ..common import protocol as proto
 from ..common import security
 from ..common.aio import on_reload_signal, on_stop_signals
-from ..common.errors import CheckpointError, ConfigError, GradientRejected, ProtocolError
+from ..common.errors import (CheckpointError, ConfigError, GradientRejected, JobError,
+                             ProtocolError)
 from ..common.job import (BuiltJob, FlatModel, build, coded_gradient, evaluate, load_job,
                           reference_gradient_norm)
 from ..common.tensors import from_blob, to_blob
@@ -109,8 +110,12 @@ class Coordinator:
             self.sampler, version=version, next_id=next_id)
 
         self._eval_model.load(self.model.params)
-        self.trust = TrustPolicy(config.trust, reference=reference_gradient_norm(
-            job, self._eval_model, self.built.train, config.seed))
+        try:
+            reference = reference_gradient_norm(job, self._eval_model, self.built.train, config.seed)
+        except Exception as exc:  # the job's own code: one line, not a traceback
+            raise JobError(f"job {job.name!r}: its loss failed on the first training samples: "
+                           f"{type(exc).__name__}: {exc}"[:500]) from None
+        self.trust = TrustPolicy(config.trust, reference=reference)
         self.identity_names: dict[str, str] = {}  # trust identity -> the worker id it last used
         self._check_model: Optional[FlatModel] = None  # scratch model for third computations
         self._verifying: Optional[asyncio.Future] = None  # the suspected result being settled
