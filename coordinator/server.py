@@ -78,6 +78,7 @@ class CoordinatorConfig:
 
 
 class Coordinator:
+    HANDSHAKE_S = 5.0  # a connection that has not finished its handshake by then is dropped
     EVENTS_KEPT = 1000
     EVENTS_PER_STATUS = 200
 
@@ -258,6 +259,11 @@ class Coordinator:
         sock.setsockopt(zmq.MAXMSGSIZE, proto.SOCKET_MAX_MSG_BYTES)
         sock.setsockopt(zmq.LINGER, 500)  # let SHUTDOWNs flush, but never hold the exit long
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # Half-open connections are shed: a peer that has not finished the ZMTP (and CURVE)
+        # handshake within this long is dropped, and TCP keepalives find peers that vanished.
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(self.HANDSHAKE_S * 1000))
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 60)
         auth = None
         if self.secure:
             auth = self._start_authenticator(ctx, sock)

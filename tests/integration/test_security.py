@@ -146,3 +146,37 @@ def test_demo_with_curve_keys(tmp_path):
     assert summary["reached"] and summary["workers_seen"] == 2
     log = (tmp_path / "demo" / "coordinator.log").read_text()
     assert "(CURVE, 3 keys allowed)" in log
+
+
+def test_half_open_connections_are_shed(cluster):
+    """Raw TCP connections that never finish the handshake are closed by the coordinator, and it
+    keeps answering meanwhile."""
+    import socket
+
+    from idlegrad.coordinator.server import Coordinator
+
+    coordinator = cluster.coordinator("--job", "digits", "--epochs", "1000")
+    status = cluster.status()
+    status.wait_for(lambda s: True, "the coordinator answering", alive=[coordinator])
+    host, port = cluster.address.removeprefix("tcp://").rsplit(":", 1)
+    silent = [socket.create_connection((host, int(port)), timeout=5) for _ in range(20)]
+    try:
+        for conn in silent:
+            conn.settimeout(Coordinator.HANDSHAKE_S + 10)
+        t0 = time.monotonic()
+        for conn in silent:
+            data = b""
+            try:
+                while True:  # the greeting ZeroMQ sends, then the close
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        break
+                    data += chunk
+            except ConnectionResetError:
+                pass
+        waited = time.monotonic() - t0
+        assert waited < Coordinator.HANDSHAKE_S + 10, waited
+        assert status.fetch(timeout=2) is not None
+    finally:
+        for conn in silent:
+            conn.close()
