@@ -6,8 +6,9 @@ The same swarm runs against two servers, side by side in one run (alternating or
 since this machine is shared and noisy):
 
 - `idlegrad`: a real coordinator process (`idlegrad coordinator`, job `synthetic` with a ~100
-  parameter model, one partition per round, so every answer decodes a round, steps the optimizer
-  and opens the next round at a new version, whose model travels with the next task);
+  parameter model, rounds of 64 samples cut into 8 slots of 8: every 8th answer decodes a round
+  and steps the optimizer, and the next round's slots carry the model of the new version; many
+  workers need rounds of several partitions, or rounds beyond `--max-staleness` are wasted);
 - `ceiling`: a bare pyzmq ROUTER that answers a hello with a pre-encoded welcome and every ready and
   result with pre-encoded tasks of the same shape (header fields and model frame), decoding
   nothing: what the sockets, the swarm and the interpreter allow.
@@ -35,7 +36,8 @@ import zmq
 
 HERE = os.path.abspath(__file__)
 PARAMS = 100
-BATCH = 8
+SLOT = 8  # samples per slot
+PARTITIONS = 8  # a round is a batch of PARTITIONS x SLOT samples
 
 
 def model_numel() -> int:
@@ -117,7 +119,7 @@ def bare_server(address: str) -> None:
                                          seed=0, heartbeat_s=60.0, liveness=3))
     model = proto.Blob("float32", model_numel(), (bytes(4 * model_numel()),))
     task = proto.encode(proto.Task(slot=123456, round=123455, version=4321,
-                                   parts=[[0, 1024, BATCH]], coefficients=[1.0],
+                                   parts=[[0, 1024, SLOT]], coefficients=[1.0],
                                    deadline_s=30.0, model=model))
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -162,7 +164,9 @@ def measure(kind: str, args, workers: int) -> float:
         log = open(os.path.join(tmp, "server.log"), "w")
         if kind == "idlegrad":
             server = spawn(["coordinator", "--bind", address, "--job", "synthetic",
-                            "--job-arg", f"params={PARAMS}", "--job-arg", f"batch_size={BATCH}",
+                            "--job-arg", f"params={PARAMS}",
+                            "--job-arg", f"batch_size={SLOT * PARTITIONS}",
+                            "--partitions", str(PARTITIONS),
                             "--epochs", "100000", "--heartbeat", "60", "--eval-every", "3600",
                             "--threads", "1", "--log-level", "warning"], log=log)
         else:

@@ -47,11 +47,16 @@ def run_demo(args) -> int:
         logs.append(fh)
         return fh
 
+    keys = None
+    coordinator_keys, worker_keys = [], lambda i: []  # noqa: E731
+    if getattr(args, "curve", False):
+        keys, coordinator_keys, worker_keys = _demo_keys(workdir, args.workers)
     try:
         coordinator = spawn(
             ["coordinator", "--job", args.job, *job_args, "--bind", address,
              "--target", args.target, "--epochs", str(args.epochs), "--checkpoint-dir", workdir,
-             "--threads", "1", "--heartbeat", "0.5", "--log-level", args.log_level],
+             "--threads", "1", "--heartbeat", "0.5", "--log-level", args.log_level,
+             *coordinator_keys],
             log=log_file("coordinator.log"))
         processes.append(coordinator)
         worker_job = [] if args.job in BUILTIN else ["--job", args.job]
@@ -59,15 +64,15 @@ def run_demo(args) -> int:
             processes.append(spawn(
                 ["worker", "--coordinator", address, *worker_job, "--threads", str(threads),
                  "--id", f"demo-{i + 1}", "--connect-timeout", "60", "--log-level", args.log_level,
-                 "--no-idle-policy"],  # the demo's own coordinator and workers keep the CPU busy
+                 "--no-idle-policy", *worker_keys(i + 1)],  # the demo keeps the CPU busy itself
                 log=log_file(f"worker-{i + 1}.log")))
         console.print(f"[bold]idlegrad demo[/]: job [cyan]{args.job}[/], {args.workers} workers, "
                       f"target {target}, coordinator at {address}")
         if getattr(args, "tui", False):
-            last = _watch_tui(coordinator, processes[1:], address, args.timeout, started)
+            last = _watch_tui(coordinator, processes[1:], address, args.timeout, started, keys)
         else:
             last = _watch(coordinator, processes[1:], address, target, args.timeout, started,
-                          console)
+                          console, keys)
         rc = coordinator.poll()
         stop(processes[1:], grace=5.0)  # they were told to go; this bounds the wait
         wall = time.monotonic() - started
@@ -111,14 +116,14 @@ def run_demo(args) -> int:
 
 
 def _watch(coordinator, workers, address: str, target: Target, timeout: float, started: float,
-           console: Console) -> dict:
+           console: Console, keys=None) -> dict:
     """Show progress until the coordinator exits. Returns the last snapshot seen."""
     last: dict = {}
     progress = Progress(
         SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
         TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=console, transient=False)
     goal = target.value if target.higher_is_better and target.value > 0 else None
-    with ZmqStatusSource(address) as source, progress:
+    with ZmqStatusSource(address, keys=keys) as source, progress:
         task = progress.add_task("starting", total=goal or 1.0, stats="")
         while coordinator.poll() is None:
             if time.monotonic() - started > timeout:
@@ -144,7 +149,31 @@ def _watch(coordinator, workers, address: str, target: Target, timeout: float, s
     return last
 
 
-def _watch_tui(coordinator, workers, address: str, timeout: float, started: float) -> dict:
+def _demo_keys(workdir: str, workers: int):
+    """CURVE key pairs for the demo's coordinator, workers and monitor, all listed."""
+    from ..common.security import client_keys, generate
+
+    keys, allow = os.path.join(workdir, "keys"), os.path.join(workdir, "allowed")
+    os.makedirs(allow, exist_ok=True)
+    names = ["monitor", *(f"demo-{i + 1}" for i in range(workers))]
+    for name in ["coordinator", *names]:
+        generate(name, keys)
+    for name in names:
+        shutil.copy(os.path.join(keys, f"{name}.key"), allow)
+    public = os.path.join(keys, "coordinator.key")
+
+    def worker_flags(i: int) -> list[str]:
+        return ["--coordinator-key", public,
+                "--secret-key", os.path.join(keys, f"demo-{i}.key_secret")]
+
+    coordinator_flags = ["--secret-key", os.path.join(keys, "coordinator.key_secret"),
+                         "--allow-keys", allow]
+    return (client_keys(public, os.path.join(keys, "monitor.key_secret")), coordinator_flags,
+            worker_flags)
+
+
+def _watch_tui(coordinator, workers, address: str, timeout: float, started: float,
+               keys=None) -> dict:
     """The terminal UI until the coordinator exits (or the operator quits: KeyboardInterrupt)."""
     try:
         from ..monitor.app import MonitorApp
@@ -161,7 +190,7 @@ def _watch_tui(coordinator, workers, address: str, timeout: float, started: floa
             return f"workers exited {codes}"
         return None
 
-    with ZmqStatusSource(address) as source:
+    with ZmqStatusSource(address, keys=keys) as source:
         app = MonitorApp(source, interval=0.5, timeout=0.5, watch=watch)
         app.run()
     ended = app.end_message

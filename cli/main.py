@@ -60,6 +60,14 @@ def _add_job(p: argparse.ArgumentParser, required: bool) -> None:
                    help="keyword argument for the job's factory (repeatable)")
 
 
+def _add_client_keys(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--coordinator-key", metavar="FILE",
+                   help="CURVE: the coordinator's public key (NAME.key), pinned")
+    p.add_argument("--secret-key", metavar="FILE",
+                   help="CURVE: this client's NAME.key_secret; its NAME.key must be in the "
+                        "coordinator's --allow-keys")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="idlegrad", description="Train PyTorch models on idle computers.")
     parser.add_argument("--version", action="version", version=f"idlegrad {__version__}")
@@ -112,6 +120,24 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-speculate", dest="speculate", action="store_false",
                    help="do not duplicate late tasks to free workers")
     c.add_argument("--threads", type=_positive(int), metavar="N", help="torch threads")
+    c.add_argument("--reject-norm", type=_non_negative(float), default=10.0, metavar="K",
+                   help="refuse a gradient whose norm per sample is over K times the running "
+                        "median of recent ones; 0: no check (default: 10)")
+    c.add_argument("--ban-after", type=_non_negative(int), default=3, metavar="N",
+                   help="ban a worker (its key, with keys) after N refused gradients or "
+                        "malformed results within 10 minutes; 0: never (default: 3)")
+    c.add_argument("--ledger", metavar="FILE",
+                   help="append every task sent, result acknowledged and round applied as JSON "
+                        "lines, across restarts (for audits and benchmarks/chaos.py)")
+    c.add_argument("--secret-key", metavar="FILE",
+                   help="CURVE: this coordinator's NAME.key_secret (from `idlegrad keys generate`); "
+                        "with --allow-keys, traffic is encrypted and only listed keys may talk")
+    c.add_argument("--allow-keys", metavar="DIR",
+                   help="CURVE: directory of the NAME.key public keys of the workers and monitors "
+                        "allowed in; re-read on SIGHUP (a removed key is cut off)")
+    c.add_argument("--insecure", action="store_true",
+                   help="without keys, listen beyond loopback anyway (anyone who reaches the port "
+                        "may join)")
     _add_common(c)
     c.set_defaults(func=_run_coordinator)
 
@@ -135,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--keep", metavar="DIR", help="keep checkpoint, metrics and logs in DIR")
     d.add_argument("--timeout", type=_positive(float), default=600.0, metavar="SECONDS",
                    help="give up after this long (default: 600)")
+    d.add_argument("--curve", action="store_true",
+                   help="encrypt and authenticate with CurveZMQ keys made for the demo, as across "
+                        "machines")
     d.add_argument("--tui", action="store_true",
                    help="watch the demo in the terminal UI (`idlegrad top`) instead of a progress bar")
     _add_common(d)
@@ -145,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--coordinator", default="tcp://127.0.0.1:5555", metavar="ADDR",
                     help="the coordinator's address (default: tcp://127.0.0.1:5555)")
     st.add_argument("--json", action="store_true", help="print the snapshot as one JSON object")
+    _add_client_keys(st)
     st.add_argument("--timeout", type=_positive(float), default=3.0, metavar="SECONDS",
                     help="give up when the coordinator does not answer this long (default: 3)")
     _add_common(st)
@@ -157,8 +187,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the coordinator's address (default: tcp://127.0.0.1:5555)")
     t.add_argument("--interval", type=_positive(float), default=1.0, metavar="SECONDS",
                    help="seconds between snapshots (default: 1)")
+    _add_client_keys(t)
     _add_common(t)
     t.set_defaults(func=_run_top, log_level="warning")
+
+    k = sub.add_parser("keys", help="CURVE key pairs for coordinators, workers and monitors",
+                       description="Manage CurveZMQ keys (pyzmq's certificate files).")
+    ksub = k.add_subparsers(dest="keys_action", metavar="generate", parser_class=_Parser)
+    ksub.required = True
+    kg = ksub.add_parser("generate", help="write NAME.key (public) and NAME.key_secret (secret)",
+                         description="Write a new key pair: NAME.key, the public key (copy it into "
+                                     "the coordinator's --allow-keys directory, or give it to "
+                                     "workers as --coordinator-key), and NAME.key_secret, which "
+                                     "stays on this machine.")
+    kg.add_argument("name", metavar="NAME", help="the files' name")
+    kg.add_argument("--dir", default=".", metavar="DIR", help="where to write them (default: .)")
+    _add_common(kg)
+    kg.set_defaults(func=_run_keys_generate)
 
     pl = sub.add_parser("plot", help="plot a metrics log (needs the extra: idlegrad[plot])",
                         description="Plot METRICS.jsonl: loss and metric against time and samples, "
@@ -186,6 +231,7 @@ def _run_coordinator(args) -> int:
     from ..coordinator.aggregator import StalenessRule
     from ..coordinator.server import Coordinator, CoordinatorConfig
     from ..coordinator.target import Target
+    from ..coordinator.trust import TrustConfig
 
     metrics = args.metrics
     if metrics is None and args.checkpoint_dir:
@@ -199,13 +245,22 @@ def _run_coordinator(args) -> int:
         staleness=StalenessRule(args.staleness, args.max_staleness), eval_every=args.eval_every,
         min_deadline_s=args.task_timeout, threads=args.threads, pause_grace_s=args.pause_grace,
         redundancy=str(parse_redundancy(args.redundancy)), sync=args.sync,
-        max_batch=args.max_batch, speculate=args.speculate)
+        max_batch=args.max_batch, speculate=args.speculate, secret_key=args.secret_key,
+        allow_keys=args.allow_keys, insecure=args.insecure, ledger_path=args.ledger,
+        trust=_trust_config(TrustConfig, args.reject_norm, args.ban_after))
     coordinator = Coordinator(config)
     reason = coordinator.run()
     logging.getLogger("idlegrad.coordinator").info(
         "done (%s): version %d, %d samples, metrics %s", reason, coordinator.aggregator.version,
         coordinator.samples_applied, coordinator.metrics)
     return EXIT_FAILED if reason == "bad target" else EXIT_OK
+
+
+def _trust_config(cls, reject_norm: float, ban_after: int):
+    try:
+        return cls(norm_factor=reject_norm, ban_after=ban_after)
+    except ValueError as exc:
+        raise ConfigError(f"--reject-norm / --ban-after: {exc}") from None
 
 
 def _run_status(args) -> int:
@@ -219,7 +274,19 @@ def _run_top(args) -> int:
         from ..monitor.app import run
     except ImportError as exc:
         raise ConfigError(f"the terminal UI needs textual ({exc}): pip install 'textual>=0.80'") from None
-    return run(args.coordinator, interval=args.interval)
+    from ..common.security import client_keys
+
+    keys = client_keys(args.coordinator_key, args.secret_key)  # bad files: one line, before the UI
+    return run(args.coordinator, interval=args.interval, keys=keys)
+
+
+def _run_keys_generate(args) -> int:
+    from ..common.security import generate
+
+    public, secret = generate(args.name, args.dir)
+    print(f"wrote {public} (public: for --allow-keys or --coordinator-key)")
+    print(f"wrote {secret} (secret: keep it on this machine, for --secret-key)")
+    return EXIT_OK
 
 
 def _run_plot(args) -> int:

@@ -9,12 +9,14 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ..common.security import client_keys
 from ..monitor import view
 from ..monitor.source import ZmqStatusSource
 
 
 def run_status(args) -> int:
-    with ZmqStatusSource(args.coordinator) as source:
+    keys = client_keys(args.coordinator_key, args.secret_key)
+    with ZmqStatusSource(args.coordinator, keys=keys) as source:
         snap = source.fetch(timeout=args.timeout)
     if snap is None:
         print(f"idlegrad status: error: no answer from the coordinator at {args.coordinator} "

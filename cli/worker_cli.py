@@ -32,6 +32,10 @@ SETTING_FLAGS: list[tuple[str, str, str, str]] = [
      "give up when the coordinator cannot be reached this long; 0: never (default: 60)"),
     ("--id", "id", "NAME", "this worker's name (default: HOST-PID)"),
     ("--state-log", "state_log", "FILE", "append every pause and resume, with readings, as JSON lines"),
+    ("--coordinator-key", "coordinator_key", "FILE",
+     "CURVE: the coordinator's public key (NAME.key), pinned"),
+    ("--secret-key", "secret_key", "FILE",
+     "CURVE: this worker's NAME.key_secret (its NAME.key goes in the coordinator's --allow-keys)"),
     ("--max-cores", "max_cores", "N|P%", "use at most N cores, or P%% of this machine's"),
     ("--memory-max", "memory_max_mb", "MB",
      "memory ceiling: pause while the worker's RSS exceeds it (a service's MemoryMax)"),
@@ -55,6 +59,9 @@ SETTING_FLAGS: list[tuple[str, str, str, str]] = [
     ("--stall", "stall", "P:SECONDS",
      "fault injection for tests and benchmarks: with probability P a task stalls SECONDS "
      "(default: never)"),
+    ("--poison", "poison", "scale:X|flip|nan",
+     "fault injection for tests and benchmarks: send hostile gradients (times X, sign-flipped, "
+     "or NaN) (default: honest)"),
 ]
 BOOL_FLAGS: list[tuple[str, str, str]] = [
     ("--idle-policy", "enabled",
@@ -170,7 +177,10 @@ def run_worker(args) -> int:
 
         lower_priority()
         log.info("running at low priority: %s", current_priority())
+    from ..common.security import client_keys
     from ..worker.daemon import Worker, WorkerConfig
+
+    keys = client_keys(settings.coordinator_key, settings.secret_key)
 
     worker = Worker(WorkerConfig(
         coordinator=settings.coordinator, job=settings.job,
@@ -179,7 +189,8 @@ def run_worker(args) -> int:
         worker_id=settings.id, policy=settings.policy(), sample_every=settings.sample_every,
         cpu_ignore_niced=settings.cpu_ignore_niced, state_log=settings.state_log,
         slowdown=settings.slowdown,
-        stall=config.parse_stall(settings.stall) if settings.stall else None))
+        stall=config.parse_stall(settings.stall) if settings.stall else None,
+        poison=config.parse_poison(settings.poison) if settings.poison else None, keys=keys))
     reason = worker.run()
     log.info("stopped (%s) after %d results, %d pauses", reason, worker.results_sent, worker.pauses)
     return 0
@@ -199,7 +210,7 @@ def _run_args(args) -> list[str]:
         elif name == "hours":
             for span in value:
                 out += [flag, span]
-        elif name in ("state_log",):
+        elif name in ("state_log", "coordinator_key", "secret_key"):
             out += [flag, os.path.abspath(value)]
         else:
             out += [flag, str(value)]

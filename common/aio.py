@@ -19,3 +19,12 @@ def on_stop_signals(handler: Callable[[int], None]) -> None:
             loop.add_signal_handler(sig, handler, sig)
         except (NotImplementedError, RuntimeError):
             pass
+
+
+def on_reload_signal(handler: Callable[[], None]) -> None:
+    """Call `handler()` on SIGHUP (re-read configuration), where the platform has one."""
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGHUP, handler)
+    except (NotImplementedError, RuntimeError, AttributeError):
+        pass

@@ -306,3 +306,42 @@ def _default_evaluate(job: Job, module: nn.Module, test: Dataset, chunk: int) ->
     if classify and counted == n:
         metrics["accuracy"] = correct / n
     return metrics
+
+
+def reference_gradient_norm(job: Job, model: FlatModel, train: Dataset, seed: int,
+                            count: int = 32) -> float:
+    """The norm of the summed per-sample gradient of the first `count` samples of epoch 0, divided
+    by `count`: what an honest slot's gradient looks like, per sample, at `model`'s parameters.
+
+    `model`'s gradients are overwritten: pass a scratch copy.
+    """
+    count = max(1, min(count, len(train)))
+    model.grads.zero_()
+    model.module.train()
+    loss = job.loss(model.module, part_batch(train, seed, 0, 0, count))
+    (loss * count).backward()
+    norm = float(torch.linalg.vector_norm(model.grads, dtype=torch.float64))
+    model.grads.zero_()
+    return norm / count
+
+
+def coded_gradient(job: Job, model: FlatModel, params: torch.Tensor, train: Dataset, seed: int,
+                   parts: list, coefficients: list, chunk: int = 256) -> torch.Tensor:
+    """sum_j coefficients[j] * (summed per-sample gradient of parts[j]) at `params`: what a
+    worker returns for a slot, computed here in one piece (the coordinator's third opinion).
+
+    `model` is a scratch copy: its parameters and gradients are overwritten.
+    """
+    model.load(params)
+    model.grads.zero_()
+    model.module.train()
+    n = len(train)
+    for (epoch, offset, count), coefficient in zip(parts, coefficients):
+        if coefficient == 0.0:
+            continue
+        indices = part_indices(seed, n, epoch, offset, count)
+        for start in range(0, count, chunk):
+            piece = indices[start:start + chunk]
+            loss = job.loss(model.module, gather(train, piece))
+            (loss * (len(piece) * coefficient)).backward()
+    return model.grads.detach().clone()

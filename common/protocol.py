@@ -23,13 +23,14 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: ack; hello.instance; welcome.instance and welcome.holding
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # tensor frames are cut to this; larger zero-copy frames slow down
 MAX_HEADER_BYTES = 1024 * 1024
 MAX_BLOB_FRAMES = 1024  # 16 GiB per blob at most
 MAX_STR = 4096
 MAX_LIST = 65536
+MAX_DEPTH = 32  # containers nest at most this deep in a header (msgpack's own limit is far deeper)
 # ZMQ_MAXMSGSIZE for every socket: the peer is disconnected by ZeroMQ itself past this.
 SOCKET_MAX_MSG_BYTES = max(MAX_FRAME_BYTES, MAX_HEADER_BYTES) + 4096
 
@@ -70,6 +71,9 @@ class Hello(Message):
     memory_mb: int
     versions: dict[str, str]
     job: Optional[str] = None  # the job the worker was configured with; None: any built-in job
+    # The coordinator instance (welcome.instance) of the session this worker resumes, with the
+    # slots and results it still holds; None: a fresh start.
+    instance: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,8 @@ class Welcome(Message):
     seed: int
     heartbeat_s: float
     liveness: int
+    instance: str = ""  # this coordinator process; a worker's results are only for the one they came from
+    holding: list[int] = field(default_factory=list)  # slots of the resumed session it still holds
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,14 @@ class Task(Message):
 @dataclass(frozen=True)
 class Cancel(Message):
     TYPE: ClassVar[str] = "cancel"
+    slots: list[int]
+
+
+@dataclass(frozen=True)
+class Ack(Message):
+    """The coordinator has taken these results (used, refused or dropped): forget them."""
+
+    TYPE: ClassVar[str] = "ack"
     slots: list[int]
 
 
@@ -204,7 +218,7 @@ class ControlReply(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Ready, Result, Heartbeat, Bye, Welcome, Task, Cancel, Reject, Shutdown,
+    for cls in (Hello, Ready, Result, Heartbeat, Bye, Welcome, Task, Cancel, Ack, Reject, Shutdown,
                 StatusRequest, Status, Control, ControlReply)
 }
 
@@ -376,6 +390,8 @@ def decode(frames: Sequence) -> Message:
         raise ProtocolError("msgpack", f"{type(exc).__name__}: {exc}"[:200]) from None
     if not isinstance(header, dict):
         raise ProtocolError("schema", "header must be a map")
+    if _too_deep(header, MAX_DEPTH):
+        raise ProtocolError("schema", f"header nests deeper than {MAX_DEPTH}")
     version = header.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError("version", f"protocol {version!r}, expected {PROTOCOL_VERSION}")
@@ -406,6 +422,20 @@ def decode(frames: Sequence) -> Message:
     msg = cls(**values)
     _semantic_checks(msg)
     return msg
+
+
+def _too_deep(value, limit: int) -> bool:
+    """Whether containers nest more than `limit` deep (iteratively: no recursion to exhaust)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values() if isinstance(v, (dict, list)))
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item if isinstance(v, (dict, list)))
+    return False
 
 
 def _take_blob(desc, frames: Sequence, start: int, where: str) -> tuple[Blob, int]:

@@ -27,16 +27,21 @@ import zmq.asyncio
 from .. import __version__
 from ..common import coding
 from ..common import protocol as proto
-from ..common.aio import on_stop_signals
-from ..common.errors import CheckpointError, ConfigError, GradientRejected, ProtocolError
-from ..common.job import BuiltJob, FlatModel, build, evaluate, load_job
+from ..common import security
+from ..common.aio import on_reload_signal, on_stop_signals
+from ..common.errors import (CheckpointError, ConfigError, GradientRejected, JobError,
+                             ProtocolError)
+from ..common.job import (BuiltJob, FlatModel, build, coded_gradient, evaluate, load_job,
+                          reference_gradient_norm)
 from ..common.tensors import BufferPool, blob_chunks, finite_norm, to_blob
 from . import checkpoint
 from .aggregator import Aggregator, StalenessRule
+from .ledger import LedgerWriter
 from .sampler import Sampler
 from .scheduler import Assign, CancelSlots, Decoded, Drained, Evicted, Scheduler, SchedulerConfig
 from .status import CURVE_POINTS, build_snapshot
 from .target import Target
+from .trust import TrustConfig, TrustPolicy
 
 log = logging.getLogger("idlegrad.coordinator")
 
@@ -65,14 +70,21 @@ class CoordinatorConfig:
     sync: bool = False  # synchronous SGD: one round, code none, a partition per ready worker
     max_batch: Optional[int] = None  # cap on a round's batch
     speculate: bool = True  # duplicate late slots to free workers (never with sync)
+    secret_key: Optional[str] = None  # CURVE: this coordinator's NAME.key_secret file
+    allow_keys: Optional[str] = None  # CURVE: directory of the workers' and monitors' NAME.key files
+    insecure: bool = False  # without keys, listen beyond loopback anyway
+    trust: TrustConfig = field(default_factory=TrustConfig)  # outlier gradients, offences, bans
+    ledger_path: Optional[str] = None  # JSON lines: slots sent, results acknowledged, rounds applied
 
 
 class Coordinator:
+    HANDSHAKE_S = 5.0  # a connection that has not finished its handshake by then is dropped
     EVENTS_KEPT = 1000
     EVENTS_PER_STATUS = 200
 
     def __init__(self, config: CoordinatorConfig):
         self.config = config
+        self.keypair, self.allowed_keys = self._check_security(config)
         if config.threads:
             torch.set_num_threads(config.threads)
         job = load_job(config.job, config.job_args)
@@ -98,7 +110,19 @@ class Coordinator:
                             speculate=config.speculate and not config.sync),
             self.sampler, version=version, next_id=next_id)
 
+        self._eval_model.load(self.model.params)
+        try:
+            reference = reference_gradient_norm(job, self._eval_model, self.built.train, config.seed)
+        except Exception as exc:  # the job's own code: one line, not a traceback
+            raise JobError(f"job {job.name!r}: its loss failed on the first training samples: "
+                           f"{type(exc).__name__}: {exc}"[:500]) from None
+        self.trust = TrustPolicy(config.trust, reference=reference)
+        self.identity_names: dict[str, str] = {}  # trust identity -> the worker id it last used
+        self._check_model: Optional[FlatModel] = None  # scratch model for third computations
+        self._verifying: Optional[asyncio.Future] = None  # the suspected result being settled
+        self._suspect: Optional[tuple] = None  # (worker, result, gradient, scale, identity)
         self.routes: dict[str, bytes] = {}  # worker id -> routing id
+        self.key_of: dict[str, bytes] = {}  # worker id -> the CURVE public key that holds it
         self.peers: dict[bytes, str] = {}  # routing id -> worker id
         # arrived slot gradients of open rounds, as views of the frames they came in
         self._grads: dict[int, list[torch.Tensor]] = {}
@@ -118,8 +142,63 @@ class Coordinator:
         self.stop_reason: Optional[str] = None
         self.started = time.monotonic()
         self._metrics_file = None
+        self.ledger: Optional[LedgerWriter] = None
 
     # setup ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_security(config: CoordinatorConfig) -> tuple[Optional[tuple[bytes, bytes]],
+                                                              frozenset[bytes]]:
+        """The CURVE key pair and allow-list, or (None, empty) for a plain loopback coordinator."""
+        if (config.secret_key is None) != (config.allow_keys is None):
+            raise ConfigError("--secret-key and --allow-keys go together: give both or neither")
+        if config.secret_key is not None:
+            return security.load_keypair(config.secret_key), security.load_allowed(config.allow_keys)
+        if not security.is_loopback(config.bind):
+            if not config.insecure:
+                raise ConfigError(
+                    f"refusing to listen on {config.bind} without keys: anyone who reaches it could "
+                    "train your model; give --secret-key and --allow-keys (see `idlegrad keys "
+                    "generate`), bind to 127.0.0.1, or say --insecure")
+            log.warning("listening on %s WITHOUT encryption or authentication (--insecure): "
+                        "anyone who can reach it may join and send gradients", config.bind)
+        return None, frozenset()
+
+    @property
+    def secure(self) -> bool:
+        return self.keypair is not None
+
+    async def reload_keys(self) -> None:
+        """Re-read --allow-keys (SIGHUP): new keys may connect; a removed key's connections
+        are cut off from the next message on, and its worker is evicted."""
+        if not self.secure:
+            self._event("keys", "SIGHUP ignored: this coordinator runs without keys")
+            return
+        try:
+            allowed = security.load_allowed(self.config.allow_keys)
+        except ConfigError as exc:
+            # Fail closed: an unreadable list admits nobody until it is fixed and re-read.
+            allowed = frozenset()
+            self._event("keys", f"{exc}; admitting nobody", level=logging.ERROR)
+        revoked = self.allowed_keys - allowed
+        self.allowed_keys = allowed
+        self._event("keys", f"--allow-keys re-read: {len(allowed)} keys, {len(revoked)} revoked")
+        for worker_id, key in list(self.key_of.items()):
+            if key not in allowed:
+                self.counters["workers_revoked"] += 1
+                self._event("revoked", f"{worker_id}: key {_short(key)} revoked",
+                            worker=worker_id, level=logging.WARNING)
+                await self._forget(worker_id, "key revoked")
+
+    async def _forget(self, worker_id: str, reason: str) -> None:
+        """Evict a worker now (revoked, banned): its slots go back to the pool, and nothing
+        more from its connection is used."""
+        if worker_id in self.scheduler.workers:
+            await self._perform(self.scheduler.leave(worker_id, time.monotonic(), reason))
+        route = self.routes.pop(worker_id, None)
+        if route is not None:
+            self.peers.pop(route, None)
+        self.key_of.pop(worker_id, None)
 
     def _resume(self) -> Optional[tuple[int, int]]:
         state = checkpoint.load(self.config.checkpoint_dir)
@@ -163,6 +242,8 @@ class Coordinator:
             "metrics": dict(self.metrics),
         })
         self.counters["checkpoints"] += 1
+        if self.ledger is not None:
+            self.ledger.write("checkpoint", version=self.aggregator.version)
         self._event("checkpoint", f"version {self.aggregator.version} saved")
         return path
 
@@ -181,10 +262,20 @@ class Coordinator:
         sock.setsockopt(zmq.MAXMSGSIZE, proto.SOCKET_MAX_MSG_BYTES)
         sock.setsockopt(zmq.LINGER, 500)  # let SHUTDOWNs flush, but never hold the exit long
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # Half-open connections are shed: a peer that has not finished the ZMTP (and CURVE)
+        # handshake within this long is dropped, and TCP keepalives find peers that vanished.
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(self.HANDSHAKE_S * 1000))
+        sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 60)
+        auth = None
+        if self.secure:
+            auth = self._start_authenticator(ctx, sock)
         try:
             sock.bind(self.config.bind)
         except zmq.ZMQError as exc:
             sock.close(0)
+            if auth is not None:
+                auth.stop()
             ctx.term()
             raise ConfigError(f"cannot bind {self.config.bind}: {exc}") from None
         self.sock = sock
@@ -194,21 +285,62 @@ class Coordinator:
         # send never blocks (it drops at the high-water mark), so it never stalls the loop.
         self._direct = zmq.Socket.shadow(sock.underlying)
         on_stop_signals(self._on_signal)
+        if self.secure:
+            on_reload_signal(lambda: asyncio.ensure_future(self.reload_keys()))
         if self.config.metrics_path:
             os.makedirs(os.path.dirname(os.path.abspath(self.config.metrics_path)), exist_ok=True)
             self._metrics_file = open(self.config.metrics_path, "a", buffering=1)
+        if self.config.ledger_path:
+            self.ledger = LedgerWriter(self.config.ledger_path, self.instance)
+            self.ledger.write("start", version=self.aggregator.version, samples=self.samples_applied,
+                              time=time.time())
         self.started = time.monotonic()
+        security_note = (f"CURVE, {len(self.allowed_keys)} keys allowed" if self.secure
+                         else "no keys: unencrypted")
         self._event("start", f"job {self.built.job.name} at version {self.aggregator.version}, "
-                             f"listening on {self.config.bind}")
+                             f"listening on {self.config.bind} ({security_note})")
         try:
             await self._loop()
             await self._finish()
         finally:
             if self._metrics_file:
                 self._metrics_file.close()
+            if self.ledger is not None:
+                self.ledger.close()
             sock.close()
+            if auth is not None:
+                auth.stop()
             ctx.term()
         return self.stop_reason or "stopped"
+
+    def _start_authenticator(self, ctx, sock):
+        """ZAP through pyzmq's asyncio authenticator, asking our allow-list for every handshake.
+
+        Fails closed twice over: a handshake nobody answers never completes, and every message's
+        User-Id is checked against the allow-list again in `_handle`."""
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        coordinator = self
+
+        class AllowList:
+            def callback(self, domain, key: bytes) -> bool:
+                allowed = key in coordinator.allowed_keys
+                if not allowed:
+                    coordinator.counters["handshakes_refused"] += 1
+                return allowed
+
+        auth = AsyncioAuthenticator(ctx, log=logging.getLogger("idlegrad.coordinator.auth"))
+        try:
+            auth.start()
+            auth.configure_curve_callback("*", credentials_provider=AllowList())
+        except Exception as exc:
+            auth.stop()
+            raise ConfigError(f"cannot start the CURVE authenticator: {exc}") from None
+        public, secret = self.keypair
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+        return auth
 
     def _on_signal(self, sig) -> None:
         if self.stop_reason is None:
@@ -229,6 +361,8 @@ class Coordinator:
                 due = min(next_tick, next_checkpoint, next_eval if eval_task is None else math.inf)
                 wait = max(0.0, due - now)
                 waiting = {recv} if eval_task is None else {recv, eval_task}
+                if self._verifying is not None:
+                    waiting.add(self._verifying)
                 await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if recv.done():
                     self._handling = True
@@ -243,6 +377,8 @@ class Coordinator:
                     finally:
                         self._handling = False
                     recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
+                if self._verifying is not None and self._verifying.done():
+                    await self._settle()
                 now = time.monotonic()
                 if now >= next_tick:
                     await self._perform(self.scheduler.tick(now))
@@ -265,6 +401,8 @@ class Coordinator:
             recv.cancel()
             if eval_task is not None:
                 await asyncio.wait({eval_task})
+            if self._verifying is not None:
+                await asyncio.wait({self._verifying})
 
     async def _finish(self) -> None:
         if self.stop_reason != "interrupted":
@@ -348,6 +486,17 @@ class Coordinator:
             self._bad(b"?", ProtocolError("frames", "no routing id or no header"))
             return
         route = bytes(frames[0].buffer)
+        key = None
+        if self.secure:
+            key = _user_id(frames[1])
+            if key not in self.allowed_keys:
+                # Admitted before a SIGHUP revoked it (or, were the authenticator to fail, never
+                # admitted at all): nothing it says is used.
+                self.counters["messages_unlisted_key"] += 1
+                worker_id = self.peers.get(route)
+                if worker_id is not None:
+                    await self._forget(worker_id, "key revoked")
+                return
         try:
             msg = proto.decode(frames[1:])
         except ProtocolError as exc:
@@ -361,8 +510,26 @@ class Coordinator:
         if handler is None:
             self._bad(route, ProtocolError("unexpected", f"{msg.TYPE} is not for the coordinator"))
             return
+        if isinstance(msg, proto.Hello) and self.trust.is_banned(self._identity(msg.worker_id, key)):
+            self.counters["hello_banned"] += 1
+            await self._send(route, proto.Reject(
+                code="banned", reason="banned by this coordinator for repeated bad gradients"))
+            return
+        if key is not None and isinstance(msg, proto.Hello):
+            owner = self.key_of.get(msg.worker_id)
+            if owner is not None and owner != key:
+                self.counters["hello_identity"] += 1
+                await self._send(route, proto.Reject(
+                    code="identity", reason=f"worker id {msg.worker_id!r} belongs to another key"))
+                return
+        elif key is not None and route in self.peers and self.key_of.get(self.peers[route]) != key:
+            self._bad(route, ProtocolError("identity", "message under another key than its hello"))
+            return
         try:
-            await handler(self, route, msg)
+            if isinstance(msg, proto.Hello):
+                await self._on_hello(route, msg, key)
+            else:
+                await handler(self, route, msg)
         except _NeedHello:
             # A worker of an earlier coordinator process (or one we evicted): it re-handshakes.
             self.counters["hello_first"] += 1
@@ -379,29 +546,137 @@ class Coordinator:
             self._event("rejected", f"bad message from {who}: {exc} "
                                     f"({sum(self.bad_messages.values())} so far)", level=logging.WARNING)
 
+    def _identity(self, worker_id: str, key: Optional[bytes] = None) -> str:
+        """Who is judged and banned: the CURVE key when there are keys, else the worker id."""
+        key = key if key is not None else self.key_of.get(worker_id)
+        return "key:" + key.decode("ascii") if key is not None else worker_id
+
+    def _slot_scale(self, worker_id: str, slot_id: int) -> Optional[float]:
+        """sum |coefficient| x samples over the slot's parts, if the slot is this worker's."""
+        record = self.scheduler.workers.get(worker_id)
+        slot = self.scheduler.slots.get(slot_id)
+        if record is None or slot is None or slot_id not in record.assigned:
+            return None
+        round_ = self.scheduler.rounds.get(slot.round)
+        if round_ is None:
+            return None
+        return sum(abs(c) * round_.parts[j][2] for j, c in slot.row)
+
+    async def _suspect_result(self, worker_id: str, msg: proto.Result, grad: list[torch.Tensor],
+                              scale: float, identity: str, verdict) -> bool:
+        """An outlier norm: settle it with a third computation, the coordinator's own, in a
+        thread. One at a time; a suspect arriving meanwhile goes back to the pool (no offence)."""
+        self.counters["gradients_suspected"] += 1
+        if self._verifying is not None:
+            self.counters["suspects_requeued"] += 1
+            await self._perform(self.scheduler.failed(worker_id, msg.slot, time.monotonic()))
+            return False
+        slot = self.scheduler.slots[msg.slot]
+        round_ = self.scheduler.rounds[slot.round]
+        parts = [round_.parts[j] for j, _ in slot.row]
+        coefficients = [c for _, c in slot.row]
+        snap = self._snapshots.get(round_.version)
+        if snap is not None:
+            params = snap[0]
+        elif round_.version == self.aggregator.version:
+            params = self.model.params.detach().clone()
+        else:  # no copy of that model is left: cannot settle it; back to the pool
+            await self._perform(self.scheduler.failed(worker_id, msg.slot, time.monotonic()))
+            return False
+        if self._check_model is None:
+            self._check_model = FlatModel(self.built.job.build_model())
+        self._event("suspected", f"{verdict.detail} from {worker_id} for slot {msg.slot}: "
+                                 "computing it here to settle it", worker=worker_id)
+        self._suspect = (worker_id, msg, grad, scale, identity)
+        self._verifying = asyncio.ensure_future(asyncio.to_thread(
+            coded_gradient, self.built.job, self._check_model, params, self.built.train,
+            self.config.seed, parts, coefficients))
+        return False  # not yet: `_settle` uses it once it is found honest
+
+    async def _settle(self) -> None:
+        worker_id, msg, grad, scale, identity = self._suspect
+        task, self._verifying, self._suspect = self._verifying, None, None
+        now = time.monotonic()
+        try:
+            reference = task.result()
+        except Exception as exc:  # the job's code failed here: give the slot to someone else
+            log.warning("could not compute slot %d to settle it: %s", msg.slot, exc)
+            await self._perform(self.scheduler.failed(worker_id, msg.slot, now))
+            return
+        distance = float(torch.linalg.vector_norm(torch.cat(grad).double() - reference.double()))
+        size = float(torch.linalg.vector_norm(reference.double()))
+        if distance <= 1e-3 * max(size, 1e-12):
+            self.counters["suspects_honest"] += 1
+            self.trust.accept(float(size), scale)
+            self._event("verified", f"slot {msg.slot} from {worker_id}: computed here, it matches "
+                                    "(an honest outlier); used", worker=worker_id)
+            await self._use_result(worker_id, msg, grad, now)
+            return
+        self.counters["suspects_wrong"] += 1
+        banned = self.trust.confirmed(identity, now)
+        await self._offence(worker_id, msg.slot, "norm",
+                            f"gradient {distance / max(size, 1e-12):.3g}x off the slot's true one "
+                            f"(computed here)", banned)
+
+    async def _offence(self, worker_id: str, slot: int, reason: str, detail: str,
+                       banned: bool) -> None:
+        self.counters["gradients_rejected"] += 1
+        self.counters["rejected_" + reason.replace("-", "_")] += 1
+        self._event("rejected", f"{detail} from {worker_id} for slot {slot}", worker=worker_id,
+                    level=logging.WARNING)
+        await self._perform(self.scheduler.failed(worker_id, slot, time.monotonic()))
+        if banned:
+            await self._ban(worker_id)
+
+    async def _ban(self, worker_id: str) -> None:
+        identity = self._identity(worker_id)
+        offender = self.trust.offenders[identity]
+        self.counters["workers_banned"] += 1
+        self._event("banned", f"{worker_id} banned after {offender.total} offences "
+                              f"({', '.join(f'{k} x{v}' for k, v in offender.reasons.items())})",
+                    worker=worker_id, level=logging.WARNING)
+        route = self.routes.get(worker_id)
+        if route is not None:
+            await self._send(route, proto.Reject(
+                code="banned", reason="banned by this coordinator for repeated bad gradients"))
+        await self._forget(worker_id, "banned")
+
     def _worker_of(self, route: bytes) -> str:
         worker_id = self.peers.get(route)
         if worker_id is None:
             raise _NeedHello()
         return worker_id
 
-    async def _on_hello(self, route: bytes, msg: proto.Hello) -> None:
+    async def _on_hello(self, route: bytes, msg: proto.Hello, key: Optional[bytes] = None) -> None:
         old_route = self.routes.get(msg.worker_id)
-        await self._perform(self.scheduler.join(msg.worker_id, {
-            "host": msg.host, "cores": msg.cores, "threads": msg.threads, "device": msg.device,
-            "memory_mb": msg.memory_mb, "versions": msg.versions, "job": msg.job}, time.monotonic()))
+        record = self.scheduler.workers.get(msg.worker_id)
+        now = time.monotonic()
+        resumed = (record is not None and msg.instance == self.instance
+                   and (key is None or self.key_of.get(msg.worker_id) == key))
+        if resumed:
+            # The same worker process back on a new connection, before its eviction: it keeps
+            # its slots, and resends the results it has not seen acknowledged.
+            self.counters["sessions_resumed"] += 1
+            self.scheduler.seen(msg.worker_id, now)
+        else:
+            await self._perform(self.scheduler.join(msg.worker_id, {
+                "host": msg.host, "cores": msg.cores, "threads": msg.threads, "device": msg.device,
+                "memory_mb": msg.memory_mb, "versions": msg.versions, "job": msg.job}, now))
         if old_route is not None:
             self.peers.pop(old_route, None)
         self.peers.pop(route, None)
         self.routes[msg.worker_id] = route
         self.peers[route] = msg.worker_id
-        self._event("join", f"{msg.worker_id} joined from {msg.host} ({msg.device}, "
-                            f"{msg.threads} threads)", worker=msg.worker_id)
+        if key is not None:
+            self.key_of[msg.worker_id] = key
+        self._event("join", f"{msg.worker_id} {'came back' if resumed else 'joined'} from "
+                            f"{msg.host} ({msg.device}, {msg.threads} threads)", worker=msg.worker_id)
+        holding = sorted(self.scheduler.workers[msg.worker_id].assigned) if resumed else []
         await self._send(route, proto.Welcome(
             # the job's name, not the spec: no local paths to strangers
             job=self.built.job.name, job_args=self.config.job_args, fingerprint=self.built.fingerprint,
             seed=self.config.seed, heartbeat_s=self.config.heartbeat_s,
-            liveness=self.config.liveness))
+            liveness=self.config.liveness, instance=self.instance, holding=holding))
 
     async def _on_ready(self, route: bytes, msg: proto.Ready) -> None:
         worker_id = self._worker_of(route)
@@ -416,18 +691,46 @@ class Coordinator:
 
     async def _on_result(self, route: bytes, msg: proto.Result) -> None:
         worker_id = self._worker_of(route)
+        used = False
+        try:
+            used = await self._take_result(worker_id, msg)
+        finally:
+            if self.ledger is not None:
+                self.ledger.write("ack", slot=msg.slot, worker=worker_id, used=used)
+            # Taken: used, refused or dropped. The worker forgets it; unacknowledged, it would be
+            # resent after a reconnect.
+            if worker_id in self.routes:
+                await self._send(self.routes[worker_id], proto.Ack(slots=[msg.slot]))
+
+    async def _take_result(self, worker_id: str, msg: proto.Result) -> bool:
+        """Judge and hand a result to the scheduler; whether its gradient is used."""
         now = time.monotonic()
+        identity = self._identity(worker_id)
+        self.identity_names[identity] = worker_id
         try:
             grad = blob_chunks(msg.gradient, self.model.numel, self.model.dtype)
         except ProtocolError:
             await self._perform(self.scheduler.failed(worker_id, msg.slot, now))
+            if self.trust.offence(identity, "malformed", now):
+                await self._ban(worker_id)
             raise
-        if not math.isfinite(finite_norm(grad)):
-            self.counters["gradients_rejected"] += 1
-            self._event("rejected", f"non-finite gradient from {worker_id} for slot {msg.slot}",
-                        worker=worker_id, level=logging.WARNING)
-            await self._perform(self.scheduler.failed(worker_id, msg.slot, now))
-            return
+        scale = self._slot_scale(worker_id, msg.slot)
+        norm = finite_norm(grad)  # inf or nan: a non-finite value (or an absurd norm)
+        if not math.isfinite(norm):
+            verdict = self.trust.judge(identity, math.nan, 1.0, now)
+        elif scale is not None:  # a result for a slot it does not hold is refused below anyway
+            verdict = self.trust.judge(identity, norm, scale, now)
+        else:
+            verdict = None
+        if verdict is not None and verdict.reason == "norm":
+            return await self._suspect_result(worker_id, msg, grad, scale, identity, verdict)
+        if verdict is not None and not verdict.ok:
+            await self._offence(worker_id, msg.slot, verdict.reason, verdict.detail, verdict.banned)
+            return False
+        return await self._use_result(worker_id, msg, grad, now)
+
+    async def _use_result(self, worker_id: str, msg: proto.Result, grad: list[torch.Tensor],
+                          now: float) -> bool:
         accepted, actions = self.scheduler.result(worker_id, msg.slot, msg.compute_s, now)
         if accepted:
             self._grads[msg.slot] = grad
@@ -437,6 +740,7 @@ class Coordinator:
         else:
             self.counters["results_dropped"] += 1
         await self._perform(actions)
+        return accepted
 
     async def _on_heartbeat(self, route: bytes, msg: proto.Heartbeat) -> None:
         worker_id = self._worker_of(route)
@@ -510,6 +814,8 @@ class Coordinator:
             if isinstance(action, Assign):
                 route = self.routes[action.worker]
                 model = self._model_blob(action.version) if action.send_model else None
+                if self.ledger is not None:
+                    self.ledger.write("sent", slot=action.slot, worker=action.worker)
                 tracker = await self._send(route, proto.Task(
                     slot=action.slot, round=action.round, version=action.version,
                     parts=action.parts, coefficients=action.coefficients,
@@ -532,6 +838,7 @@ class Coordinator:
                 route = self.routes.pop(action.worker, None)
                 if route is not None:
                     self.peers.pop(route, None)
+                self.key_of.pop(action.worker, None)
                 self._event("leave", f"{action.worker} left ({action.reason}); "
                                      f"{action.requeued} slots requeued", worker=action.worker)
 
@@ -575,6 +882,9 @@ class Coordinator:
             self.scheduler.replan(decoded)
         else:
             self.samples_applied += decoded.samples
+            if self.ledger is not None:
+                self.ledger.write("applied", round=decoded.round, version=self.aggregator.version,
+                                  parts=[list(p) for p in decoded.parts], t=time.time())
             self._rate.append((time.monotonic(), self.samples_applied))
             self._release_snapshots()
         return self.scheduler.applied(self.aggregator.version, time.monotonic())
@@ -587,6 +897,13 @@ class Coordinator:
         self.events.append({"id": self._event_id, "time": time.time(), "kind": kind,
                             "worker": worker, "text": text})
         log.log(level, "%s: %s", kind, text)
+
+    def _trust_summary(self) -> dict:
+        summary = self.trust.summary()
+        name = lambda identity: self.identity_names.get(identity, identity)  # noqa: E731
+        summary["banned"] = [name(i) for i in summary["banned"]]
+        summary["offenders"] = {name(i): o for i, o in summary["offenders"].items()}
+        return summary
 
     def samples_per_s(self, window: float = 5.0) -> float:
         if len(self._rate) < 2:
@@ -616,6 +933,7 @@ class Coordinator:
             "target_value": target.value if target else None,
             "target_higher": target.higher_is_better if target else None,
             "counters": dict(self.counters), "bad_messages": dict(self.bad_messages),
+            "trust": self._trust_summary(),
             "host": pysocket.gethostname(),
         }
         staleness = self.config.staleness
@@ -638,6 +956,18 @@ class Coordinator:
         return build_snapshot(self.scheduler, time.monotonic(), base, curve=self.curve,
                               events=self.events, cursor=cursor, last_event=self._event_id,
                               redundancy=redundancy, events_limit=self.EVENTS_PER_STATUS)
+
+
+def _user_id(frame) -> Optional[bytes]:
+    """The peer's CURVE public key (Z85), which the authenticator made the message's User-Id."""
+    try:
+        return frame.get("User-Id").encode("ascii")
+    except (zmq.ZMQError, AttributeError, UnicodeError):
+        return None
+
+
+def _short(key: bytes) -> str:
+    return key[:8].decode("ascii", errors="replace") + "..."
 
 
 class _NeedHello(ProtocolError):

@@ -287,10 +287,10 @@ class MonitorApp(App):
         self.poll()
 
 
-def run(address: str, interval: float = 1.0, timeout: float = 1.0) -> int:
+def run(address: str, interval: float = 1.0, timeout: float = 1.0, keys=None) -> int:
     """`idlegrad top`."""
     from .source import ZmqStatusSource
 
-    with ZmqStatusSource(address) as source:
+    with ZmqStatusSource(address, keys=keys) as source:
         MonitorApp(source, interval=interval, timeout=timeout).run()
     return 0

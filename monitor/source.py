@@ -14,6 +14,7 @@ import zmq
 
 from ..common import protocol as proto
 from ..common.errors import ProtocolError
+from ..common.security import ClientKeys
 
 
 @runtime_checkable
@@ -40,8 +41,10 @@ class ZmqStatusSource:
     `restarted` is set to True until the next snapshot.
     """
 
-    def __init__(self, address: str, context: Optional[zmq.Context] = None):
+    def __init__(self, address: str, context: Optional[zmq.Context] = None,
+                 keys: Optional[ClientKeys] = None):
         self.address = address
+        self.keys = keys  # CURVE: the coordinator's pinned key and this monitor's pair
         self._own_context = context is None
         self._ctx = context or zmq.Context()
         self._sock: Optional[zmq.Socket] = None
@@ -55,6 +58,8 @@ class ZmqStatusSource:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, proto.SOCKET_MAX_MSG_BYTES)
+            if self.keys is not None:
+                self.keys.apply(sock)
             sock.connect(self.address)
             self._sock = sock
         return self._sock

@@ -362,6 +362,11 @@ def summary_rows(snap: dict) -> list[tuple[str, str]]:
         ("elapsed", duration(snap.get("elapsed_s"))),
         ("workers", str(len(snap.get("workers") or []))),
     ]
+    trust = snap.get("trust")
+    if isinstance(trust, dict) and (trust.get("refused") or trust.get("banned")):
+        banned = [str(b) for b in trust.get("banned") or []]
+        rows.append(("gradients refused", f"{number(trust.get('refused'))}"
+                     + (f"; banned: {', '.join(banned[:5])}" if banned else "")))
     return rows
 
 

@@ -35,6 +35,8 @@ class Settings:
     connect_timeout: float = 60.0
     id: Optional[str] = None
     state_log: Optional[str] = None
+    coordinator_key: Optional[str] = None  # CURVE: the coordinator's NAME.key
+    secret_key: Optional[str] = None  # CURVE: this worker's NAME.key_secret
     # [limits] the owner's
     threads: Optional[int] = None
     max_cores: Optional[str] = None  # "N" cores or "P%" of this machine's
@@ -55,6 +57,7 @@ class Settings:
     # fault injection, for tests and benchmarks only (off by default)
     slowdown: float = 1.0  # every task takes this many times as long
     stall: Optional[str] = None  # "P:SECONDS": with probability P a task stalls that long
+    poison: Optional[str] = None  # "scale:X", "flip" or "nan": a hostile worker's gradients
 
     def policy(self, uses_gpu: bool = False) -> PolicyConfig:
         on = self.enabled
@@ -77,12 +80,13 @@ class Settings:
 
 
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "": ("coordinator", "job", "device", "credits", "connect_timeout", "id", "state_log"),
+    "": ("coordinator", "job", "device", "credits", "connect_timeout", "id", "state_log",
+         "coordinator_key", "secret_key"),
     "limits": ("threads", "max_cores", "memory_max_mb", "hours", "low_priority"),
     "idle": ("enabled", "resume_after", "sample_every", "cpu_others_max_pct", "cpu_ignore_niced",
              "user_idle_min_s", "pause_on_battery", "memory_available_min_mb",
              "gpu_others_max_pct", "pause_when_unknown"),
-    "faults": ("slowdown", "stall"),
+    "faults": ("slowdown", "stall", "poison"),
 }
 KEY_OF = {name: (f"{section}.{name}" if section else name)
           for section, names in SECTIONS.items() for name in names}
@@ -101,6 +105,23 @@ def parse_stall(text: str) -> tuple[float, float]:
     if not sep or not 0 <= prob <= 1 or not wait >= 0 or wait == float("inf"):
         raise ValueError(f"{text!r} must be P:SECONDS with 0 <= P <= 1, e.g. 0.2:3")
     return prob, wait
+
+
+
+
+def parse_poison(text: str) -> tuple[str, float]:
+    """'scale:X' (gradients times X), 'flip' (sign flipped) or 'nan' -> (kind, factor)."""
+    kind, sep, factor = str(text).strip().partition(":")
+    if kind == "scale" and sep:
+        try:
+            value = float(factor)
+        except ValueError:
+            value = math.nan
+        if math.isfinite(value):
+            return kind, value
+    elif kind in ("flip", "nan") and not sep:
+        return kind, -1.0 if kind == "flip" else math.nan
+    raise ValueError(f"{text!r} must be scale:X, flip or nan")
 
 
 def default_path() -> str:
@@ -202,7 +223,7 @@ def _check(name: str, value: Any, where: str) -> Any:
         if "://" not in value:
             raise _fail(where, name, f"{value!r} is not a ZeroMQ address like tcp://host:5555")
         return value
-    if name in ("job", "id", "state_log"):
+    if name in ("job", "id", "state_log", "coordinator_key", "secret_key"):
         return _string(value, where, name)
     if name == "device":
         value = _string(value, where, name, optional=False)
@@ -246,6 +267,14 @@ def _check(name: str, value: Any, where: str) -> Any:
             return None
         try:
             parse_stall(str(value))
+        except ValueError as exc:
+            raise _fail(where, name, str(exc)) from None
+        return str(value).strip()
+    if name == "poison":
+        if value is None:
+            return None
+        try:
+            parse_poison(str(value))
         except ValueError as exc:
             raise _fail(where, name, str(exc)) from None
         return str(value).strip()

@@ -43,6 +43,7 @@ from ..common import protocol as proto
 from ..common.aio import on_stop_signals
 from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
 from ..common.job import BuiltJob, build, builtin_job_names, load_job
+from ..common.security import ClientKeys
 from ..common.tensors import blob_chunks, to_blob
 from .engine import Cancelled, Engine, Outcome, Work
 from .idle import Decision, IdlePolicy, PolicyConfig, Readings
@@ -67,6 +68,8 @@ class WorkerConfig:
     state_log: Optional[str] = None  # JSON lines: every change of state, with its readings
     slowdown: float = 1.0  # fault injection (tests, benchmarks): tasks take this many times as long
     stall: Optional[tuple[float, float]] = None  # fault injection: (probability, seconds)
+    poison: Optional[tuple[str, float]] = None  # fault injection: (kind, factor), engine.parse_poison
+    keys: Optional[ClientKeys] = None  # CURVE: the coordinator's pinned key and this worker's pair
 
 
 class _Rehello(Exception):
@@ -95,6 +98,7 @@ def usable_cores() -> int:
 
 
 class Worker:
+    MAX_UNACKED = 16  # results kept for resending; acknowledgements come within milliseconds
     def __init__(self, config: WorkerConfig):
         if config.credits < 1:
             raise ConfigError("credits must be at least 1")
@@ -116,6 +120,13 @@ class Worker:
         self._current: Optional[tuple[Work, threading.Event]] = None
         self._stop: Optional[str] = None
         self.results_sent = 0
+        self.results_resent = 0
+        # The coordinator process this worker's slots and results belong to (welcome.instance),
+        # and the results it has not yet seen acknowledged: resent after a reconnect to it.
+        self._instance: Optional[str] = None
+        self._unacked: dict[int, proto.Result] = {}
+        # slot -> (its gradient buffer, trackers of its sends): back to the engine once dropped
+        self._held: dict[int, tuple[torch.Tensor, list]] = {}
         uses_gpu = self.device.type == "cuda"
         self.policy = IdlePolicy(dataclasses.replace(config.policy, uses_gpu=uses_gpu))
         self.probes = Probes(ignore_niced=config.cpu_ignore_niced,
@@ -183,6 +194,8 @@ class Worker:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.MAXMSGSIZE, proto.SOCKET_MAX_MSG_BYTES)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.config.keys is not None:
+            self.config.keys.apply(sock)
         sock.connect(self.config.coordinator)
         return sock
 
@@ -193,7 +206,7 @@ class Worker:
             memory_mb=psutil.virtual_memory().total // 2**20,
             versions={"idlegrad": __version__, "torch": torch.__version__,
                       "python": platform.python_version(), "protocol": str(proto.PROTOCOL_VERSION)},
-            job=self.config.job)
+            job=self.config.job, instance=self._instance)
 
     async def _send(self, sock, msg: proto.Message) -> None:
         await sock.send_multipart(proto.encode(msg), copy=False)
@@ -240,6 +253,7 @@ class Worker:
             self.built = build(job, device=self.device)
             self.engine = Engine(self.built, welcome.seed, self.device)
             self.engine.slowdown, self.engine.stall = self.config.slowdown, self.config.stall
+            self.engine.poison = self.config.poison
             self._built_for = key
         self.heartbeat_s = welcome.heartbeat_s
         self.liveness = welcome.liveness
@@ -255,6 +269,7 @@ class Worker:
                 except (Refused, ConfigError) as exc:  # this worker cannot run that job
                     await self._send(sock, proto.Bye(reason=str(exc)[:500]))
                     raise
+                await self._resume(sock, welcome)
                 if self.paused:
                     await self._send(sock, proto.Heartbeat(state="paused"))
                 await self._send(sock, proto.Ready(credits=self._credits(),
@@ -266,7 +281,6 @@ class Worker:
                 return
             except _Rehello:
                 log.info("the coordinator does not know this session (restarted?); saying hello again")
-                self._abort_work()
                 welcome = await self._handshake(sock, timeout=self.heartbeat_s * self.liveness)
                 if welcome is None:
                     return
@@ -276,6 +290,32 @@ class Worker:
         self._cache = None
         if self._current is not None:
             self._current[1].set()
+
+    def _forget_session(self) -> None:
+        """Nothing held is any use: the next hello starts afresh."""
+        self._abort_work()
+        self._drop_results(list(self._unacked))
+        self._instance = None
+
+    async def _resume(self, sock, welcome: proto.Welcome) -> None:
+        """After a welcome: keep what this coordinator still expects of us, resend the results it
+        has not acknowledged, drop the rest (a restarted coordinator knows none of our slots)."""
+        if welcome.instance != self._instance:
+            if self._instance is not None:
+                log.info("a new coordinator process: dropping %d queued slots and %d unacknowledged "
+                         "results of the old one", len(self._queue), len(self._unacked))
+            self._queue.clear()
+            self._drop_results(list(self._unacked))
+            self._instance = welcome.instance
+            return
+        holding = set(welcome.holding)
+        self._queue = deque(w for w in self._queue if w.slot in holding)
+        self._drop_results([s for s in self._unacked if s not in holding])
+        for slot, result in list(self._unacked.items()):
+            await self._send_tracked(sock, slot, result)
+            self.results_resent += 1
+        if self._unacked:
+            log.info("resent %d unacknowledged results", len(self._unacked))
 
     async def _serve(self, sock) -> None:
         last_heard = time.monotonic()
@@ -317,12 +357,7 @@ class Worker:
                     outcome = self._finish(computing)
                     computing = None
                     if outcome is not None:
-                        tracker = await sock.send_multipart(proto.encode(proto.Result(
-                            slot=outcome.slot, version=outcome.version, samples=outcome.samples,
-                            loss=outcome.loss, compute_s=outcome.compute_s,
-                            gradient=to_blob(outcome.gradient))), copy=False, track=True)
-                        self.engine.release(outcome.gradient, tracker)
-                        self.results_sent += 1
+                        await self._send_result(sock, outcome)
                 if computing is None and self._queue and self._stop is None and not self.paused:
                     work = self._queue.popleft()
                     cancel = threading.Event()
@@ -334,10 +369,45 @@ class Worker:
             if sampling is not None:
                 await asyncio.wait({sampling})
             if computing is not None:
+                work = self._current[0] if self._current is not None else None
                 if self._current is not None:
                     self._current[1].set()
                 await asyncio.wait({computing})
-                self._finish(computing)
+                outcome = self._finish(computing)
+                if self._stop is None:
+                    if outcome is not None:  # finished just now: sent after the reconnect
+                        self._keep_result(outcome)
+                    elif work is not None:  # interrupted by the lost session: compute it again
+                        self._queue.appendleft(work)
+
+    def _keep_result(self, outcome: Outcome) -> proto.Result:
+        result = proto.Result(
+            slot=outcome.slot, version=outcome.version, samples=outcome.samples,
+            loss=outcome.loss, compute_s=outcome.compute_s, gradient=to_blob(outcome.gradient))
+        self._drop_results([outcome.slot])  # a recomputed slot replaces its older result
+        self._unacked[outcome.slot] = result
+        self._held[outcome.slot] = (outcome.gradient, [])
+        while len(self._unacked) > self.MAX_UNACKED:  # a coordinator that never acknowledges
+            self._drop_results([next(iter(self._unacked))])
+        return result
+
+    async def _send_result(self, sock, outcome: Outcome) -> None:
+        await self._send_tracked(sock, outcome.slot, self._keep_result(outcome))
+        self.results_sent += 1
+
+    async def _send_tracked(self, sock, slot: int, result: proto.Result) -> None:
+        """Send a result zero-copy, noting the send's tracker: its gradient buffer is reused only
+        once every send of it is done and the result is acknowledged or dropped."""
+        tracker = await sock.send_multipart(proto.encode(result), copy=False, track=True)
+        if slot in self._held:
+            self._held[slot][1].append(tracker)
+
+    def _drop_results(self, slots) -> None:
+        for slot in slots:
+            self._unacked.pop(slot, None)
+            held = self._held.pop(slot, None)
+            if held is not None:
+                self.engine.release(held[0], held[1])
 
     def _beat_state(self, computing) -> str:
         if self.paused:
@@ -396,6 +466,8 @@ class Worker:
             self._queue = deque(w for w in self._queue if w.slot not in cancelled)
             if self._current is not None and self._current[0].slot in cancelled:
                 self._current[1].set()
+        elif isinstance(msg, proto.Ack):
+            self._drop_results(msg.slots)
         elif isinstance(msg, proto.Shutdown):
             log.info("the coordinator says: %s", msg.reason)
             self._stop = f"shutdown: {msg.reason}"
@@ -414,6 +486,7 @@ class Worker:
             self._cache = (task.version, params)
         elif self._cache is None or self._cache[0] != task.version:
             # The coordinator thinks we hold a model we do not: start the session afresh.
+            self._forget_session()
             raise _Rehello()
         work = Work(task.slot, task.version, self._cache[1], task.parts, task.coefficients)
         try:

@@ -8,6 +8,7 @@ on the gate (no CPU), and the paused time is not counted as compute time.
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -61,6 +62,7 @@ class Engine:
         self._s_per_sample: Optional[float] = None
         # fault injection for tests and benchmarks (the worker's --slowdown and --stall)
         self.slowdown = 1.0
+        self.poison: Optional[tuple[str, float]] = None  # fault injection: a hostile worker
         self.stall: Optional[tuple[float, float]] = None  # (probability, seconds)
         self._random = random.Random()
 
@@ -118,14 +120,16 @@ class Engine:
         else:
             gradient = self._gradients.take()
             gradient.copy_(model.grads)
+        if self.poison is not None:
+            gradient = poisoned(gradient, *self.poison)
         return Outcome(work.slot, work.version, gradient, samples,
                        loss_sum / samples if samples else 0.0,
                        max(0.0, time.perf_counter() - start - paused_s))
 
-    def release(self, gradient: torch.Tensor, tracker=None) -> None:
-        """Hand back an outcome's gradient, to be reused once `tracker` (of its zero-copy send)
-        is done."""
-        self._gradients.give(gradient, [tracker] if tracker is not None else [])
+    def release(self, gradient: torch.Tensor, trackers: Sequence = ()) -> None:
+        """Hand back an outcome's gradient, to be reused once every tracker (of its zero-copy
+        sends) is done."""
+        self._gradients.give(gradient, trackers)
 
     INJECT_STEP_S = 0.05  # injected delays sleep in steps this small: cancel and pause stay prompt
 
@@ -168,3 +172,10 @@ class Engine:
         rate = seconds / samples
         self._s_per_sample = rate if self._s_per_sample is None else 0.7 * self._s_per_sample + 0.3 * rate
         self.micro_batch = int(min(4096, max(1, self.MICRO_BATCH_TARGET_S / self._s_per_sample)))
+
+
+def poisoned(gradient: torch.Tensor, kind: str, factor: float) -> torch.Tensor:
+    """What a hostile or broken worker sends instead of `gradient` (fault injection)."""
+    if kind == "nan":
+        return torch.full_like(gradient, math.nan)
+    return gradient * factor

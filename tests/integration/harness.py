@@ -99,9 +99,9 @@ class Status:
     Make a new one per coordinator process: event ids restart with the process.
     """
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, keys=None):
         self.address = address
-        self.source = ZmqStatusSource(address)
+        self.source = ZmqStatusSource(address, keys=keys)
         self.events: list[dict] = []
         self.last: Optional[dict] = None
         self.first: Optional[dict] = None
@@ -207,8 +207,8 @@ class Cluster:
             raise AssertionError(f"{exc}\n{tails}") from None
         return self.coordinator(*coordinator_args), workers
 
-    def status(self, address: Optional[str] = None) -> Status:
-        status = Status(address or self.address)
+    def status(self, address: Optional[str] = None, keys=None) -> Status:
+        status = Status(address or self.address, keys=keys)
         self._statuses.append(status)
         return status
 

@@ -71,3 +71,25 @@ def test_injected_sleep_is_cancellable_and_pausable():
     t0 = time.perf_counter()
     paused = engine._sleep(0.1, cancel, running)
     assert paused >= 0.25 and time.perf_counter() - t0 >= 0.35  # the pause does not eat the delay
+
+
+def test_poison_setting_and_what_it_does():
+    import math
+
+    import torch
+
+    from idlegrad.worker.engine import poisoned
+
+    assert config.parse_poison("scale:1000") == ("scale", 1000.0)
+    assert config.parse_poison("flip") == ("flip", -1.0)
+    kind, factor = config.parse_poison("nan")
+    assert kind == "nan" and math.isnan(factor)
+    for bad in ("scale", "scale:x", "scale:inf", "flip:2", "zero", ""):
+        with pytest.raises(ValueError):
+            config.parse_poison(bad)
+    g = torch.tensor([1.0, -2.0])
+    assert torch.equal(poisoned(g, "scale", 1000.0), torch.tensor([1000.0, -2000.0]))
+    assert torch.equal(poisoned(g, "flip", -1.0), -g)
+    assert torch.isnan(poisoned(g, "nan", math.nan)).all()
+    assert settings("--poison", "flip").poison == "flip"
+    assert settings().poison is None

@@ -522,3 +522,21 @@ def test_engine_gradients_stay_valid_until_released_then_are_reused(digits_built
     chunks = [torch.zeros(10), torch.zeros(digits_built.model.numel - 10)]
     engine.compute(Work(4, 1, chunks, [[0, 0, 4]], [1.0]), threading.Event())
     assert float(digits_built.model.params.abs().sum()) == 0.0
+
+
+def test_the_coordinators_coded_gradient_matches_the_workers():
+    """The third computation (common.job.coded_gradient) equals the engine's, part by part."""
+    import threading
+
+    from idlegrad.common.builtin_jobs import digits
+    from idlegrad.common.job import FlatModel, build, coded_gradient
+    from idlegrad.worker.engine import Engine, Work
+
+    built = build(digits(hidden=16))
+    engine = Engine(built, seed=3, device=torch.device("cpu"))
+    params = built.model.params.detach().clone()
+    parts, coefficients = [[0, 0, 40], [0, 40, 7], [1, 5, 9]], [1.0, -0.5, 2.0]
+    outcome = engine.compute(Work(1, 0, params, parts, coefficients), threading.Event())
+    scratch = FlatModel(built.job.build_model())
+    mine = coded_gradient(built.job, scratch, params, built.train, 3, parts, coefficients, chunk=5)
+    assert torch.allclose(mine, outcome.gradient, rtol=1e-4, atol=1e-6)

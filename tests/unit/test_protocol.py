@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 
 import msgpack
 import pytest
@@ -15,8 +16,9 @@ from hypothesis import strategies as st
 from idlegrad.common import protocol as proto
 from idlegrad.common.errors import GradientRejected, ProtocolError
 from idlegrad.common.protocol import (
-    MAX_BLOB_FRAMES, MAX_FRAME_BYTES, MAX_HEADER_BYTES, MAX_STR, MESSAGE_TYPES, PROTOCOL_VERSION,
-    Blob, Bye, Cancel, Control, ControlReply, Heartbeat, Hello, Ready, Reject, Result, Shutdown,
+    MAX_BLOB_FRAMES, MAX_DEPTH, MAX_FRAME_BYTES, MAX_HEADER_BYTES, MAX_LIST, MAX_STR, MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Ack, Blob, Bye, Cancel, Control, ControlReply, Heartbeat, Hello, Ready, Reject, Result, Shutdown,
     Status, StatusRequest, Task, Welcome, decode, encode)
 from idlegrad.common.tensors import DTYPE_NAMES, check_finite, from_blob, to_blob
 
@@ -54,6 +56,12 @@ def sample_messages() -> list[proto.Message]:
         Heartbeat(state="coordinator"),
         Bye(),
         Bye(reason="owner is back"),
+        Hello(worker_id="w", host="h", cores=1, threads=1, device="cpu", memory_mb=1, versions={},
+              instance="coordinator-host-123-1700000000.000"),
+        Welcome(job="digits", job_args={}, fingerprint="f", seed=0, heartbeat_s=1.0, liveness=3,
+                instance="coordinator-host-123-1700000000.000", holding=[3, 5]),
+        Ack(slots=[1]),
+        Ack(slots=[]),
         Welcome(job="synthetic", job_args={"params": 5000, "lr": 0.5, "flag": True, "name": "x",
                                            "nested": {"a": [1, 2.5, None]}},
                 fingerprint="abc", seed=7, heartbeat_s=0.5, liveness=3),
@@ -105,10 +113,10 @@ def test_header_layout():
 
 
 def test_optional_fields_may_be_omitted():
-    assert decode([packb({"v": 1, "type": "heartbeat"})]) == Heartbeat(state="idle")
-    assert decode([packb({"v": 1, "type": "bye"})]) == Bye(reason="")
-    assert decode([packb({"v": 1, "type": "status_request"})]) == StatusRequest(cursor=0)
-    hello = {"v": 1, "type": "hello", "worker_id": "w", "host": "h", "cores": 1, "threads": 1,
+    assert decode([packb({"v": PROTOCOL_VERSION, "type": "heartbeat"})]) == Heartbeat(state="idle")
+    assert decode([packb({"v": PROTOCOL_VERSION, "type": "bye"})]) == Bye(reason="")
+    assert decode([packb({"v": PROTOCOL_VERSION, "type": "status_request"})]) == StatusRequest(cursor=0)
+    hello = {"v": PROTOCOL_VERSION, "type": "hello", "worker_id": "w", "host": "h", "cores": 1, "threads": 1,
              "device": "cpu", "memory_mb": 1, "versions": {}}
     assert decode([packb(hello)]).job is None
     assert decode([packb({**hello, "job": None})]).job is None
@@ -214,7 +222,7 @@ def test_from_blob_survives_empty_frames_that_decode_accepts():
     # turn it into the tensor, not crash (a hostile worker could otherwise take the loop down).
     t = grad_tensor(4)
     raw = t.numpy().tobytes()
-    header = packb({"v": 1, "type": "result", "slot": 1, "version": 0, "samples": 1, "loss": 0.0,
+    header = packb({"v": PROTOCOL_VERSION, "type": "result", "slot": 1, "version": 0, "samples": 1, "loss": 0.0,
                     "compute_s": 0.0, "gradient": {"dtype": "float32", "numel": 4, "frames": 3}})
     msg = decode([header, b"", raw[:6], raw[6:]])
     assert torch.equal(from_blob(msg.gradient, 4, torch.float32), t)
@@ -240,14 +248,14 @@ def reason_of(frames) -> str:
     return e.value.reason
 
 
-READY = {"v": 1, "type": "ready", "credits": 2, "fingerprint": "fp"}
-HELLO = {"v": 1, "type": "hello", "worker_id": "w", "host": "h", "cores": 4, "threads": 2,
+READY = {"v": PROTOCOL_VERSION, "type": "ready", "credits": 2, "fingerprint": "fp"}
+HELLO = {"v": PROTOCOL_VERSION, "type": "hello", "worker_id": "w", "host": "h", "cores": 4, "threads": 2,
          "device": "cpu", "memory_mb": 100, "versions": {"idlegrad": "0.1.0"}}
-WELCOME = {"v": 1, "type": "welcome", "job": "digits", "job_args": {}, "fingerprint": "f",
+WELCOME = {"v": PROTOCOL_VERSION, "type": "welcome", "job": "digits", "job_args": {}, "fingerprint": "f",
            "seed": 0, "heartbeat_s": 1.0, "liveness": 3}
-TASK = {"v": 1, "type": "task", "slot": 1, "round": 1, "version": 0, "parts": [[0, 0, 4]],
+TASK = {"v": PROTOCOL_VERSION, "type": "task", "slot": 1, "round": 1, "version": 0, "parts": [[0, 0, 4]],
         "coefficients": [1.0], "deadline_s": 30.0}
-RESULT = {"v": 1, "type": "result", "slot": 1, "version": 0, "samples": 4, "loss": 0.5,
+RESULT = {"v": PROTOCOL_VERSION, "type": "result", "slot": 1, "version": 0, "samples": 4, "loss": 0.5,
           "compute_s": 0.1, "gradient": {"dtype": "float32", "numel": 2, "frames": 1}}
 GRAD = b"\x00" * 8
 
@@ -289,7 +297,7 @@ def test_header_not_a_map(header):
     assert reason_of([packb(header)]) == "schema"
 
 
-@pytest.mark.parametrize("version", [0, 2, -1, "1", None, [1], 1.5, 2**64 - 1])
+@pytest.mark.parametrize("version", [0, 1, 3, -1, "2", None, [2], 1.5, 2**64 - 1])
 def test_wrong_version(version):
     assert reason_of([packb({**READY, "v": version})]) == "version"
 
@@ -321,8 +329,8 @@ def test_unknown_field():
 @pytest.mark.parametrize("template,field", [
     (READY, "credits"), (READY, "fingerprint"), (HELLO, "worker_id"), (HELLO, "versions"),
     (WELCOME, "job_args"), (TASK, "parts"), (TASK, "coefficients"), (RESULT, "loss"),
-    ({"v": 1, "type": "cancel", "slots": []}, "slots"),
-    ({"v": 1, "type": "status", "snapshot": {}}, "snapshot"),
+    ({"v": PROTOCOL_VERSION, "type": "cancel", "slots": []}, "slots"),
+    ({"v": PROTOCOL_VERSION, "type": "status", "snapshot": {}}, "snapshot"),
 ])
 def test_missing_required_field(template, field):
     header = dict(template)
@@ -385,21 +393,21 @@ def test_int_where_float_is_accepted():
 
 
 def test_too_long_list():
-    assert reason_of([packb({"v": 1, "type": "cancel", "slots": [0] * (proto.MAX_LIST + 1)})]) in (
+    assert reason_of([packb({"v": PROTOCOL_VERSION, "type": "cancel", "slots": [0] * (proto.MAX_LIST + 1)})]) in (
         "msgpack", "schema")
 
 
 @pytest.mark.parametrize("ext", [msgpack.ExtType(5, b"ab"), msgpack.ExtType(0, b""),
                                  msgpack.ExtType(127, b"\x00" * 20)], ids=["ext5", "ext0", "ext127"])
 def test_msgpack_ext_types_rejected(ext):
-    raw = msgpack.packb({"v": 1, "type": "status", "snapshot": {"t": ext}})
+    raw = msgpack.packb({"v": PROTOCOL_VERSION, "type": "status", "snapshot": {"t": ext}})
     assert reason_of([raw]) in ("msgpack", "schema")
-    raw = msgpack.packb({"v": 1, "type": "bye", "reason": ext})
+    raw = msgpack.packb({"v": PROTOCOL_VERSION, "type": "bye", "reason": ext})
     assert reason_of([raw]) in ("msgpack", "schema")
 
 
 def test_msgpack_timestamp_rejected():
-    raw = msgpack.packb({"v": 1, "type": "status", "snapshot": {"t": msgpack.Timestamp(1, 0)}})
+    raw = msgpack.packb({"v": PROTOCOL_VERSION, "type": "status", "snapshot": {"t": msgpack.Timestamp(1, 0)}})
     assert reason_of([raw]) in ("msgpack", "schema")
     # the same by hand: fixext4 of type -1 (timestamp32)
     raw = (b"\x83" + packb("v") + packb(1) + packb("type") + packb("status") + packb("snapshot")
@@ -486,7 +494,7 @@ def test_task_model_blob_checked_too():
     (RESULT, "slot"), (RESULT, "version"), (RESULT, "samples"), (RESULT, "compute_s"),
     (TASK, "slot"), (TASK, "round"), (TASK, "version"), (TASK, "deadline_s"),
     (HELLO, "cores"), (HELLO, "threads"), (HELLO, "memory_mb"), (READY, "credits"),
-    ({"v": 1, "type": "status_request", "cursor": 0}, "cursor"),
+    ({"v": PROTOCOL_VERSION, "type": "status_request", "cursor": 0}, "cursor"),
 ])
 def test_negative_values(template, field):
     frames = [packb({**template, field: -1})] + ([GRAD] if template is RESULT else [])
@@ -514,15 +522,15 @@ def test_task_parts(parts, coefficients):
 
 
 @pytest.mark.parametrize("header", [
-    {"v": 1, "type": "control", "action": "stop"},
-    {"v": 1, "type": "control", "action": ""},
-    {"v": 1, "type": "control", "action": "drain"},
-    {"v": 1, "type": "control", "action": "drain", "worker": ""},
-    {"v": 1, "type": "control", "action": "drain", "worker": 5},
-    {"v": 1, "type": "control", "action": ["pause"]},
-    {"v": 1, "type": "control"},
-    {"v": 1, "type": "control", "action": "pause", "extra": 1},
-    {"v": 1, "type": "control_reply", "action": "pause", "ok": 1},
+    {"v": PROTOCOL_VERSION, "type": "control", "action": "stop"},
+    {"v": PROTOCOL_VERSION, "type": "control", "action": ""},
+    {"v": PROTOCOL_VERSION, "type": "control", "action": "drain"},
+    {"v": PROTOCOL_VERSION, "type": "control", "action": "drain", "worker": ""},
+    {"v": PROTOCOL_VERSION, "type": "control", "action": "drain", "worker": 5},
+    {"v": PROTOCOL_VERSION, "type": "control", "action": ["pause"]},
+    {"v": PROTOCOL_VERSION, "type": "control"},
+    {"v": PROTOCOL_VERSION, "type": "control", "action": "pause", "extra": 1},
+    {"v": PROTOCOL_VERSION, "type": "control_reply", "action": "pause", "ok": 1},
 ])
 def test_control_schema(header):
     assert reason_of([packb(header)]) == "schema"
@@ -530,7 +538,7 @@ def test_control_schema(header):
 
 @pytest.mark.parametrize("state", ["", "busy", "WORKING", "x" * 100])
 def test_heartbeat_unknown_state(state):
-    assert reason_of([packb({"v": 1, "type": "heartbeat", "state": state})]) == "schema"
+    assert reason_of([packb({"v": PROTOCOL_VERSION, "type": "heartbeat", "state": state})]) == "schema"
 
 
 def test_ready_credits_limit():
@@ -770,3 +778,218 @@ def test_finite_norm():
         u = t.clone()
         u[2] = bad
         assert not math.isfinite(finite_norm([u[:2], u[2:]]))
+
+
+# ten thousand cases, and crafted frames ----------------------------------------------------------
+
+HOSTILE_VALUES = [
+    None, True, False, 0, -1, 2**63 - 1, 2**64 - 1, -(2**63), 0.5, -0.0, math.nan, math.inf,
+    -math.inf, "", "x" * (proto.MAX_STR + 1), "\udcff".encode("utf-8", "surrogatepass"), b"",
+    b"\x00" * 9, [], {}, [[0, 0, 1]], [[-1, 0, 1]], [1.0] * 3, {"a": {"b": [1]}}, {1: 2},
+    {"dtype": "float32", "numel": 1, "frames": 1}, {"dtype": "float32", "numel": -1, "frames": 1},
+    {"dtype": "int64", "numel": 1, "frames": 1}, msgpack.ExtType(1, b"x"),
+    *sorted(proto.Heartbeat.STATES), *sorted(MESSAGE_TYPES), PROTOCOL_VERSION + 1,
+]
+
+
+def hostile_cases(seed: int, count: int) -> list[list[bytes]]:
+    """`count` cheap mutations of the valid messages, from `seed`: fields set to hostile values
+    or deleted or added, bytes flipped, inserted or cut, frames added, dropped or resized."""
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(count):
+        frames = list(_VALID_FRAMES[rng.randrange(len(_VALID_FRAMES))])
+        header = msgpack.unpackb(frames[0], raw=False)
+        for _ in range(rng.randint(1, 3)):
+            op = rng.randrange(9)
+            if op <= 2:
+                name = rng.choice(sorted(header) + field_names)
+                header[name] = rng.choice(HOSTILE_VALUES)
+            elif op == 3 and header:
+                del header[rng.choice(sorted(header))]
+            elif op == 4:
+                frames = frames[:1] + [rng.randbytes(rng.randrange(40)) for _ in range(rng.randrange(4))]
+            elif op == 5 and len(frames) > 1:
+                i = rng.randrange(1, len(frames))
+                frames[i] = bytes(frames[i])[:rng.randrange(len(frames[i]) + 1)]
+        raw = packb(header)
+        op = rng.randrange(6)
+        if op == 0:
+            raw = raw[:rng.randrange(len(raw) + 1)]
+        elif op == 1:
+            i = rng.randrange(len(raw))
+            raw = raw[:i] + bytes([rng.randrange(256)]) + raw[i + 1:]
+        elif op == 2:
+            i = rng.randrange(len(raw) + 1)
+            raw = raw[:i] + rng.randbytes(rng.randint(1, 9)) + raw[i:]
+        cases.append([raw] + frames[1:])
+    return cases
+
+
+CASES_PER_SEED = 100
+TEN_THOUSAND = 10_000
+
+
+def test_fuzz_ten_thousand_cases_are_each_a_message_or_a_clean_rejection():
+    """>= 10,000 cases: hypothesis draws seeds (and shrinks to the failing one), each seed expands
+    into a hundred cheap mutations, so the whole run takes a second or two."""
+    seen = []
+
+    @settings(max_examples=TEN_THOUSAND // CASES_PER_SEED, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(st.integers(0, 2**64 - 1))
+    def run(seed):
+        for frames in hostile_cases(seed, CASES_PER_SEED):
+            must_be_message_or_protocol_error(frames)
+            seen.append(1)
+
+    run()
+    assert len(seen) >= TEN_THOUSAND, len(seen)
+
+
+def _nested(depth: int, kind: str) -> bytes:
+    """msgpack bytes of `depth` nested one-item arrays or maps, built without recursion."""
+    opener = b"\x91" if kind == "array" else b"\x81\xa1k"
+    return opener * depth + b"\xc0"
+
+
+def _in_header(field_bytes: bytes, kind: str = "status", name: str = "snapshot") -> bytes:
+    """A header whose `name` field is the raw msgpack `field_bytes` (spliced, not re-encoded)."""
+    head = {"v": PROTOCOL_VERSION, "type": kind}
+    raw = packb(head)
+    assert raw[0] == 0x82  # fixmap of 2: make it 3 and append the field
+    return b"\x83" + raw[1:] + packb(name) + field_bytes
+
+
+def crafted_frames() -> dict[str, list]:
+    """Hand-made hostile messages, by name. Every one must be rejected."""
+    result = dict(RESULT)
+    nan = float("nan")
+    cases: dict[str, list] = {
+        # huge length headers: containers and strings announcing gigabytes, with little behind
+        "array32 of 4G items": [b"\xdd\xff\xff\xff\xff"],
+        "map32 of 4G pairs": [b"\xdf\xff\xff\xff\xff" + b"\x00" * 64],
+        "str32 of 4 GiB": [b"\xdb\xff\xff\xff\xff" + b"x" * 100],
+        "bin32 of 4 GiB": [b"\xc6\xff\xff\xff\xff" + b"x" * 100],
+        "ext32 of 4 GiB": [b"\xc9\xff\xff\xff\xff\x01" + b"x" * 100],
+        "array16 of 65535 nils": [b"\xdc\xff\xff" + b"\xc0" * 65535],
+        "array of 65537 items": [packb(list(range(MAX_LIST + 1)))],
+        "field str32 of 4 GiB": [_in_header(b"\xdb\xff\xff\xff\xff" + b"x" * 10, "hello",
+                                            "worker_id")],
+        "blob of 2**62 elements": [packb({**result, "gradient": {
+            "dtype": "float32", "numel": 2**62, "frames": 1}}), b"\x00" * 16],
+        "blob of 2**64 elements": [packb({**result, "gradient": {
+            "dtype": "float32", "numel": 2**64 - 1, "frames": 1}}), b"\x00" * 16],
+        "blob of 10**9 frames": [packb({**result, "gradient": {
+            "dtype": "float32", "numel": 4, "frames": 10**9}}), b"\x00" * 16],
+        # deep nesting
+        "arrays 100k deep": [_nested(100_000, "array")],
+        "maps 100k deep": [_nested(100_000, "map")],
+        "arrays 1000 deep in a snapshot": [_in_header(_nested(1000, "array"))],
+        "maps 1000 deep in a snapshot": [_in_header(_nested(1000, "map"))],
+        "maps 40 deep in job_args": [_in_header(_nested(40, "map"), "welcome", "job_args")],
+        # wrong types
+        "slot as a string": [packb({**result, "slot": "1"})],
+        "slot as a float": [packb({**result, "slot": 1.0})],
+        "slot as a bool": [packb({**result, "slot": True})],
+        "slot as 2**64": [packb({**result, "slot": 2**64 - 1})],
+        "loss as bytes": [packb({**result, "loss": b"0.5"})],
+        "parts as a map": [packb({**TASK, "parts": {"0": [0, 0, 4]}})],
+        "coefficients of strings": [packb({**TASK, "coefficients": ["1"]})],
+        "versions with int values": [packb({"v": PROTOCOL_VERSION, "type": "hello",
+                                            "worker_id": "w", "host": "h", "cores": 1,
+                                            "threads": 1, "device": "cpu", "memory_mb": 1,
+                                            "versions": {"a": 1}})],
+        "map keys that are ints": [b"\x82\x01\x01\xa4type\xa5hello"],
+        "gradient as a list": [packb({**result, "gradient": [0.0] * 4})],
+        "dtype as a list": [packb({**result, "gradient": {
+            "dtype": ["float32"], "numel": 1, "frames": 1}}), b"\x00" * 4],
+        "dtype object": [packb({**result, "gradient": {
+            "dtype": "object", "numel": 1, "frames": 1}}), b"\x00" * 8],
+        "version as a string": [packb({**RESULT, "v": str(PROTOCOL_VERSION)})],
+        "type as a list": [packb({"v": PROTOCOL_VERSION, "type": ["result"]})],
+        # NaN and infinities where numbers must be finite
+        "loss NaN": [packb({**result, "loss": nan})],
+        "compute_s inf": [packb({**result, "compute_s": float("inf")})],
+        "coefficient NaN": [packb({**TASK, "coefficients": [nan]})],
+        "deadline -inf": [packb({**TASK, "deadline_s": float("-inf")})],
+        "heartbeat_s NaN": [packb({"v": PROTOCOL_VERSION, "type": "welcome", "job": "digits",
+                                   "job_args": {}, "fingerprint": "f", "seed": 0,
+                                   "heartbeat_s": nan, "liveness": 3})],
+        # ext types
+        **{f"ext type {code}": [packb(msgpack.ExtType(code, b"x" * 8))] for code in (0, 1, 42, 127)},
+        "ext inside a field": [packb({**result, "loss": msgpack.ExtType(5, b"pickle")})],
+        "timestamp ext": [b"\xd6\xff\x00\x00\x00\x01"],
+        # oversize
+        "header over 1 MiB": [packb({"v": PROTOCOL_VERSION, "type": "bye",
+                                     "reason": "x" * (MAX_HEADER_BYTES + 1)})],
+        "string over the field limit": [packb({"v": PROTOCOL_VERSION, "type": "bye",
+                                               "reason": "x" * (proto.MAX_STR + 1)})],
+        "frame over 16 MiB": [packb({**result, "gradient": {
+            "dtype": "float32", "numel": (MAX_FRAME_BYTES + 4) // 4, "frames": 1}}),
+            b"\x00" * (MAX_FRAME_BYTES + 4)],
+        "ready with 10**6 credits": [packb({"v": PROTOCOL_VERSION, "type": "ready",
+                                            "credits": 10**6, "fingerprint": "f"})],
+        # frames that do not match
+        "no frames at all": [],
+        "blob announced, none sent": [packb({**result, "gradient": {
+            "dtype": "float32", "numel": 4, "frames": 1}})],
+        "a frame too many": [*wire(encode(sample_result())), b"extra"],
+        "bytes short by one": [packb({**result, "gradient": {
+            "dtype": "float32", "numel": 4, "frames": 1}}), b"\x00" * 15],
+    }
+    # truncated: every proper prefix of every sample message's header
+    for i, msg in enumerate(sample_messages()):
+        header = wire(encode(msg))[0]
+        for cut in range(len(header)):
+            cases[f"message {i} ({msg.TYPE}) cut at {cut}"] = [header[:cut]]
+    return cases
+
+
+def sample_result() -> proto.Result:
+    return _result(to_blob(grad_tensor(4)))
+
+
+CRAFTED = crafted_frames()
+
+
+def test_crafted_frames_are_many_and_cover_every_kind():
+    names = " ".join(CRAFTED)
+    for kind in ("4G", "deep", "as a", "NaN", "ext", "cut at", "over", "frames"):
+        assert kind in names, kind
+    assert len(CRAFTED) > 500
+
+
+def test_every_crafted_frame_is_a_clean_rejection_fast_and_small():
+    import time
+    import tracemalloc
+
+    slow, rejected = [], 0
+    tracemalloc.start()
+    try:
+        for name, frames in CRAFTED.items():
+            size = sum(len(f) for f in frames)
+            tracemalloc.reset_peak()
+            base = tracemalloc.get_traced_memory()[0]
+            t0 = time.perf_counter()
+            with pytest.raises(ProtocolError) as info:
+                decode(frames)
+            took = time.perf_counter() - t0
+            peak = tracemalloc.get_traced_memory()[1] - base
+            assert info.value.reason, name
+            # No case may allocate far beyond its own size (a lying length must not be believed).
+            assert peak < 4 * size + 2 * 2**20, (name, peak, size)
+            if took > 0.5:
+                slow.append((name, took))
+            rejected += 1
+    finally:
+        tracemalloc.stop()
+    assert not slow, slow
+    assert rejected == len(CRAFTED)
+
+
+def test_nesting_at_the_limit_is_fine():
+    ok = decode([_in_header(_nested(MAX_DEPTH - 2, "map"))])
+    assert isinstance(ok, proto.Status)
+    with pytest.raises(ProtocolError, match="deeper"):
+        decode([_in_header(_nested(MAX_DEPTH, "map"))])

@@ -1,0 +1,133 @@
+"""CurveZMQ keys: the files pyzmq's `zmq.auth` writes, and applying them to sockets.
+
+A key pair is two files, as `zmq.auth.create_certificates` writes them: `NAME.key` (the public key,
+safe to hand out: it goes into a coordinator's --allow-keys directory or a worker's
+--coordinator-key) and `NAME.key_secret` (the public and the secret key: it never leaves its
+machine). Keys travel as Z85 text, which is also what the coordinator sees as a peer's User-Id.
+
+Without keys the coordinator listens on loopback only, unless the operator says --insecure:
+`is_loopback` is the address check. Pure but for reading and writing the key files.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import ConfigError
+
+PUBLIC_SUFFIX = ".key"
+SECRET_SUFFIX = ".key_secret"
+
+
+def generate(name: str, directory: str = ".") -> tuple[str, str]:
+    """Write NAME.key and NAME.key_secret into `directory`; (public path, secret path).
+
+    Refuses to overwrite an existing pair: a replaced secret silently locks out its holder.
+    """
+    import zmq.auth
+
+    if not name or os.sep in name or name in (".", "..") or (os.altsep and os.altsep in name):
+        raise ConfigError(f"key name {name!r} must be a plain file name")
+    public = os.path.join(directory, name + PUBLIC_SUFFIX)
+    secret = os.path.join(directory, name + SECRET_SUFFIX)
+    for path in (public, secret):
+        if os.path.exists(path):
+            raise ConfigError(f"{path} exists; remove it first or choose another name")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        public, secret = zmq.auth.create_certificates(directory, name)
+    except OSError as exc:
+        raise ConfigError(f"cannot write keys into {directory}: {exc.strerror or exc}") from None
+    return public, secret
+
+
+def _load(path: str, what: str) -> tuple[Optional[bytes], Optional[bytes]]:
+    import zmq.auth
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"{what} {path}: no such file")
+    try:
+        return zmq.auth.load_certificate(path)
+    except (OSError, ValueError, KeyError, IndexError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{what} {path}: not a key file ({exc})"[:300]) from None
+
+
+def load_public(path: str, what: str = "public key") -> bytes:
+    """The Z85 public key in `path` (a NAME.key or a NAME.key_secret file)."""
+    public, _ = _load(path, what)
+    if not public or len(public) != 40:
+        raise ConfigError(f"{what} {path}: holds no public key")
+    return public
+
+
+def load_keypair(path: str, what: str = "--secret-key") -> tuple[bytes, bytes]:
+    """(public, secret), Z85, from a NAME.key_secret file."""
+    public, secret = _load(path, what)
+    if not public or not secret or len(public) != 40 or len(secret) != 40:
+        raise ConfigError(f"{what} {path}: holds no secret key (give the NAME{SECRET_SUFFIX} file)")
+    return public, secret
+
+
+def load_allowed(directory: str) -> frozenset[bytes]:
+    """The Z85 public keys of every NAME.key file in `directory` (the --allow-keys list)."""
+    import zmq.auth
+
+    if not os.path.isdir(directory):
+        raise ConfigError(f"--allow-keys {directory}: no such directory")
+    try:
+        return frozenset(zmq.auth.load_certificates(directory))
+    except (OSError, ValueError, KeyError, IndexError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--allow-keys {directory}: unreadable key file ({exc})"[:300]) from None
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """What a worker or monitor needs to talk to a CURVE coordinator."""
+
+    server_public: bytes  # pinned: a coordinator without the matching secret cannot answer
+    public: bytes
+    secret: bytes
+
+    def apply(self, sock) -> None:
+        """Make `sock` (before connect) a CURVE client."""
+        sock.curve_serverkey = self.server_public
+        sock.curve_publickey = self.public
+        sock.curve_secretkey = self.secret
+
+
+def client_keys(coordinator_key: Optional[str], secret_key: Optional[str]) -> Optional[ClientKeys]:
+    """Both files or neither: ClientKeys, or None for a plain (loopback) coordinator."""
+    if coordinator_key is None and secret_key is None:
+        return None
+    if coordinator_key is None or secret_key is None:
+        raise ConfigError("--coordinator-key and --secret-key go together: give both or neither")
+    public, secret = load_keypair(secret_key)
+    return ClientKeys(load_public(coordinator_key, "--coordinator-key"), public, secret)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a ZeroMQ bind address only listens on this machine (ipc:// and inproc:// too).
+
+    Interface names and wildcards (tcp://*:5555, tcp://eth0:5555, tcp://0.0.0.0:5555) are not.
+    """
+    transport, sep, rest = address.partition("://")
+    if not sep:
+        return False
+    if transport in ("ipc", "inproc"):
+        return True
+    if transport not in ("tcp", "ws"):
+        return False
+    host = rest.split("/", 1)[0]
+    if host.startswith("["):
+        host = host[1:host.find("]")] if "]" in host else ""
+    else:
+        host = host.rsplit(":", 1)[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,146 @@
+"""Which workers' gradients to believe: the outlier rule, offences and bans. Pure: the server
+passes in each result's gradient norm, its slot's size and the time.
+
+A gradient is refused when it is not finite, or when its norm is far outside the recent
+distribution: more than `norm_factor` times the running median of recent accepted norms. Norms
+are compared per unit of the slot's `scale` (sum over its parts of |coefficient| x samples), since
+a slot of twice the samples has about twice the gradient; a slot much smaller than the typical one
+gets sqrt(typical / scale) more room, which is how much larger its per-sample norm is when
+sampling noise dominates. The median is robust: up to half the recent results may be poisoned
+before it moves. It starts from a reference the coordinator computes itself, so the very first
+results are judged too.
+
+A non-finite gradient is an offence of the sender's identity (its CURVE key, or its worker id
+without keys) at once. An outlier norm is only a suspicion: late in training a batch holding a few
+badly fit samples honestly has a gradient many times the median. The server settles it with a third
+computation (it computes the slot itself): a match is accepted (`accept`, and the median learns
+from it), a mismatch is an offence (`offence`). `ban_after` offences within `offence_window_s`
+seconds ban the identity for the rest of the run.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class TrustConfig:
+    norm_factor: float = 10.0  # refuse norms over this many times the running median; 0: no check
+    window: int = 256  # recent accepted norms the median is taken over
+    ban_after: int = 3  # offences that ban an identity; 0: never ban
+    offence_window_s: float = 600.0  # offences older than this are forgiven
+
+    def __post_init__(self):
+        if not self.norm_factor >= 0 or math.isinf(self.norm_factor):
+            raise ValueError(f"norm factor must be >= 0, got {self.norm_factor}")
+        if self.norm_factor and self.norm_factor <= 1:
+            raise ValueError(f"norm factor must be above 1 (or 0: off), got {self.norm_factor}")
+        if self.window < 1 or self.ban_after < 0 or not self.offence_window_s > 0:
+            raise ValueError("window >= 1, ban_after >= 0 and offence_window_s > 0")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    reason: str = ""  # why it was refused: "non-finite", or "norm" (a suspicion to settle)
+    detail: str = ""  # one line for the event log
+    banned: bool = False  # this refusal banned the sender
+
+
+@dataclass
+class Offender:
+    offences: deque = field(default_factory=deque)  # times of recent offences
+    total: int = 0
+    reasons: dict = field(default_factory=dict)  # reason -> count
+    banned_at: Optional[float] = None
+
+
+class TrustPolicy:
+    def __init__(self, config: TrustConfig = TrustConfig(), reference: Optional[float] = None):
+        """`reference`: a per-unit norm the coordinator computed itself; it seeds the median."""
+        self.config = config
+        self._norms: deque[float] = deque(maxlen=config.window)  # accepted norm per unit of scale
+        self._scales: deque[float] = deque(maxlen=config.window)
+        if reference is not None and math.isfinite(reference) and reference > 0:
+            self._norms.append(reference)
+        self.offenders: dict[str, Offender] = {}
+        self.accepted = 0
+        self.refused = 0
+        self.suspected = 0
+
+    def median(self) -> Optional[float]:
+        return statistics.median(self._norms) if self._norms else None
+
+    def is_banned(self, identity: str) -> bool:
+        offender = self.offenders.get(identity)
+        return offender is not None and offender.banned_at is not None
+
+    def banned(self) -> list[str]:
+        return sorted(i for i, o in self.offenders.items() if o.banned_at is not None)
+
+    def judge(self, identity: str, norm: float, scale: float, now: float) -> Verdict:
+        """A result's gradient: `norm` its L2 norm, `scale` its slot's size (> 0)."""
+        if not math.isfinite(norm):
+            return self._refuse(identity, "non-finite", "non-finite gradient", now)
+        if not scale > 0 or self.config.norm_factor == 0:
+            self.accepted += 1
+            return Verdict(True)
+        per_unit = norm / scale
+        median = self.median()
+        if median is not None and median > 0:
+            typical = statistics.median(self._scales) if self._scales else scale
+            limit = self.config.norm_factor * median * math.sqrt(max(1.0, typical / scale))
+            if per_unit > limit:
+                self.suspected += 1
+                return Verdict(False, "norm", f"gradient norm {per_unit:.3g} per sample is "
+                                              f"{per_unit / median:.3g}x the recent median "
+                                              f"{median:.3g} (limit {limit / median:.3g}x)")
+        self.accept(norm, scale)
+        return Verdict(True)
+
+    def accept(self, norm: float, scale: float) -> None:
+        """A gradient found honest (by the median, or by a third computation)."""
+        if math.isfinite(norm) and scale > 0:
+            self._norms.append(norm / scale)
+            self._scales.append(scale)
+        self.accepted += 1
+
+    def confirmed(self, identity: str, now: float) -> bool:
+        """A suspected outlier proved wrong: an offence. True if it bans."""
+        self.refused += 1
+        return self.offence(identity, "norm", now)
+
+    def offence(self, identity: str, reason: str, now: float) -> bool:
+        """Record an offence that is not a gradient's (a malformed result, say); True if it bans."""
+        offender = self.offenders.setdefault(identity, Offender())
+        offender.total += 1
+        offender.reasons[reason] = offender.reasons.get(reason, 0) + 1
+        offender.offences.append(now)
+        while offender.offences and now - offender.offences[0] > self.config.offence_window_s:
+            offender.offences.popleft()
+        if (offender.banned_at is None and self.config.ban_after
+                and len(offender.offences) >= self.config.ban_after):
+            offender.banned_at = now
+            return True
+        return False
+
+    def _refuse(self, identity: str, reason: str, detail: str, now: float) -> Verdict:
+        self.refused += 1
+        return Verdict(False, reason, detail, banned=self.offence(identity, reason, now))
+
+    def summary(self) -> dict:
+        """For the status snapshot."""
+        median = self.median()
+        return {
+            "norm_factor": self.config.norm_factor, "ban_after": self.config.ban_after,
+            "median_norm": None if median is None else float(f"{median:.4g}"),
+            "accepted": self.accepted, "refused": self.refused, "suspected": self.suspected,
+            "banned": self.banned(),
+            "offenders": {i: {"offences": o.total, "reasons": dict(o.reasons),
+                              "banned": o.banned_at is not None}
+                          for i, o in sorted(self.offenders.items())[:100]},
+        }

@@ -1,0 +1,50 @@
+"""Exactly once across reconnects: the coordinator freezes (SIGSTOP) for longer than the workers'
+liveness, so every worker gives its connection up and reconnects; results it sent into the
+frozen connection were never acknowledged, so it resends them to the same coordinator process,
+which resumes its session (it keeps its slots). Every sample is applied exactly once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from .harness import final_metrics
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+SLOW_DIGITS = ("--job", "digits", "--job-arg", "hidden=4096")
+
+
+def test_frozen_coordinator_workers_resume_their_sessions_and_resend(cluster, digits_train_size):
+    epochs = 20
+    total = epochs * digits_train_size
+    ckpt = cluster.dir / "ckpt"
+    # Heartbeats of 0.5 s and liveness 3: workers give up after 1.5 s of silence. The coordinator
+    # evicts on its own clock, which does not run while it is stopped.
+    coordinator, workers = cluster.start_together(
+        [*SLOW_DIGITS, "--epochs", str(epochs), "--checkpoint-dir", str(ckpt)], ["w1", "w2"])
+    status = cluster.status()
+    status.wait_for(lambda s: all(w["done"] >= 3 for w in s["workers"]) and len(s["workers"]) == 2,
+                    "both workers computing", alive=[coordinator, *workers])
+    for _ in range(2):
+        os.kill(coordinator.pid, signal.SIGSTOP)
+        time.sleep(3.0)
+        os.kill(coordinator.pid, signal.SIGCONT)
+        status.wait_for(lambda s: s["counters"].get("sessions_resumed", 0) >= 2,
+                        "the workers resuming their sessions", timeout=60, alive=[coordinator])
+        time.sleep(1.0)
+    assert status.follow(coordinator) == 0
+    for w in workers:
+        assert w.wait(timeout=30) == 0
+    logs = "".join(w.output() for w in workers)
+    assert "lost the coordinator" in logs  # they did give their connections up
+    assert "resent" in logs, logs[-3000:]
+    snap = status.last
+    assert snap["counters"].get("sessions_resumed", 0) >= 2
+    final = final_metrics(ckpt / "metrics.jsonl")
+    assert final["reason"] == "epochs"
+    assert final["samples"] == total, (final["samples"], total)
+    cluster.assert_no_tracebacks()

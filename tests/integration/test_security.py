@@ -1,0 +1,182 @@
+"""CurveZMQ: only listed keys talk to the coordinator; a key revoked by SIGHUP is cut off; without
+keys the coordinator will not listen beyond loopback unless told --insecure.
+
+Keys come from the real `idlegrad keys generate`; the coordinator, the workers and the monitor
+are real processes and sockets on loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from idlegrad.common import protocol as proto
+from idlegrad.common.security import client_keys
+from idlegrad.monitor.source import ZmqStatusSource
+
+from .harness import DEADLINE
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+HIDDEN = 1024  # a wider model, so training outlasts the checks
+NUMEL = 64 * HIDDEN + HIDDEN + HIDDEN * 10 + 10
+
+
+def keys_generate(name: str, directory: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "idlegrad.cli", "keys", "generate", name,
+                          "--dir", str(directory)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert (directory / f"{name}.key").is_file() and (directory / f"{name}.key_secret").is_file()
+
+
+def key_flags(keys: Path, name: str) -> list[str]:
+    return ["--coordinator-key", str(keys / "coord.key"),
+            "--secret-key", str(keys / f"{name}.key_secret")]
+
+
+def test_only_listed_keys_train_and_a_revoked_key_is_cut_off(cluster):
+    keys, allow = cluster.dir / "keys", cluster.dir / "allow"
+    allow.mkdir()
+    for name in ("coord", "w1", "w2", "intruder", "monitor"):
+        keys_generate(name, keys)
+    for name in ("w1", "w2", "monitor"):
+        (allow / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+
+    coordinator = cluster.coordinator(
+        "--job", "digits", "--job-arg", f"hidden={HIDDEN}", "--epochs", "500",
+        "--secret-key", str(keys / "coord.key_secret"), "--allow-keys", str(allow))
+    w1 = cluster.worker("w1", *key_flags(keys, "w1"))
+    w2 = cluster.worker("w2", *key_flags(keys, "w2"))
+    intruder = cluster.worker("intruder", *key_flags(keys, "intruder"), connect_timeout=600)
+    status = cluster.status(keys=client_keys(str(keys / "coord.key"),
+                                             str(keys / "monitor.key_secret")))
+    snap = status.wait_for(lambda s: {w["id"] for w in s["workers"]} == {"w1", "w2"}
+                           and s["version"] >= 5, "w1 and w2 training",
+                           alive=[coordinator, w1, w2])
+    ids = lambda s: {w["id"] for w in s["workers"]}  # noqa: E731
+
+    # An unlisted key: a raw CURVE client that says hello and sends a poisoned result.
+    ctx = zmq.Context()
+    try:
+        rogue = ctx.socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 0)
+        client_keys(str(keys / "coord.key"), str(keys / "intruder.key_secret")).apply(rogue)
+        rogue.connect(cluster.address)
+        rogue.send_multipart(proto.encode(proto.Hello(
+            worker_id="w1", host="evil", cores=1, threads=1, device="cpu", memory_mb=1,
+            versions={})))
+        huge = np.full(NUMEL, 1e6, dtype=np.float32)
+        rogue.send_multipart(proto.encode(proto.Result(
+            slot=1, version=0, samples=1, loss=0.0, compute_s=0.1,
+            gradient=proto.Blob("float32", NUMEL, (huge.tobytes(),)))), copy=True)
+        assert not rogue.poll(2000), "a peer with an unlisted key got an answer"
+        # A monitor without keys hears nothing either.
+        with ZmqStatusSource(cluster.address) as plain:
+            assert plain.fetch(timeout=1.5) is None
+    finally:
+        ctx.destroy(linger=0)
+
+    snap = status.wait_for(lambda s: s["counters"].get("handshakes_refused", 0) >= 2,
+                           "the unlisted keys refused", timeout=30, alive=[coordinator])
+    assert ids(snap) == {"w1", "w2"}, snap["workers"]
+    assert not status.events_of("join", "intruder")
+    assert snap["bad_messages"] == {}, snap["bad_messages"]  # nothing of theirs even decoded
+    assert snap["rounds"].get("results_unexpected", 0) == 0
+    assert intruder.running() and "joined" not in intruder.output()
+
+    # Revoke w2: remove its key and send SIGHUP.
+    (allow / "w2.key").unlink()
+    os.kill(coordinator.pid, signal.SIGHUP)
+    status.wait_for(lambda s: "w2" not in ids(s) and s["counters"].get("workers_revoked", 0) == 1,
+                    "w2 revoked", timeout=30, alive=[coordinator])
+    assert status.events_of("revoked", "w2"), status.events
+    # w2 keeps talking on its old connection for a while: nothing it sends is used, it does not
+    # come back, and w1 trains on.
+    cut = status.wait_for(lambda s: s["counters"].get("messages_unlisted_key", 0) >= 1,
+                          "w2's later messages dropped", timeout=30, alive=[coordinator, w1])
+    version = cut["version"]
+    time.sleep(3)
+    after = status.wait_for(lambda s: s["version"] > version, "w1 training on", timeout=30,
+                            alive=[coordinator, w1])
+    assert ids(after) == {"w1"}, after["workers"]
+    assert len(status.events_of("join", "w2")) == 1  # it never got back in
+    assert not status.events_of("join", "intruder")
+    cluster.assert_no_tracebacks()
+
+
+def test_no_keys_means_loopback_only(cluster):
+    port = cluster.address.rsplit(":", 1)[1]
+    for bind in (f"tcp://*:{port}", f"tcp://0.0.0.0:{port}"):
+        proc = cluster.spawn("open", "coordinator", "--job", "digits", "--bind", bind)
+        assert proc.wait(timeout=DEADLINE) == 2
+        said = proc.said()
+        assert len(said) == 1 and "refusing to listen" in said[0] and "--insecure" in said[0], said
+    keys = cluster.dir / "keys"
+    keys_generate("coord", keys)
+    for args, expected in (
+            (["--secret-key", str(keys / "coord.key_secret")], "go together"),
+            (["--secret-key", str(keys / "coord.key"), "--allow-keys", str(keys)],
+             "holds no secret key"),
+            (["--secret-key", str(keys / "coord.key_secret"), "--allow-keys",
+              str(cluster.dir / "nowhere")], "no such directory")):
+        proc = cluster.spawn("badkeys", "coordinator", "--job", "digits", "--bind",
+                             cluster.address, *args)
+        assert proc.wait(timeout=DEADLINE) == 2
+        said = proc.said()
+        assert len(said) == 1 and expected in said[0], said
+    cluster.assert_no_tracebacks()
+
+
+def test_demo_with_curve_keys(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "idlegrad.cli", "demo", "--workers", "2", "--curve",
+                          "--json", "--keep", str(tmp_path / "demo"), "--timeout", "180"],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["reached"] and summary["workers_seen"] == 2
+    log = (tmp_path / "demo" / "coordinator.log").read_text()
+    assert "(CURVE, 3 keys allowed)" in log
+
+
+def test_half_open_connections_are_shed(cluster):
+    """Raw TCP connections that never finish the handshake are closed by the coordinator, and it
+    keeps answering meanwhile."""
+    import socket
+
+    from idlegrad.coordinator.server import Coordinator
+
+    coordinator = cluster.coordinator("--job", "digits", "--epochs", "1000")
+    status = cluster.status()
+    status.wait_for(lambda s: True, "the coordinator answering", alive=[coordinator])
+    host, port = cluster.address.removeprefix("tcp://").rsplit(":", 1)
+    silent = [socket.create_connection((host, int(port)), timeout=5) for _ in range(20)]
+    try:
+        for conn in silent:
+            conn.settimeout(Coordinator.HANDSHAKE_S + 10)
+        t0 = time.monotonic()
+        for conn in silent:
+            data = b""
+            try:
+                while True:  # the greeting ZeroMQ sends, then the close
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        break
+                    data += chunk
+            except ConnectionResetError:
+                pass
+        waited = time.monotonic() - t0
+        assert waited < Coordinator.HANDSHAKE_S + 10, waited
+        assert status.fetch(timeout=2) is not None
+    finally:
+        for conn in silent:
+            conn.close()

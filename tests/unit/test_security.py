@@ -1,0 +1,98 @@
+"""CURVE key files, the client key pair, and the loopback check (no sockets)."""
+
+from __future__ import annotations
+
+import pytest
+
+from idlegrad.common import security
+from idlegrad.common.errors import ConfigError
+from idlegrad.coordinator.server import Coordinator, CoordinatorConfig
+from idlegrad.worker import config
+
+
+@pytest.mark.parametrize("address", [
+    "tcp://127.0.0.1:5555", "tcp://127.3.4.5:1", "tcp://localhost:5555", "tcp://[::1]:5555",
+    "ipc:///tmp/idlegrad.sock", "inproc://x"])
+def test_loopback_addresses(address):
+    assert security.is_loopback(address)
+
+
+@pytest.mark.parametrize("address", [
+    "tcp://*:5555", "tcp://0.0.0.0:5555", "tcp://eth0:5555", "tcp://10.0.0.1:5555",
+    "tcp://[::]:5555", "tcp://192.168.1.2:5555", "tcp://example.org:5555", "udp://127.0.0.1:1",
+    "127.0.0.1:5555", "tcp://[::1:5555", ""])
+def test_addresses_beyond_loopback(address):
+    assert not security.is_loopback(address)
+
+
+def test_generate_and_load(tmp_path):
+    public_path, secret_path = security.generate("w1", str(tmp_path / "keys"))
+    assert public_path.endswith("w1.key") and secret_path.endswith("w1.key_secret")
+    public = security.load_public(public_path)
+    assert security.load_keypair(secret_path)[0] == public
+    assert security.load_public(secret_path) == public
+    assert security.load_allowed(str(tmp_path / "keys")) == frozenset({public})
+    with pytest.raises(ConfigError, match="exists"):
+        security.generate("w1", str(tmp_path / "keys"))
+    with pytest.raises(ConfigError, match="no secret key"):
+        security.load_keypair(public_path)
+    for bad in ("", "a/b", ".."):
+        with pytest.raises(ConfigError, match="plain file name"):
+            security.generate(bad, str(tmp_path))
+
+
+def test_load_errors_are_one_line(tmp_path):
+    junk = tmp_path / "junk.key"
+    junk.write_text("public-key = \"short\"\n")
+    with pytest.raises(ConfigError, match="no such file"):
+        security.load_public(str(tmp_path / "missing.key"))
+    with pytest.raises(ConfigError, match="public key"):
+        security.load_public(str(junk))
+    with pytest.raises(ConfigError, match="no such directory"):
+        security.load_allowed(str(tmp_path / "nowhere"))
+
+
+def test_client_keys_both_or_neither(tmp_path):
+    security.generate("coord", str(tmp_path))
+    security.generate("w", str(tmp_path))
+    assert security.client_keys(None, None) is None
+    with pytest.raises(ConfigError, match="go together"):
+        security.client_keys(str(tmp_path / "coord.key"), None)
+    with pytest.raises(ConfigError, match="go together"):
+        security.client_keys(None, str(tmp_path / "w.key_secret"))
+    keys = security.client_keys(str(tmp_path / "coord.key"), str(tmp_path / "w.key_secret"))
+    assert keys.server_public == security.load_public(str(tmp_path / "coord.key"))
+    assert keys.public == security.load_public(str(tmp_path / "w.key"))
+
+
+def _check(tmp_path, **kw):
+    return Coordinator._check_security(CoordinatorConfig(job="digits", **kw))
+
+
+def test_coordinator_security_settings(tmp_path, caplog):
+    assert _check(tmp_path) == (None, frozenset())  # loopback by default
+    with pytest.raises(ConfigError, match="refusing to listen on tcp://\\*:5555"):
+        _check(tmp_path, bind="tcp://*:5555")
+    with caplog.at_level("WARNING"):
+        assert _check(tmp_path, bind="tcp://*:5555", insecure=True) == (None, frozenset())
+    assert "WITHOUT encryption" in caplog.text
+    security.generate("coord", str(tmp_path / "k"))
+    security.generate("w", str(tmp_path / "allow"))
+    keypair, allowed = _check(tmp_path, bind="tcp://*:5555",
+                              secret_key=str(tmp_path / "k" / "coord.key_secret"),
+                              allow_keys=str(tmp_path / "allow"))
+    assert keypair[0] == security.load_public(str(tmp_path / "k" / "coord.key"))
+    assert allowed == {security.load_public(str(tmp_path / "allow" / "w.key"))}
+    with pytest.raises(ConfigError, match="go together"):
+        _check(tmp_path, allow_keys=str(tmp_path / "allow"))
+
+
+def test_worker_config_takes_key_paths(tmp_path):
+    settings = config.from_toml_text(
+        'coordinator = "tcp://host:5555"\ncoordinator_key = "coord.key"\n'
+        'secret_key = "/etc/idlegrad/me.key_secret"\n', "worker.toml")
+    assert settings.coordinator_key == "coord.key"
+    assert settings.secret_key == "/etc/idlegrad/me.key_secret"
+    with pytest.raises(ConfigError, match="secret_key"):
+        config.from_toml_text("secret_key = 3\n", "worker.toml")
+    assert "coordinator_key" in config.to_toml(settings)
