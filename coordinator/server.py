@@ -706,7 +706,8 @@ class Coordinator:
         """Judge and hand a result to the scheduler; whether its gradient is used."""
         now = time.monotonic()
         identity = self._identity(worker_id)
-        self.identity_names[identity] = worker_id
+        if identity != worker_id:  # keys (a bounded set) are shown by the name they last used
+            self.identity_names[identity] = worker_id
         try:
             grad = blob_chunks(msg.gradient, self.model.numel, self.model.dtype)
         except ProtocolError:

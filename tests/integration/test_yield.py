@@ -71,7 +71,7 @@ def test_worker_pauses_for_a_hog_hands_back_its_slots_resumes_and_training_finis
     ckpt = cluster.dir / "ckpt"
     state_log = cluster.dir / "guest-state.jsonl"
     coordinator = cluster.coordinator(
-        "--job", "digits", "--job-arg", "hidden=8192", "--job-arg", "lr=0.0001",
+        "--job", "digits", "--job-arg", "hidden=8192", "--job-arg", "lr=0.00004",
         "--target", "accuracy=0.96",
         "--epochs", "200", "--checkpoint-dir", str(ckpt), "--pause-grace", "1")
     # In real life the coordinator runs on another machine; here it shares the guest's, so it is
