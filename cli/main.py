@@ -111,6 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "rounds (default: the job's batch size)")
     c.add_argument("--no-speculate", dest="speculate", action="store_false",
                    help="do not duplicate late tasks to free workers")
+    c.add_argument("--task", default="gradient", metavar="KIND",
+                   help="what a slot computes: gradient (the default), local:H (H steps of the "
+                        "job's optimizer, returning the parameter change: for slow links) or "
+                        "local:auto (H sized per worker from its speed)")
+    c.add_argument("--outer-lr", type=_positive(float), default=0.7, metavar="LR",
+                   help="local tasks: the outer Nesterov SGD's learning rate (default: 0.7)")
+    c.add_argument("--outer-momentum", type=_non_negative(float), default=0.9, metavar="M",
+                   help="local tasks: the outer optimizer's momentum, below 1 (default: 0.9)")
+    c.add_argument("--local-slot-s", type=_positive(float), default=5.0, metavar="SECONDS",
+                   help="local:auto: compute seconds each slot should take (default: 5)")
+    c.add_argument("--local-max-steps", type=_positive(int), default=500, metavar="H",
+                   help="local:auto: at most H inner steps per slot (default: 500)")
     c.add_argument("--threads", type=_positive(int), metavar="N", help="torch threads")
     _add_common(c)
     c.set_defaults(func=_run_coordinator)
@@ -184,12 +196,16 @@ def _run_coordinator(args) -> int:
     from ..common.coding import parse_redundancy
     from ..common.job import parse_job_args
     from ..coordinator.aggregator import StalenessRule
+    from ..coordinator.local import check_redundancy, parse_task
+    from ..coordinator.outer import OuterConfig
     from ..coordinator.server import Coordinator, CoordinatorConfig
     from ..coordinator.target import Target
 
     metrics = args.metrics
     if metrics is None and args.checkpoint_dir:
         metrics = os.path.join(args.checkpoint_dir, "metrics.jsonl")
+    check_redundancy(parse_task(args.task, args.local_slot_s, max_steps=args.local_max_steps),
+                     parse_redundancy(args.redundancy), args.sync)
     config = CoordinatorConfig(
         job=args.job, job_args=parse_job_args(args.job_arg), bind=args.bind,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -199,7 +215,9 @@ def _run_coordinator(args) -> int:
         staleness=StalenessRule(args.staleness, args.max_staleness), eval_every=args.eval_every,
         min_deadline_s=args.task_timeout, threads=args.threads, pause_grace_s=args.pause_grace,
         redundancy=str(parse_redundancy(args.redundancy)), sync=args.sync,
-        max_batch=args.max_batch, speculate=args.speculate)
+        max_batch=args.max_batch, speculate=args.speculate, task=args.task,
+        outer=OuterConfig(args.outer_lr, args.outer_momentum), local_slot_s=args.local_slot_s,
+        local_max_steps=args.local_max_steps)
     coordinator = Coordinator(config)
     reason = coordinator.run()
     logging.getLogger("idlegrad.coordinator").info(

@@ -142,6 +142,13 @@ class Task(Message):
     coefficients: list[float]
     deadline_s: float
     model: Optional[Blob] = None
+    # "gradient": the coded gradient above. "local": from `version`, run `steps` inner steps of
+    # the job's optimizer over the (single) part, and return coefficient * samples * (model at
+    # `version` - model after), the slot's summed parameter change (docs/protocol.md).
+    kind: str = "gradient"
+    steps: int = 0
+
+    KINDS: ClassVar[frozenset] = frozenset({"gradient", "local"})
 
 
 @dataclass(frozen=True)
@@ -392,12 +399,16 @@ def _semantic_checks(msg: Message) -> None:
     elif isinstance(msg, Result):
         non_negative("slot", "version", "samples", "compute_s")
     elif isinstance(msg, Task):
-        non_negative("slot", "round", "version", "deadline_s")
+        non_negative("slot", "round", "version", "deadline_s", "steps")
         if len(msg.parts) != len(msg.coefficients) or not msg.parts:
             raise ProtocolError("schema", "task.parts and task.coefficients must match")
         for part in msg.parts:
             if len(part) != 3 or min(part) < 0:
                 raise ProtocolError("schema", "task.parts items are [epoch, offset, count] >= 0")
+        if msg.kind not in Task.KINDS:
+            raise ProtocolError("schema", f"task.kind {msg.kind[:20]!r} unknown")
+        if msg.kind == "local" and (msg.steps < 1 or len(msg.parts) != 1):
+            raise ProtocolError("schema", "a local task has steps >= 1 and exactly one part")
     elif isinstance(msg, StatusRequest):
         non_negative("cursor")
     elif isinstance(msg, Control):

@@ -32,7 +32,9 @@ from ..common.errors import CheckpointError, ConfigError, GradientRejected, Prot
 from ..common.job import BuiltJob, FlatModel, build, evaluate, load_job
 from ..common.tensors import from_blob, to_blob
 from . import checkpoint
+from . import local, outer
 from .aggregator import Aggregator, StalenessRule
+from .outer import OuterConfig
 from .sampler import Sampler
 from .scheduler import Assign, CancelSlots, Decoded, Drained, Evicted, Scheduler, SchedulerConfig
 from .status import CURVE_POINTS, build_snapshot
@@ -65,6 +67,10 @@ class CoordinatorConfig:
     sync: bool = False  # synchronous SGD: one round, code none, a partition per ready worker
     max_batch: Optional[int] = None  # cap on a round's batch
     speculate: bool = True  # duplicate late slots to free workers (never with sync)
+    task: str = "gradient"  # gradient | local:H | local:auto (local.parse_task)
+    outer: OuterConfig = field(default_factory=OuterConfig)  # local tasks' outer optimizer
+    local_slot_s: float = 5.0  # local:auto: compute seconds per slot
+    local_max_steps: int = 500  # local:auto: at most this many inner steps per slot
 
 
 class Coordinator:
@@ -76,9 +82,16 @@ class Coordinator:
         if config.threads:
             torch.set_num_threads(config.threads)
         job = load_job(config.job, config.job_args)
+        self.task_mode = local.parse_task(config.task, config.local_slot_s,
+                                          max_steps=config.local_max_steps)
+        redundancy = coding.parse_redundancy(config.redundancy)
+        local.check_redundancy(self.task_mode, redundancy, config.sync)
         self.built: BuiltJob = build(job, seed=config.seed)
         self.model: FlatModel = self.built.model
-        self.optimizer = job.build_optimizer(self.model.module.parameters())
+        if self.task_mode.local:  # the job's optimizer runs on the workers, the outer one here
+            self.optimizer = outer.build(self.model.module.parameters(), config.outer)
+        else:
+            self.optimizer = job.build_optimizer(self.model.module.parameters())
         self._eval_model = FlatModel(job.build_model())
         self.sampler = Sampler(len(self.built.train), config.epochs)
         self.samples_applied = 0
@@ -93,10 +106,13 @@ class Coordinator:
                             open_rounds=config.open_rounds, heartbeat_s=config.heartbeat_s,
                             liveness=config.liveness, min_deadline_s=config.min_deadline_s,
                             pause_grace_s=config.pause_grace_s,
-                            redundancy=coding.parse_redundancy(config.redundancy),
+                            redundancy=redundancy,
                             sync=config.sync, max_batch=config.max_batch,
                             speculate=config.speculate and not config.sync),
             self.sampler, version=version, next_id=next_id)
+        if self.task_mode.local:
+            self.scheduler.slot_samples = lambda s_per_sample: self.task_mode.slot_samples(
+                s_per_sample, job.batch_size)
 
         self.routes: dict[str, bytes] = {}  # worker id -> routing id
         self.peers: dict[bytes, str] = {}  # routing id -> worker id
@@ -323,6 +339,7 @@ class Coordinator:
             "epoch": round(self.sampler.progress, 4), "loss": self.train_loss,
             "metrics": self.metrics, "workers": len(self.scheduler.workers),
             "samples_per_s": round(self.samples_per_s(), 2),
+            "bytes_per_sample": self.bytes_per_sample(), "task": str(self.task_mode),
         }
         if final:
             record["final"] = True
@@ -336,6 +353,7 @@ class Coordinator:
             self._bad(b"?", ProtocolError("frames", "no routing id or no header"))
             return
         route = bytes(frames[0].buffer)
+        self.counters["bytes_received"] += sum(len(f) for f in frames[1:])
         try:
             msg = proto.decode(frames[1:])
         except ProtocolError as exc:
@@ -484,7 +502,16 @@ class Coordinator:
     # actions --------------------------------------------------------------------------------
 
     async def _send(self, route: bytes, msg: proto.Message) -> None:
-        await self.sock.send_multipart([route, *proto.encode(msg)], copy=False)
+        frames = proto.encode(msg)
+        self.counters["bytes_sent"] += sum(memoryview(f).nbytes for f in frames)
+        await self.sock.send_multipart([route, *frames], copy=False)
+
+    def bytes_per_sample(self) -> Optional[float]:
+        """Wire bytes, both ways, per sample applied."""
+        if not self.samples_applied:
+            return None
+        total = self.counters["bytes_sent"] + self.counters["bytes_received"]
+        return round(total / self.samples_applied, 1)
 
     async def _perform(self, actions: list) -> None:
         for action in actions:
@@ -494,7 +521,7 @@ class Coordinator:
                 await self._send(route, proto.Task(
                     slot=action.slot, round=action.round, version=action.version,
                     parts=action.parts, coefficients=action.coefficients,
-                    deadline_s=min(action.deadline_s, 1e9), model=model))
+                    deadline_s=min(action.deadline_s, 1e9), model=model, **self._task_kind(action)))
             elif isinstance(action, CancelSlots):
                 route = self.routes.get(action.worker)
                 if route is not None:
@@ -513,6 +540,12 @@ class Coordinator:
                     self.peers.pop(route, None)
                 self._event("leave", f"{action.worker} left ({action.reason}); "
                                      f"{action.requeued} slots requeued", worker=action.worker)
+
+    def _task_kind(self, action: Assign) -> dict:
+        if not self.task_mode.local:
+            return {}
+        samples = sum(part[2] for part in action.parts)
+        return {"kind": "local", "steps": local.inner_steps(samples, self.built.job.batch_size)}
 
     def _model_blob(self, version: int) -> proto.Blob:
         """The model at `version`, as an immutable copy: frames go out zero-copy, asynchronously,
@@ -595,7 +628,8 @@ class Coordinator:
             "target_value": target.value if target else None,
             "target_higher": target.higher_is_better if target else None,
             "counters": dict(self.counters), "bad_messages": dict(self.bad_messages),
-            "host": pysocket.gethostname(),
+            "host": pysocket.gethostname(), "task": str(self.task_mode),
+            "bytes_per_sample": self.bytes_per_sample(),
         }
         staleness = self.config.staleness
         stats = self.scheduler.stats

@@ -413,7 +413,8 @@ class Worker:
         elif self._cache is None or self._cache[0] != task.version:
             # The coordinator thinks we hold a model we do not: start the session afresh.
             raise _Rehello()
-        work = Work(task.slot, task.version, self._cache[1], task.parts, task.coefficients)
+        work = Work(task.slot, task.version, self._cache[1], task.parts, task.coefficients,
+                    task.kind, task.steps)
         try:
             self.engine.check(work)
         except ValueError as exc:
