@@ -55,6 +55,9 @@ SETTING_FLAGS: list[tuple[str, str, str, str]] = [
     ("--stall", "stall", "P:SECONDS",
      "fault injection for tests and benchmarks: with probability P a task stalls SECONDS "
      "(default: never)"),
+    ("--link-mbps", "link_mbps", "MBPS",
+     "link emulation for tests and benchmarks: throttle what this worker sends and receives to "
+     "MBPS megabits per second each way (default: off)"),
 ]
 BOOL_FLAGS: list[tuple[str, str, str]] = [
     ("--idle-policy", "enabled",
@@ -179,7 +182,8 @@ def run_worker(args) -> int:
         worker_id=settings.id, policy=settings.policy(), sample_every=settings.sample_every,
         cpu_ignore_niced=settings.cpu_ignore_niced, state_log=settings.state_log,
         slowdown=settings.slowdown,
-        stall=config.parse_stall(settings.stall) if settings.stall else None))
+        stall=config.parse_stall(settings.stall) if settings.stall else None,
+        link_mbps=settings.link_mbps))
     reason = worker.run()
     log.info("stopped (%s) after %d results, %d pauses", reason, worker.results_sent, worker.pauses)
     return 0

@@ -55,6 +55,7 @@ class Settings:
     # fault injection, for tests and benchmarks only (off by default)
     slowdown: float = 1.0  # every task takes this many times as long
     stall: Optional[str] = None  # "P:SECONDS": with probability P a task stalls that long
+    link_mbps: Optional[float] = None  # emulate a link of this many Mbit/s each way (link.py)
 
     def policy(self, uses_gpu: bool = False) -> PolicyConfig:
         on = self.enabled
@@ -82,7 +83,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "idle": ("enabled", "resume_after", "sample_every", "cpu_others_max_pct", "cpu_ignore_niced",
              "user_idle_min_s", "pause_on_battery", "memory_available_min_mb",
              "gpu_others_max_pct", "pause_when_unknown"),
-    "faults": ("slowdown", "stall"),
+    "faults": ("slowdown", "stall", "link_mbps"),
 }
 KEY_OF = {name: (f"{section}.{name}" if section else name)
           for section, names in SECTIONS.items() for name in names}
@@ -241,6 +242,8 @@ def _check(name: str, value: Any, where: str) -> Any:
         return tuple(s.strip() for s in spans)
     if name == "slowdown":
         return n(minimum=1.0)
+    if name == "link_mbps":
+        return None if value is None else n(strict=True, off=True)
     if name == "stall":
         if value is None:
             return None

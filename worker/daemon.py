@@ -46,6 +46,7 @@ from ..common.job import BuiltJob, build, builtin_job_names, load_job
 from ..common.tensors import from_blob, to_blob
 from .engine import Cancelled, Engine, Outcome, Work
 from .idle import Decision, IdlePolicy, PolicyConfig, Readings
+from .link import ShapedSocket
 from .probes import Probes
 
 log = logging.getLogger("idlegrad.worker")
@@ -67,6 +68,7 @@ class WorkerConfig:
     state_log: Optional[str] = None  # JSON lines: every change of state, with its readings
     slowdown: float = 1.0  # fault injection (tests, benchmarks): tasks take this many times as long
     stall: Optional[tuple[float, float]] = None  # fault injection: (probability, seconds)
+    link_mbps: Optional[float] = None  # link emulation (link.py): Mbit/s each way; None: off
 
 
 class _Rehello(Exception):
@@ -183,6 +185,8 @@ class Worker:
         sock.setsockopt(zmq.MAXMSGSIZE, proto.SOCKET_MAX_MSG_BYTES)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.config.coordinator)
+        if self.config.link_mbps:
+            return ShapedSocket(sock, self.config.link_mbps)
         return sock
 
     def _hello(self) -> proto.Hello:

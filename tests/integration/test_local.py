@@ -10,11 +10,11 @@ from .harness import final_metrics, read_metrics
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
-def test_local_tasks_train_digits_to_target(cluster):
+def test_local_tasks_train_digits_to_target_over_emulated_slow_links(cluster):
     ckpt = cluster.dir / "ckpt"
     coordinator, workers = cluster.start_together(
         ["--job", "digits", "--task", "local:8", "--target", "accuracy=0.9", "--epochs", "100",
-         "--checkpoint-dir", str(ckpt)], ["w1", "w2"])
+         "--checkpoint-dir", str(ckpt)], ["w1", "w2"], worker_args=("--link-mbps", "20"))
     status = cluster.status()
 
     assert status.follow(coordinator) == 0, "the coordinator did not exit 0 by itself"
