@@ -362,6 +362,10 @@ def summary_rows(snap: dict) -> list[tuple[str, str]]:
         ("elapsed", duration(snap.get("elapsed_s"))),
         ("workers", str(len(snap.get("workers") or []))),
     ]
+    if snap.get("task") not in (None, "gradient"):
+        rows.append(("task", str(snap["task"])))
+    if snap.get("bytes_per_sample") is not None:  # wire bytes, both ways, per sample applied
+        rows.append(("wire", f"{number(snap['bytes_per_sample'] / 1024, 1)} KiB/sample"))
     return rows
 
 
