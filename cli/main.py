@@ -115,10 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what a slot computes: gradient (the default), local:H (H steps of the "
                         "job's optimizer, returning the parameter change: for slow links) or "
                         "local:auto (H sized per worker from its speed)")
-    c.add_argument("--outer-lr", type=_positive(float), default=0.7, metavar="LR",
-                   help="local tasks: the outer Nesterov SGD's learning rate (default: 0.7)")
-    c.add_argument("--outer-momentum", type=_non_negative(float), default=0.9, metavar="M",
-                   help="local tasks: the outer optimizer's momentum, below 1 (default: 0.9)")
+    c.add_argument("--outer-lr", type=_positive(float), default=1.0, metavar="LR",
+                   help="local tasks: the outer Nesterov SGD's learning rate (default: 1)")
+    c.add_argument("--outer-momentum", type=_non_negative(float), default=0.0, metavar="M",
+                   help="local tasks: the outer Nesterov momentum, below 1 (default: 0; DiLoCo "
+                        "uses 0.9 with lr 0.7 for rounds of several slots, --partitions K)")
     c.add_argument("--local-slot-s", type=_positive(float), default=5.0, metavar="SECONDS",
                    help="local:auto: compute seconds each slot should take (default: 5)")
     c.add_argument("--local-max-steps", type=_positive(int), default=500, metavar="H",

@@ -7,8 +7,9 @@ steps this optimizer with it, its learning rate scaled by the round's staleness 
 as it steps a job's optimizer with a gradient in gradient mode. So checkpoints, staleness and the
 validation of results are shared with gradient mode.
 
-The outer optimizer is SGD with Nesterov momentum by default (DiLoCo's choice). With lr 1 and
-no momentum, applying a round of one slot sets the model to that slot's result: plain local SGD.
+The outer optimizer is SGD with Nesterov momentum (DiLoCo's choice); by default lr 1 and no
+momentum, with which applying a fresh round of one slot sets the model to that slot's result:
+plain (asynchronous) local SGD, the staleness rule damping late rounds.
 """
 
 from __future__ import annotations
@@ -24,8 +25,13 @@ from ..common.errors import ConfigError
 
 @dataclass(frozen=True)
 class OuterConfig:
-    lr: float = 0.7
-    momentum: float = 0.9
+    # Defaults for asynchronous rounds of one slot each (the default --partitions 1): every
+    # round is one worker's change, applied as it lands, so momentum adds up the changes of
+    # workers that ran concurrently from nearly the same model and overshoots (momentum 0.9 and
+    # even 0.3 diverged on `synthetic`, see docs/architecture.md). DiLoCo's lr 0.7, momentum 0.9
+    # suit synchronous rounds that average several workers (--partitions K).
+    lr: float = 1.0
+    momentum: float = 0.0
     nesterov: bool = True
 
     def __post_init__(self):
