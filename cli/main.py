@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local:auto: compute seconds each slot should take (default: 5)")
     c.add_argument("--local-max-steps", type=_positive(int), default=500, metavar="H",
                    help="local:auto: at most H inner steps per slot (default: 500)")
+    c.add_argument("--result-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="how workers send results: bfloat16 halves the bytes (rounding errors "
+                        "are fed back into the next result) (default: float32)")
     c.add_argument("--threads", type=_positive(int), metavar="N", help="torch threads")
     _add_common(c)
     c.set_defaults(func=_run_coordinator)
@@ -218,7 +221,7 @@ def _run_coordinator(args) -> int:
         redundancy=str(parse_redundancy(args.redundancy)), sync=args.sync,
         max_batch=args.max_batch, speculate=args.speculate, task=args.task,
         outer=OuterConfig(args.outer_lr, args.outer_momentum), local_slot_s=args.local_slot_s,
-        local_max_steps=args.local_max_steps)
+        local_max_steps=args.local_max_steps, result_dtype=args.result_dtype)
     coordinator = Coordinator(config)
     reason = coordinator.run()
     logging.getLogger("idlegrad.coordinator").info(

@@ -124,6 +124,9 @@ class Welcome(Message):
     seed: int
     heartbeat_s: float
     liveness: int
+    result_dtype: str = "float32"  # how results travel: float32, or bfloat16 (error feedback)
+
+    RESULT_DTYPES: ClassVar[frozenset] = frozenset({"float32", "bfloat16"})
 
 
 @dataclass(frozen=True)
@@ -392,6 +395,8 @@ def _semantic_checks(msg: Message) -> None:
         raise ProtocolError("schema", f"heartbeat.state {msg.state[:20]!r} unknown")
     elif isinstance(msg, Hello):
         non_negative("cores", "threads", "memory_mb")
+    elif isinstance(msg, Welcome) and msg.result_dtype not in Welcome.RESULT_DTYPES:
+        raise ProtocolError("schema", f"welcome.result_dtype {msg.result_dtype[:20]!r} unknown")
     elif isinstance(msg, Ready):
         non_negative("credits")
         if msg.credits > 1024:

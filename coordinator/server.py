@@ -30,7 +30,7 @@ from ..common import protocol as proto
 from ..common.aio import on_stop_signals
 from ..common.errors import CheckpointError, ConfigError, GradientRejected, ProtocolError
 from ..common.job import BuiltJob, FlatModel, build, evaluate, load_job
-from ..common.tensors import from_blob, to_blob
+from ..common.tensors import TORCH_DTYPES, from_blob, to_blob
 from . import checkpoint
 from . import local, outer
 from .aggregator import Aggregator, StalenessRule
@@ -71,6 +71,7 @@ class CoordinatorConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)  # local tasks' outer optimizer
     local_slot_s: float = 5.0  # local:auto: compute seconds per slot
     local_max_steps: int = 500  # local:auto: at most this many inner steps per slot
+    result_dtype: str = "float32"  # results on the wire: float32 or bfloat16 (workers round)
 
 
 class Coordinator:
@@ -110,6 +111,8 @@ class Coordinator:
                             sync=config.sync, max_batch=config.max_batch,
                             speculate=config.speculate and not config.sync),
             self.sampler, version=version, next_id=next_id)
+        self._result_dtype = (self.model.dtype if config.result_dtype == "float32"
+                              else TORCH_DTYPES[config.result_dtype])
         if self.task_mode.local:
             self.scheduler.slot_samples = lambda s_per_sample: self.task_mode.slot_samples(
                 s_per_sample, job.batch_size)
@@ -407,7 +410,7 @@ class Coordinator:
             # the job's name, not the spec: no local paths to strangers
             job=self.built.job.name, job_args=self.config.job_args, fingerprint=self.built.fingerprint,
             seed=self.config.seed, heartbeat_s=self.config.heartbeat_s,
-            liveness=self.config.liveness))
+            liveness=self.config.liveness, result_dtype=self.config.result_dtype))
 
     async def _on_ready(self, route: bytes, msg: proto.Ready) -> None:
         worker_id = self._worker_of(route)
@@ -424,7 +427,8 @@ class Coordinator:
         worker_id = self._worker_of(route)
         now = time.monotonic()
         try:
-            grad = from_blob(msg.gradient, self.model.numel, self.model.dtype)
+            grad = from_blob(msg.gradient, self.model.numel, self._result_dtype)
+            grad = grad.to(self.model.dtype)
         except ProtocolError:
             await self._perform(self.scheduler.failed(worker_id, msg.slot, now))
             raise

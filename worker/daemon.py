@@ -46,6 +46,7 @@ from ..common.job import BuiltJob, build, builtin_job_names, load_job
 from ..common.tensors import from_blob, to_blob
 from .engine import Cancelled, Engine, Outcome, Work
 from .idle import Decision, IdlePolicy, PolicyConfig, Readings
+from .compress import ErrorFeedback
 from .link import ShapedSocket
 from .probes import Probes
 
@@ -117,6 +118,7 @@ class Worker:
         self._current: Optional[tuple[Work, threading.Event]] = None
         self._stop: Optional[str] = None
         self.results_sent = 0
+        self._wire = ErrorFeedback()  # results as the coordinator wants them (welcome)
         uses_gpu = self.device.type == "cuda"
         self.policy = IdlePolicy(dataclasses.replace(config.policy, uses_gpu=uses_gpu))
         self.probes = Probes(ignore_niced=config.cpu_ignore_niced,
@@ -246,6 +248,7 @@ class Worker:
             self._built_for = key
         self.heartbeat_s = welcome.heartbeat_s
         self.liveness = welcome.liveness
+        self._wire = ErrorFeedback(welcome.result_dtype)
         if self.built.fingerprint != welcome.fingerprint:
             log.error("job fingerprint %s differs from the coordinator's %s",
                       self.built.fingerprint, welcome.fingerprint)
@@ -323,7 +326,7 @@ class Worker:
                         await self._send(sock, proto.Result(
                             slot=outcome.slot, version=outcome.version, samples=outcome.samples,
                             loss=outcome.loss, compute_s=outcome.compute_s,
-                            gradient=to_blob(outcome.gradient)))
+                            gradient=to_blob(self._wire.encode(outcome.gradient))))
                         self.results_sent += 1
                 if computing is None and self._queue and self._stop is None and not self.paused:
                     work = self._queue.popleft()

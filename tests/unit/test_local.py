@@ -258,3 +258,44 @@ def test_rounds_are_sized_for_the_worker_that_opens_them():
                 sizes[b.worker] = sum(p[2] for p in b.parts)
     # one second of compute each: 125 steps capped at 100 for the fast one, 12.5 -> 12 steps
     assert sizes == {"fast": 100 * 8, "slow": 12 * 8}
+
+
+# wire economy: bfloat16 results with error feedback ------------------------------------------------
+
+
+def test_float32_results_travel_untouched():
+    from idlegrad.worker.compress import ErrorFeedback
+
+    change = torch.randn(100)
+    assert ErrorFeedback("float32").encode(change) is change
+
+
+def test_bfloat16_with_error_feedback_tracks_the_true_sum():
+    from idlegrad.worker.compress import ErrorFeedback
+
+    torch.manual_seed(1)
+    wire = ErrorFeedback("bfloat16")
+    # a small steady drift under noise: plain rounding loses the drift, feedback keeps it
+    changes = [1.0 + 1e-3 + 1e-4 * torch.randn(1000) for _ in range(200)]
+    sent = [wire.encode(c) for c in changes]
+    assert all(s.dtype == torch.bfloat16 for s in sent)
+    true_sum = torch.stack(changes).sum(0)
+    fed_back = torch.stack([s.float() for s in sent]).sum(0)
+    plain = torch.stack([c.to(torch.bfloat16).float() for c in changes]).sum(0)
+    one_rounding = 2 ** -8 * 1.01  # bfloat16's spacing just above 1
+    assert (fed_back - true_sum).abs().max() <= one_rounding
+    assert (plain - true_sum).abs().max() > 10 * one_rounding  # what the feedback prevents
+    assert torch.allclose(wire.residual, true_sum - fed_back, atol=1e-4)
+
+
+def test_unknown_result_dtype():
+    from idlegrad.worker.compress import ErrorFeedback
+
+    with pytest.raises(ValueError):
+        ErrorFeedback("int4")
+    welcome = proto.Welcome(job="digits", job_args={}, fingerprint="f", seed=0, heartbeat_s=1.0,
+                            liveness=3, result_dtype="int4")
+    with pytest.raises(ProtocolError):
+        proto.decode(proto.encode(welcome))
+    ok = dict(welcome.__dict__, result_dtype="bfloat16")
+    assert proto.decode(proto.encode(proto.Welcome(**ok))).result_dtype == "bfloat16"
