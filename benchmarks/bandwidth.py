@@ -12,7 +12,9 @@ workers, run one after another (order alternating across `--runs`, the machine b
 - `local:auto`: H sized per worker from its measured speed (`--local-slot-s`, 5 s of compute).
 
 Every mode runs the same `--epochs` (3: the same samples) with the coordinator's default
-asynchronous rounds of one slot. Time to target is the wall time (since the coordinator's bind,
+asynchronous rounds of one slot, `--no-speculate` (speculation predicts task times from compute
+alone, so on slow links every task would look late and be duplicated), `--heartbeat 4` (a 4 MB
+transfer holds the link for seconds, and heartbeats queue behind it) and 2 credits per worker. Time to target is the wall time (since the coordinator's bind,
 process start-up excluded: the workers are already knocking) of the first evaluation at or above
 `--target`; the final metric is the test accuracy after the last sample, the same sample count
 for every mode. A mode is given up after `--max-wall` seconds of training (its time to target
@@ -55,7 +57,10 @@ def coordinator_args(mode: str, args, address: str, ckpt: Path) -> list[str]:
             "--seed", str(args.seed), "--eval-every", str(args.eval_every),
             "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3600", "--threads", "1",
             # a 4 MB transfer holds a slow link for seconds, heartbeats queue behind it
-            "--heartbeat", str(args.heartbeat), "--task-timeout", "120", "--log-level", "warning"]
+            "--heartbeat", str(args.heartbeat), "--task-timeout", "120",
+            # speculation predicts a task's time from compute alone; on a slow link every task
+            # would look late and be duplicated, doubling the traffic the links cannot carry
+            "--no-speculate", "--log-level", "warning"]
 
 
 def worker_args(name: str, address: str, args) -> list[str]:
