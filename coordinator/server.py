@@ -146,7 +146,12 @@ class Coordinator:
                 f"the checkpoint in {self.config.checkpoint_dir} is for job {state['job']!r} "
                 f"(fingerprint {state['fingerprint']}), not this one ({self.built.fingerprint})")
         self.model.load(state["params"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        kind = state.get("task_kind", "gradient")
+        if kind == self.task_mode.kind:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:  # the job's optimizer and the outer one share no state
+            log.warning("the checkpoint was trained with %s tasks: its optimizer state is not "
+                        "carried over to %s tasks", kind, self.task_mode.kind)
         self.sampler.load_state_dict(state["sampler"])
         if state["seed"] != self.config.seed:
             log.warning("using the checkpoint's data seed %d, not %d", state["seed"], self.config.seed)
@@ -171,6 +176,7 @@ class Coordinator:
             "version": self.aggregator.version,
             "params": self.model.params.detach().clone(),
             "optimizer": self.optimizer.state_dict(),
+            "task_kind": self.task_mode.kind,  # whose state "optimizer" is: the job's or the outer
             "sampler": sampler_state,
             "seed": self.config.seed,
             "samples": self.samples_applied,

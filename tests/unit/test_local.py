@@ -299,3 +299,29 @@ def test_unknown_result_dtype():
         proto.decode(proto.encode(welcome))
     ok = dict(welcome.__dict__, result_dtype="bfloat16")
     assert proto.decode(proto.encode(proto.Welcome(**ok))).result_dtype == "bfloat16"
+
+
+# checkpoints across task kinds ---------------------------------------------------------------------
+
+
+def test_a_checkpoint_resumes_across_task_kinds_without_mixing_optimizer_state(tmp_path):
+    from idlegrad.coordinator.server import Coordinator, CoordinatorConfig
+
+    ckpt = str(tmp_path / "ckpt")
+    config = dict(job="digits", job_args={"hidden": 8}, checkpoint_dir=ckpt, threads=1)
+    first = Coordinator(CoordinatorConfig(**config))  # gradient tasks: the job's Adam
+    first.model.params.add_(0.5)
+    first.save_checkpoint()
+    second = Coordinator(CoordinatorConfig(**config, task="local:4",
+                                           outer=outer.OuterConfig(lr=0.8, momentum=0.5)))
+    assert torch.equal(second.model.params, first.model.params)
+    assert isinstance(second.optimizer, torch.optim.SGD)
+    group = second.optimizer.param_groups[0]
+    assert group["lr"] == 0.8 and group["momentum"] == 0.5  # not Adam's lr from the checkpoint
+    second.aggregator.apply(torch.ones(second.model.numel), 1, 0)  # momentum state to carry
+    second.save_checkpoint()
+    third = Coordinator(CoordinatorConfig(**config, task="local:auto",
+                                          outer=outer.OuterConfig(lr=0.8, momentum=0.5)))
+    assert third.optimizer.state_dict()["state"]  # same kind: the outer momentum is carried
+    fourth = Coordinator(CoordinatorConfig(**config))
+    assert isinstance(fourth.optimizer, torch.optim.Adam) and not fourth.optimizer.state_dict()["state"]
