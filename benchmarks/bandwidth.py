@@ -9,7 +9,9 @@ workers, run one after another (order alternating across `--runs`, the machine b
 - `gradient`: a slot is the coded gradient of a batch, the coordinator steps the job's optimizer;
 - `local:10`, `local:50`: a slot is 10 / 50 inner steps of the job's optimizer on a worker, the
   coordinator applies the outer optimizer to the change (`--task local:H`);
-- `local:auto`: H sized per worker from its measured speed (`--local-slot-s`, 5 s of compute).
+- `local:auto`: H sized per worker from its measured speed so that a slot takes `--slot-s`
+  seconds of compute: by default 3 model round trips at the link's speed (19.2 s for 1M params
+  at 10 Mbit/s), so that each slot keeps the link busy for at most a quarter of its time.
 
 Every mode runs the same `--epochs` (3: the same samples) with the coordinator's default
 asynchronous rounds of one slot, `--no-speculate` (speculation predicts task times from compute
@@ -53,7 +55,7 @@ WORKERS = ["w1", "w2", "w3", "w4"]
 def coordinator_args(mode: str, args, address: str, ckpt: Path) -> list[str]:
     return ["coordinator", "--bind", address, "--job", "synthetic",
             "--job-arg", f"params={args.params}", "--task", mode,
-            "--local-slot-s", str(args.slot_s), "--epochs", str(args.epochs),
+            "--local-slot-s", f"{args.slot_s:.3f}", "--epochs", str(args.epochs),
             "--seed", str(args.seed), "--eval-every", str(args.eval_every),
             "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3600", "--threads", "1",
             # a 4 MB transfer holds a slow link for seconds, heartbeats queue behind it
@@ -221,7 +223,9 @@ def main():
     parser.add_argument("--params", type=int, default=1_000_000)
     parser.add_argument("--epochs", type=int, default=3, help="samples every mode trains on")
     parser.add_argument("--target", type=float, default=0.75, help="test accuracy to reach")
-    parser.add_argument("--slot-s", type=float, default=5.0, help="local:auto's compute per slot")
+    parser.add_argument("--slot-s", type=float, default=None,
+                        help="local:auto's compute seconds per slot (default: 3 model round "
+                             "trips at --mbps, so the link is busy at most a quarter of a slot)")
     parser.add_argument("--eval-every", type=float, default=1.0)
     parser.add_argument("--heartbeat", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -231,6 +235,9 @@ def main():
     parser.add_argument("--dir", default=None, help="keep logs and metrics here (default: a temp dir)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.slot_s is None:
+        round_trip_s = 2 * args.params * 4 / (args.mbps * 1e6 / 8)  # float32 model down, change up
+        args.slot_s = 3 * round_trip_s
     modes = [m for m in args.modes.split(",") if m]
     unknown = set(modes) - set(MODES)
     if unknown:
@@ -242,7 +249,7 @@ def main():
 
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="idlegrad-bandwidth-"))
     base.mkdir(parents=True, exist_ok=True)
-    print(f"logs and metrics under {base}", flush=True)
+    print(f"logs and metrics under {base}; local:auto slot {args.slot_s:.1f} s", flush=True)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     print(f"{'run':>3} {'mode':<11} {'reached':>7} {'t_target_s':>10} {'KiB/sample':>10} "
           f"{'final_acc':>9} {'samples':>8} {'wall_s':>7}  notes", flush=True)
@@ -268,7 +275,7 @@ def main():
     if args.json:
         print(json.dumps({"modes": {m: summary[m] for m in modes if m in summary},
                           "target": {"accuracy": args.target}, "runs": args.runs,
-                          "mbps": args.mbps, "params": args.params}))
+                          "mbps": args.mbps, "params": args.params, "slot_s": args.slot_s}))
 
 
 if __name__ == "__main__":

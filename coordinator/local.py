@@ -30,7 +30,9 @@ class TaskMode:
     slot_s: float = 5.0  # auto: compute seconds a slot should take
     min_steps: int = 2
     max_steps: int = 500
-    start_steps: int = 8  # auto: before the worker's speed is known
+    # auto, before the worker's speed is known: a first slot must be worth the model it
+    # downloads (8 steps cost the benchmark a wave of link-bound slots; see bandwidth.py)
+    start_steps: int = 32
 
     @property
     def local(self) -> bool:
@@ -74,7 +76,7 @@ def parse_task(text: str, slot_s: float = 5.0, min_steps: int = 2,
         raise ConfigError("the local slot time must be a positive number of seconds")
     if value == "auto":
         return TaskMode("local", None, slot_s, min_steps, max_steps,
-                        start_steps=max(min_steps, min(max_steps, 8)))
+                        start_steps=max(min_steps, min(max_steps, TaskMode.start_steps)))
     try:
         steps = int(value)
     except ValueError:

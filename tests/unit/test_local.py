@@ -78,7 +78,8 @@ def test_auto_steps_are_bounded_and_start_small():
     mode = parse_task("local:auto", slot_s=4.0, min_steps=2, max_steps=100)
     assert mode.steps_for(1e-9, 32) == 100  # a very fast worker: capped
     assert mode.steps_for(10.0, 32) == 2  # a very slow one: at least the floor
-    assert mode.steps_for(None, 32) == 8  # unmeasured: a short first slot measures it
+    assert mode.steps_for(None, 32) == 32  # unmeasured: a first slot worth its download
+    assert parse_task("local:auto", max_steps=10).steps_for(None, 32) == 10
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         assert 2 <= mode.steps_for(bad, 32) <= 100
 
@@ -246,11 +247,11 @@ def test_rounds_are_sized_for_the_worker_that_opens_them():
     for worker in ("fast", "slow"):
         s.join(worker, {}, 0.0)
     first = [a for a in s.ready("fast", 1, 0.0) + s.ready("slow", 1, 0.0) if isinstance(a, Assign)]
-    assert [sum(p[2] for p in a.parts) for a in first] == [64, 64]  # start_steps 8, unmeasured
+    assert [sum(p[2] for p in a.parts) for a in first] == [256, 256]  # 32 steps, unmeasured
     sizes = {}
     for a in first:
         per_sample = 1e-3 if a.worker == "fast" else 1e-2
-        ok, actions = s.result(a.worker, a.slot, per_sample * 64, 1.0)
+        ok, actions = s.result(a.worker, a.slot, per_sample * 256, 1.0)
         assert ok
         actions += s.applied(s.version + 1, 1.0)
         for b in actions:
