@@ -119,6 +119,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "rounds (default: the job's batch size)")
     c.add_argument("--no-speculate", dest="speculate", action="store_false",
                    help="do not duplicate late tasks to free workers")
+    c.add_argument("--task", default="gradient", metavar="KIND",
+                   help="what a slot computes: gradient (the default), local:H (H steps of the "
+                        "job's optimizer, returning the parameter change: for slow links) or "
+                        "local:auto (H sized per worker from its speed)")
+    c.add_argument("--outer-lr", type=_positive(float), default=1.0, metavar="LR",
+                   help="local tasks: the outer Nesterov SGD's learning rate (default: 1)")
+    c.add_argument("--outer-momentum", type=_non_negative(float), default=0.0, metavar="M",
+                   help="local tasks: the outer Nesterov momentum, below 1 (default: 0; DiLoCo "
+                        "uses 0.9 with lr 0.7 for rounds of several slots, --partitions K)")
+    c.add_argument("--local-slot-s", type=_positive(float), default=5.0, metavar="SECONDS",
+                   help="local:auto: compute seconds each slot should take (default: 5)")
+    c.add_argument("--local-max-steps", type=_positive(int), default=500, metavar="H",
+                   help="local:auto: at most H inner steps per slot (default: 500)")
+    c.add_argument("--result-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="how workers send results: bfloat16 halves the bytes (rounding errors "
+                        "are fed back into the next result) (default: float32)")
     c.add_argument("--threads", type=_positive(int), metavar="N", help="torch threads")
     c.add_argument("--reject-norm", type=_non_negative(float), default=10.0, metavar="K",
                    help="refuse a gradient whose norm per sample is over K times the running "
@@ -229,6 +245,8 @@ def _run_coordinator(args) -> int:
     from ..common.coding import parse_redundancy
     from ..common.job import parse_job_args
     from ..coordinator.aggregator import StalenessRule
+    from ..coordinator.local import check_redundancy, parse_task
+    from ..coordinator.outer import OuterConfig
     from ..coordinator.server import Coordinator, CoordinatorConfig
     from ..coordinator.target import Target
     from ..coordinator.trust import TrustConfig
@@ -236,6 +254,8 @@ def _run_coordinator(args) -> int:
     metrics = args.metrics
     if metrics is None and args.checkpoint_dir:
         metrics = os.path.join(args.checkpoint_dir, "metrics.jsonl")
+    check_redundancy(parse_task(args.task, args.local_slot_s, max_steps=args.local_max_steps),
+                     parse_redundancy(args.redundancy), args.sync)
     config = CoordinatorConfig(
         job=args.job, job_args=parse_job_args(args.job_arg), bind=args.bind,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -247,7 +267,9 @@ def _run_coordinator(args) -> int:
         redundancy=str(parse_redundancy(args.redundancy)), sync=args.sync,
         max_batch=args.max_batch, speculate=args.speculate, secret_key=args.secret_key,
         allow_keys=args.allow_keys, insecure=args.insecure, ledger_path=args.ledger,
-        trust=_trust_config(TrustConfig, args.reject_norm, args.ban_after))
+        trust=_trust_config(TrustConfig, args.reject_norm, args.ban_after), task=args.task,
+        outer=OuterConfig(args.outer_lr, args.outer_momentum), local_slot_s=args.local_slot_s,
+        local_max_steps=args.local_max_steps, result_dtype=args.result_dtype)
     coordinator = Coordinator(config)
     reason = coordinator.run()
     logging.getLogger("idlegrad.coordinator").info(

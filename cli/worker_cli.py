@@ -62,6 +62,9 @@ SETTING_FLAGS: list[tuple[str, str, str, str]] = [
     ("--poison", "poison", "scale:X|flip|nan",
      "fault injection for tests and benchmarks: send hostile gradients (times X, sign-flipped, "
      "or NaN) (default: honest)"),
+    ("--link-mbps", "link_mbps", "MBPS",
+     "link emulation for tests and benchmarks: throttle what this worker sends and receives to "
+     "MBPS megabits per second each way (default: off)"),
 ]
 BOOL_FLAGS: list[tuple[str, str, str]] = [
     ("--idle-policy", "enabled",
@@ -190,7 +193,8 @@ def run_worker(args) -> int:
         cpu_ignore_niced=settings.cpu_ignore_niced, state_log=settings.state_log,
         slowdown=settings.slowdown,
         stall=config.parse_stall(settings.stall) if settings.stall else None,
-        poison=config.parse_poison(settings.poison) if settings.poison else None, keys=keys))
+        poison=config.parse_poison(settings.poison) if settings.poison else None, keys=keys,
+        link_mbps=settings.link_mbps))
     reason = worker.run()
     log.info("stopped (%s) after %d results, %d pauses", reason, worker.results_sent, worker.pauses)
     return 0

@@ -130,6 +130,9 @@ class Welcome(Message):
     liveness: int
     instance: str = ""  # this coordinator process; a worker's results are only for the one they came from
     holding: list[int] = field(default_factory=list)  # slots of the resumed session it still holds
+    result_dtype: str = "float32"  # how results travel: float32, or bfloat16 (error feedback)
+
+    RESULT_DTYPES: ClassVar[frozenset] = frozenset({"float32", "bfloat16"})
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,13 @@ class Task(Message):
     coefficients: list[float]
     deadline_s: float
     model: Optional[Blob] = None
+    # "gradient": the coded gradient above. "local": from `version`, run `steps` inner steps of
+    # the job's optimizer over the (single) part, and return coefficient * samples * (model at
+    # `version` - model after), the slot's summed parameter change (docs/protocol.md).
+    kind: str = "gradient"
+    steps: int = 0
+
+    KINDS: ClassVar[frozenset] = frozenset({"gradient", "local"})
 
 
 @dataclass(frozen=True)
@@ -472,6 +482,8 @@ def _semantic_checks(msg: Message) -> None:
         raise ProtocolError("schema", f"heartbeat.state {msg.state[:20]!r} unknown")
     elif isinstance(msg, Hello):
         non_negative("cores", "threads", "memory_mb")
+    elif isinstance(msg, Welcome) and msg.result_dtype not in Welcome.RESULT_DTYPES:
+        raise ProtocolError("schema", f"welcome.result_dtype {msg.result_dtype[:20]!r} unknown")
     elif isinstance(msg, Ready):
         non_negative("credits")
         if msg.credits > 1024:
@@ -479,12 +491,16 @@ def _semantic_checks(msg: Message) -> None:
     elif isinstance(msg, Result):
         non_negative("slot", "version", "samples", "compute_s")
     elif isinstance(msg, Task):
-        non_negative("slot", "round", "version", "deadline_s")
+        non_negative("slot", "round", "version", "deadline_s", "steps")
         if len(msg.parts) != len(msg.coefficients) or not msg.parts:
             raise ProtocolError("schema", "task.parts and task.coefficients must match")
         for part in msg.parts:
             if len(part) != 3 or min(part) < 0:
                 raise ProtocolError("schema", "task.parts items are [epoch, offset, count] >= 0")
+        if msg.kind not in Task.KINDS:
+            raise ProtocolError("schema", f"task.kind {msg.kind[:20]!r} unknown")
+        if msg.kind == "local" and (msg.steps < 1 or len(msg.parts) != 1):
+            raise ProtocolError("schema", "a local task has steps >= 1 and exactly one part")
     elif isinstance(msg, StatusRequest):
         non_negative("cursor")
     elif isinstance(msg, Control):

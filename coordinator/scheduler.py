@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 from ..common import coding
 from ..common.coding import Code, Redundancy
@@ -203,6 +203,9 @@ class Scheduler:
         self._choice_key: tuple[int, int] = (0, 0)
         self.last_code = "none"  # the code of the newest round
         self.last_costs: dict[str, float] = {}  # adaptive: the predictions behind the choice
+        # Local tasks (local.py): a slot's samples for the worker opening a round, from its
+        # seconds per sample (None: not measured yet). None: rounds are the configured batch.
+        self.slot_samples: Optional[Callable[[Optional[float]], int]] = None
 
     # queries --------------------------------------------------------------------------------
 
@@ -525,7 +528,7 @@ class Scheduler:
         self.stats["workers_removed"] += 1
         return [Evicted(worker_id, reason, requeued)]
 
-    def _open_round(self) -> bool:
+    def _open_round(self, worker: Optional[WorkerRecord] = None) -> bool:
         if not self.accepting:
             return False
         limit = 1 if self.config.sync else self.config.open_rounds
@@ -534,7 +537,7 @@ class Scheduler:
         k = self.config.partitions
         if self.config.sync:
             k = max(1, len(self._active()))
-        parts = self.sampler.next_round(self._round_batch(), k)
+        parts = self.sampler.next_round(self._round_batch(k, worker), k)
         if parts is None:
             return False
         code = coding.build(self._policy(len(parts)), len(parts))
@@ -556,7 +559,9 @@ class Scheduler:
         self.stats["rounds_opened"] += 1
         return True
 
-    def _round_batch(self) -> int:
+    def _round_batch(self, k: int = 1, worker: Optional[WorkerRecord] = None) -> int:
+        if self.slot_samples is not None:
+            return k * self.slot_samples(worker.s_per_sample if worker is not None else None)
         batch = self.config.batch_size
         if self.config.max_batch:
             batch = max(1, min(batch, self.config.max_batch))
@@ -636,7 +641,7 @@ class Scheduler:
                 worker = self.workers[worker_id]
                 if worker.free > 0 and not (self.config.sync and worker.assigned):
                     slot = self._next_slot_for(worker)
-                    if slot is None and self._open_round():
+                    if slot is None and self._open_round(worker):
                         slot = self._next_slot_for(worker)
                     if slot is not None:
                         actions.append(self._assign(worker, slot, now))

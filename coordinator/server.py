@@ -33,10 +33,12 @@ from ..common.errors import (CheckpointError, ConfigError, GradientRejected, Job
                              ProtocolError)
 from ..common.job import (BuiltJob, FlatModel, build, coded_gradient, evaluate, load_job,
                           reference_gradient_norm)
-from ..common.tensors import BufferPool, blob_chunks, finite_norm, to_blob
+from ..common.tensors import TORCH_DTYPES, BufferPool, blob_chunks, finite_norm, to_blob
 from . import checkpoint
+from . import local, outer
 from .aggregator import Aggregator, StalenessRule
 from .ledger import LedgerWriter
+from .outer import OuterConfig
 from .sampler import Sampler
 from .scheduler import Assign, CancelSlots, Decoded, Drained, Evicted, Scheduler, SchedulerConfig
 from .status import CURVE_POINTS, build_snapshot
@@ -75,6 +77,11 @@ class CoordinatorConfig:
     insecure: bool = False  # without keys, listen beyond loopback anyway
     trust: TrustConfig = field(default_factory=TrustConfig)  # outlier gradients, offences, bans
     ledger_path: Optional[str] = None  # JSON lines: slots sent, results acknowledged, rounds applied
+    task: str = "gradient"  # gradient | local:H | local:auto (local.parse_task)
+    outer: OuterConfig = field(default_factory=OuterConfig)  # local tasks' outer optimizer
+    local_slot_s: float = 5.0  # local:auto: compute seconds per slot
+    local_max_steps: int = 500  # local:auto: at most this many inner steps per slot
+    result_dtype: str = "float32"  # results on the wire: float32 or bfloat16 (workers round)
 
 
 class Coordinator:
@@ -88,9 +95,16 @@ class Coordinator:
         if config.threads:
             torch.set_num_threads(config.threads)
         job = load_job(config.job, config.job_args)
+        self.task_mode = local.parse_task(config.task, config.local_slot_s,
+                                          max_steps=config.local_max_steps)
+        redundancy = coding.parse_redundancy(config.redundancy)
+        local.check_redundancy(self.task_mode, redundancy, config.sync)
         self.built: BuiltJob = build(job, seed=config.seed)
         self.model: FlatModel = self.built.model
-        self.optimizer = job.build_optimizer(self.model.module.parameters())
+        if self.task_mode.local:  # the job's optimizer runs on the workers, the outer one here
+            self.optimizer = outer.build(self.model.module.parameters(), config.outer)
+        else:
+            self.optimizer = job.build_optimizer(self.model.module.parameters())
         self._eval_model = FlatModel(job.build_model())
         self.sampler = Sampler(len(self.built.train), config.epochs)
         self.samples_applied = 0
@@ -105,10 +119,15 @@ class Coordinator:
                             open_rounds=config.open_rounds, heartbeat_s=config.heartbeat_s,
                             liveness=config.liveness, min_deadline_s=config.min_deadline_s,
                             pause_grace_s=config.pause_grace_s,
-                            redundancy=coding.parse_redundancy(config.redundancy),
+                            redundancy=redundancy,
                             sync=config.sync, max_batch=config.max_batch,
                             speculate=config.speculate and not config.sync),
             self.sampler, version=version, next_id=next_id)
+        self._result_dtype = (self.model.dtype if config.result_dtype == "float32"
+                              else TORCH_DTYPES[config.result_dtype])
+        if self.task_mode.local:
+            self.scheduler.slot_samples = lambda s_per_sample: self.task_mode.slot_samples(
+                s_per_sample, job.batch_size)
 
         self._eval_model.load(self.model.params)
         try:
@@ -209,7 +228,12 @@ class Coordinator:
                 f"the checkpoint in {self.config.checkpoint_dir} is for job {state['job']!r} "
                 f"(fingerprint {state['fingerprint']}), not this one ({self.built.fingerprint})")
         self.model.load(state["params"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        kind = state.get("task_kind", "gradient")
+        if kind == self.task_mode.kind:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:  # the job's optimizer and the outer one share no state
+            log.warning("the checkpoint was trained with %s tasks: its optimizer state is not "
+                        "carried over to %s tasks", kind, self.task_mode.kind)
         self.sampler.load_state_dict(state["sampler"])
         if state["seed"] != self.config.seed:
             log.warning("using the checkpoint's data seed %d, not %d", state["seed"], self.config.seed)
@@ -234,6 +258,7 @@ class Coordinator:
             "version": self.aggregator.version,
             "params": self.model.params.detach().clone(),
             "optimizer": self.optimizer.state_dict(),
+            "task_kind": self.task_mode.kind,  # whose state "optimizer" is: the job's or the outer
             "sampler": sampler_state,
             "seed": self.config.seed,
             "samples": self.samples_applied,
@@ -473,6 +498,7 @@ class Coordinator:
             "epoch": round(self.sampler.progress, 4), "loss": self.train_loss,
             "metrics": self.metrics, "workers": len(self.scheduler.workers),
             "samples_per_s": round(self.samples_per_s(), 2),
+            "bytes_per_sample": self.bytes_per_sample(), "task": str(self.task_mode),
         }
         if final:
             record["final"] = True
@@ -486,6 +512,7 @@ class Coordinator:
             self._bad(b"?", ProtocolError("frames", "no routing id or no header"))
             return
         route = bytes(frames[0].buffer)
+        self.counters["bytes_received"] += sum(len(f) for f in frames[1:])
         key = None
         if self.secure:
             key = _user_id(frames[1])
@@ -676,7 +703,8 @@ class Coordinator:
             # the job's name, not the spec: no local paths to strangers
             job=self.built.job.name, job_args=self.config.job_args, fingerprint=self.built.fingerprint,
             seed=self.config.seed, heartbeat_s=self.config.heartbeat_s,
-            liveness=self.config.liveness, instance=self.instance, holding=holding))
+            liveness=self.config.liveness, instance=self.instance, holding=holding,
+            result_dtype=self.config.result_dtype))
 
     async def _on_ready(self, route: bytes, msg: proto.Ready) -> None:
         worker_id = self._worker_of(route)
@@ -709,7 +737,9 @@ class Coordinator:
         if identity != worker_id:  # keys (a bounded set) are shown by the name they last used
             self.identity_names[identity] = worker_id
         try:
-            grad = blob_chunks(msg.gradient, self.model.numel, self.model.dtype)
+            grad = blob_chunks(msg.gradient, self.model.numel, self._result_dtype)
+            if self._result_dtype != self.model.dtype:  # bfloat16 on the wire: widen, once
+                grad = [chunk.to(self.model.dtype) for chunk in grad]
         except ProtocolError:
             await self._perform(self.scheduler.failed(worker_id, msg.slot, now))
             if self.trust.offence(identity, "malformed", now):
@@ -804,11 +834,18 @@ class Coordinator:
 
     async def _send(self, route: bytes, msg: proto.Message, track: bool = False):
         """Send `msg`; with `track`, return the MessageTracker of its zero-copy frames."""
+        frames = proto.encode(msg)
+        self.counters["bytes_sent"] += sum(memoryview(f).nbytes for f in frames)
         if self._handling:
-            return self._direct.send_multipart([route, *proto.encode(msg)], copy=False,
-                                               track=track)
-        return await self.sock.send_multipart([route, *proto.encode(msg)], copy=False,
-                                              track=track)
+            return self._direct.send_multipart([route, *frames], copy=False, track=track)
+        return await self.sock.send_multipart([route, *frames], copy=False, track=track)
+
+    def bytes_per_sample(self) -> Optional[float]:
+        """Wire bytes, both ways, per sample applied."""
+        if not self.samples_applied:
+            return None
+        total = self.counters["bytes_sent"] + self.counters["bytes_received"]
+        return round(total / self.samples_applied, 1)
 
     async def _perform(self, actions: list) -> None:
         for action in actions:
@@ -820,7 +857,8 @@ class Coordinator:
                 tracker = await self._send(route, proto.Task(
                     slot=action.slot, round=action.round, version=action.version,
                     parts=action.parts, coefficients=action.coefficients,
-                    deadline_s=min(action.deadline_s, 1e9), model=model), track=model is not None)
+                    deadline_s=min(action.deadline_s, 1e9), model=model, **self._task_kind(action)),
+                    track=model is not None)
                 if model is not None:
                     self._snapshots[action.version][2].append(tracker)
             elif isinstance(action, CancelSlots):
@@ -842,6 +880,12 @@ class Coordinator:
                 self.key_of.pop(action.worker, None)
                 self._event("leave", f"{action.worker} left ({action.reason}); "
                                      f"{action.requeued} slots requeued", worker=action.worker)
+
+    def _task_kind(self, action: Assign) -> dict:
+        if not self.task_mode.local:
+            return {}
+        samples = sum(part[2] for part in action.parts)
+        return {"kind": "local", "steps": local.inner_steps(samples, self.built.job.batch_size)}
 
     def _model_blob(self, version: int) -> proto.Blob:
         """The model at `version`, as an immutable copy: frames go out zero-copy, asynchronously,
@@ -936,6 +980,8 @@ class Coordinator:
             "counters": dict(self.counters), "bad_messages": dict(self.bad_messages),
             "trust": self._trust_summary(),
             "host": pysocket.gethostname(),
+            "task": str(self.task_mode),
+            "bytes_per_sample": self.bytes_per_sample(),
         }
         staleness = self.config.staleness
         stats = self.scheduler.stats

@@ -367,6 +367,10 @@ def summary_rows(snap: dict) -> list[tuple[str, str]]:
         banned = [str(b) for b in trust.get("banned") or []]
         rows.append(("gradients refused", f"{number(trust.get('refused'))}"
                      + (f"; banned: {', '.join(banned[:5])}" if banned else "")))
+    if snap.get("task") not in (None, "gradient"):
+        rows.append(("task", str(snap["task"])))
+    if snap.get("bytes_per_sample") is not None:  # wire bytes, both ways, per sample applied
+        rows.append(("wire", f"{number(snap['bytes_per_sample'] / 1024, 1)} KiB/sample"))
     return rows
 
 

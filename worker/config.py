@@ -58,6 +58,7 @@ class Settings:
     slowdown: float = 1.0  # every task takes this many times as long
     stall: Optional[str] = None  # "P:SECONDS": with probability P a task stalls that long
     poison: Optional[str] = None  # "scale:X", "flip" or "nan": a hostile worker's gradients
+    link_mbps: Optional[float] = None  # emulate a link of this many Mbit/s each way (link.py)
 
     def policy(self, uses_gpu: bool = False) -> PolicyConfig:
         on = self.enabled
@@ -86,7 +87,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "idle": ("enabled", "resume_after", "sample_every", "cpu_others_max_pct", "cpu_ignore_niced",
              "user_idle_min_s", "pause_on_battery", "memory_available_min_mb",
              "gpu_others_max_pct", "pause_when_unknown"),
-    "faults": ("slowdown", "stall", "poison"),
+    "faults": ("slowdown", "stall", "poison", "link_mbps"),
 }
 KEY_OF = {name: (f"{section}.{name}" if section else name)
           for section, names in SECTIONS.items() for name in names}
@@ -262,6 +263,8 @@ def _check(name: str, value: Any, where: str) -> Any:
         return tuple(s.strip() for s in spans)
     if name == "slowdown":
         return n(minimum=1.0)
+    if name == "link_mbps":
+        return None if value is None else n(strict=True, off=True)
     if name == "stall":
         if value is None:
             return None

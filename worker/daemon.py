@@ -47,6 +47,8 @@ from ..common.security import ClientKeys
 from ..common.tensors import blob_chunks, to_blob
 from .engine import Cancelled, Engine, Outcome, Work
 from .idle import Decision, IdlePolicy, PolicyConfig, Readings
+from .compress import ErrorFeedback
+from .link import ShapedSocket
 from .probes import Probes
 
 log = logging.getLogger("idlegrad.worker")
@@ -70,6 +72,7 @@ class WorkerConfig:
     stall: Optional[tuple[float, float]] = None  # fault injection: (probability, seconds)
     poison: Optional[tuple[str, float]] = None  # fault injection: (kind, factor), engine.parse_poison
     keys: Optional[ClientKeys] = None  # CURVE: the coordinator's pinned key and this worker's pair
+    link_mbps: Optional[float] = None  # link emulation (link.py): Mbit/s each way; None: off
 
 
 class _Rehello(Exception):
@@ -127,6 +130,7 @@ class Worker:
         self._unacked: dict[int, proto.Result] = {}
         # slot -> (its gradient buffer, trackers of its sends): back to the engine once dropped
         self._held: dict[int, tuple[torch.Tensor, list]] = {}
+        self._wire = ErrorFeedback()  # results as the coordinator wants them (welcome)
         uses_gpu = self.device.type == "cuda"
         self.policy = IdlePolicy(dataclasses.replace(config.policy, uses_gpu=uses_gpu))
         self.probes = Probes(ignore_niced=config.cpu_ignore_niced,
@@ -197,6 +201,8 @@ class Worker:
         if self.config.keys is not None:
             self.config.keys.apply(sock)
         sock.connect(self.config.coordinator)
+        if self.config.link_mbps:
+            return ShapedSocket(sock, self.config.link_mbps)
         return sock
 
     def _hello(self) -> proto.Hello:
@@ -257,6 +263,7 @@ class Worker:
             self._built_for = key
         self.heartbeat_s = welcome.heartbeat_s
         self.liveness = welcome.liveness
+        self._wire = ErrorFeedback(welcome.result_dtype)
         if self.built.fingerprint != welcome.fingerprint:
             log.error("job fingerprint %s differs from the coordinator's %s",
                       self.built.fingerprint, welcome.fingerprint)
@@ -383,7 +390,8 @@ class Worker:
     def _keep_result(self, outcome: Outcome) -> proto.Result:
         result = proto.Result(
             slot=outcome.slot, version=outcome.version, samples=outcome.samples,
-            loss=outcome.loss, compute_s=outcome.compute_s, gradient=to_blob(outcome.gradient))
+            loss=outcome.loss, compute_s=outcome.compute_s,
+            gradient=to_blob(self._wire.encode(outcome.gradient)))
         self._drop_results([outcome.slot])  # a recomputed slot replaces its older result
         self._unacked[outcome.slot] = result
         self._held[outcome.slot] = (outcome.gradient, [])
@@ -488,7 +496,8 @@ class Worker:
             # The coordinator thinks we hold a model we do not: start the session afresh.
             self._forget_session()
             raise _Rehello()
-        work = Work(task.slot, task.version, self._cache[1], task.parts, task.coefficients)
+        work = Work(task.slot, task.version, self._cache[1], task.parts, task.coefficients,
+                    task.kind, task.steps)
         try:
             self.engine.check(work)
         except ValueError as exc:

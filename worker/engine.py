@@ -35,6 +35,8 @@ class Work:
     params: torch.Tensor | Sequence[torch.Tensor]
     parts: Sequence[Sequence[int]]  # [epoch, offset, count] each
     coefficients: Sequence[float]
+    kind: str = "gradient"  # "local": `steps` inner steps of the job's optimizer (compute_local)
+    steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ class Engine:
                 running: Optional[threading.Event] = None) -> Outcome:
         """The slot's coded gradient. `running`: a gate, set while computing is allowed; when it
         is clear the engine waits at the next micro-batch boundary (until set, or cancelled)."""
+        if work.kind == "local":
+            return self.compute_local(work, cancel, running)
         start = time.perf_counter()
         paused_s = 0.0
         model = self.built.model
@@ -130,6 +134,56 @@ class Engine:
         """Hand back an outcome's gradient, to be reused once every tracker (of its zero-copy
         sends) is done."""
         self._gradients.give(gradient, trackers)
+    def compute_local(self, work: Work, cancel: threading.Event,
+                      running: Optional[threading.Event] = None) -> Outcome:
+        """`work.steps` inner steps of the job's optimizer over the slot's one part, from the
+        model at `work.version`; the outcome's `gradient` is coefficient * samples * (start -
+        end), the slot's summed outer gradient (coordinator/outer.py).
+
+        The optimizer is built afresh for every slot: a slot is then a pure function of (model,
+        samples), so replicas agree, any worker can take any slot, and a worker that leaves loses
+        nothing the next one needs. Carried inner state (Adam's moments) would have been computed
+        on an older model, and would be lost whenever the fleet changes."""
+        start = time.perf_counter()
+        paused_s = 0.0
+        model = self.built.model
+        initial = work.params if isinstance(work.params, torch.Tensor) else torch.cat(list(work.params))
+        self._loaded = None  # the inner steps move the model away from any params object
+        model.load(initial)
+        model.module.train()
+        optimizer = self.built.job.build_optimizer(model.module.parameters())
+        (epoch, offset, count), = work.parts
+        (coefficient,) = work.coefficients
+        indices = part_indices(self.seed, len(self.built.train), epoch, offset, count)
+        steps = max(1, min(work.steps, count)) if count else 0
+        loss_sum, samples = 0.0, 0
+        for step in range(steps):
+            lo, hi = count * step // steps, count * (step + 1) // steps
+            model.grads.zero_()
+            position = lo
+            while position < hi:  # one inner step, in micro-batches: cancel and pause stay prompt
+                if cancel.is_set():
+                    raise Cancelled()
+                if running is not None and not running.is_set():
+                    paused_s += self._wait(running, cancel)
+                chunk = indices[position:min(hi, position + self.micro_batch)]
+                t0 = time.perf_counter()
+                batch = batch_to(gather(self.built.train, chunk), self.device)
+                loss = self.built.job.loss(model.module, batch)
+                (loss * (len(chunk) / (hi - lo))).backward()  # the step's mean loss
+                loss_sum += float(loss.detach()) * len(chunk)
+                samples += len(chunk)
+                position += len(chunk)
+                self._observe(len(chunk), time.perf_counter() - t0)
+            optimizer.step()
+        injected = self._injected_delay(time.perf_counter() - start - paused_s)
+        if injected > 0:
+            paused_s += self._sleep(injected, cancel, running)
+        change = initial.to(model.params.device, copy=True).sub_(model.params)
+        change.mul_(coefficient * samples)
+        return Outcome(work.slot, work.version, change.to("cpu"), samples,
+                       loss_sum / samples if samples else 0.0,
+                       max(0.0, time.perf_counter() - start - paused_s))
 
     INJECT_STEP_S = 0.05  # injected delays sleep in steps this small: cancel and pause stay prompt
 

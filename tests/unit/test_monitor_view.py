@@ -180,6 +180,13 @@ def test_summary_and_json():
     assert len(out["events"]) == 20 and out["workers"] == snap["workers"]
 
 
+def test_summary_shows_local_task_and_wire_bytes():
+    rows = dict(view.summary_rows(snapshot()))
+    assert "task" not in rows and "wire" not in rows  # gradient mode, older coordinators
+    rows = dict(view.summary_rows(snapshot(task="local:10", bytes_per_sample=2048.0)))
+    assert rows["task"] == "local:10" and rows["wire"] == "2.0 KiB/sample"
+
+
 @pytest.mark.parametrize("value,text", [
     (None, "-"), (3, "3"), (12345, "12,345"), (0.25, "0.250"), (0.00012, "1.2e-04"), (0.0, "0.000"),
     (123.45, "123.5"), (4567.8, "4,568"), (float("nan"), "-"), (True, "True"), ("x", "x")])

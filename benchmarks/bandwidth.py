@@ -1,0 +1,282 @@
+"""Volunteers on slow links (issue 9): gradient tasks against local-SGD tasks at 10 Mbit/s.
+
+Four workers, each behind an emulated link of `--mbps` (10) Mbit/s each way (the worker's
+`--link-mbps`: a token bucket per direction around its socket), train the built-in `synthetic`
+job with a model of `--params` (1M: 4 MB of float32 per model or change, 3.2 s per transfer at
+10 Mbit/s) and its SGD (lr 0.05, momentum 0.9, batch 64). Modes, each its own coordinator and
+workers, run one after another (order alternating across `--runs`, the machine being shared):
+
+- `gradient`: a slot is the coded gradient of a batch, the coordinator steps the job's optimizer;
+- `local:10`, `local:50`: a slot is 10 / 50 inner steps of the job's optimizer on a worker, the
+  coordinator applies the outer optimizer to the change (`--task local:H`);
+- `local:auto`: H sized per worker from its measured speed so that a slot takes `--slot-s`
+  seconds of compute: by default 3 model round trips at the link's speed (19.2 s for 1M params
+  at 10 Mbit/s), so that each slot keeps the link busy for at most a quarter of its time.
+
+Every mode runs the same `--epochs` (3: the same samples) with the coordinator's default
+asynchronous rounds of one slot, `--no-speculate` (speculation predicts task times from compute
+alone, so on slow links every task would look late and be duplicated), `--heartbeat 4` (a 4 MB
+transfer holds the link for seconds, and heartbeats queue behind it) and 2 credits per worker. Time to target is the wall time (since the coordinator's bind,
+process start-up excluded: the workers are already knocking) of the first evaluation at or above
+`--target`; the final metric is the test accuracy after the last sample, the same sample count
+for every mode. A mode is given up after `--max-wall` seconds of training (its time to target
+is then unknown, and the ratio a bound). Bytes per sample: wire bytes, both ways, over samples
+applied, from the coordinator's metrics at the target (or at the end).
+
+It prints a table of medians, writes a PNG of test accuracy against time (first run of each
+mode) and, with `--json`, one JSON object last:
+{"modes": {"<mode>": {"time_to_target_s": ..., "reached": bool, "bytes_per_sample": ...}}}.
+
+    nice -n 19 python benchmarks/bandwidth.py --runs 3 --plot bandwidth.png --json
+
+Every process it starts is stopped and reaped by PID (idlegrad.cli.processes.stop, through
+stragglers.Run), also on Ctrl-C and on failure; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from stragglers import Run, curve, fmt, med, read_metrics  # noqa: E402  (one harness, not two)
+
+MODES = ["gradient", "local:10", "local:50", "local:auto"]
+WORKERS = ["w1", "w2", "w3", "w4"]
+
+
+def coordinator_args(mode: str, args, address: str, ckpt: Path) -> list[str]:
+    return ["coordinator", "--bind", address, "--job", "synthetic",
+            "--job-arg", f"params={args.params}", "--task", mode,
+            "--local-slot-s", f"{args.slot_s:.3f}", "--epochs", str(args.epochs),
+            "--seed", str(args.seed), "--eval-every", str(args.eval_every),
+            "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3600", "--threads", "1",
+            # a 4 MB transfer holds a slow link for seconds, heartbeats queue behind it
+            "--heartbeat", str(args.heartbeat), "--task-timeout", "120",
+            # speculation predicts a task's time from compute alone; on a slow link every task
+            # would look late and be duplicated, doubling the traffic the links cannot carry
+            "--no-speculate", "--log-level", "warning"]
+
+
+def worker_args(name: str, address: str, args) -> list[str]:
+    return ["worker", "--coordinator", address, "--id", name, "--threads", "1", "--device", "cpu",
+            "--no-idle-policy", "--connect-timeout", "60", "--link-mbps", str(args.mbps),
+            "--log-level", "warning"]
+
+
+def run_mode(mode: str, args, directory: Path) -> dict:
+    from idlegrad.cli.processes import free_port, wait_for_hellos
+
+    directory.mkdir(parents=True, exist_ok=True)
+    ckpt = directory / "ckpt"
+    address = f"tcp://127.0.0.1:{free_port()}"
+    run = Run(directory)
+    note = ""
+    try:
+        workers = [run.spawn_idlegrad(n, worker_args(n, address, args)) for n in WORKERS]
+        wait_for_hellos(address, WORKERS, workers, timeout=120)
+        coordinator = run.spawn_idlegrad("coordinator", coordinator_args(mode, args, address, ckpt))
+        end = time.monotonic() + args.max_wall + 60  # + start-up
+        while coordinator.poll() is None and time.monotonic() < end:
+            records = read_metrics(ckpt / "metrics.jsonl")
+            if records and float(records[-1]["elapsed"]) > args.max_wall:
+                note = f"stopped at the {args.max_wall:g}s cap"
+                break
+            time.sleep(1.0)
+        if coordinator.poll() is None and not note:
+            note = "stopped at the wall-clock limit"
+    finally:
+        run.close()
+    return summarize(read_metrics(ckpt / "metrics.jsonl"), args.target, note)
+
+
+def summarize(records: list[dict], target: float, note: str) -> dict:
+    evals = [r for r in records if (r.get("metrics") or {}).get("accuracy") is not None]
+    hit = next((r for r in evals if r["metrics"]["accuracy"] >= target), None)
+    last = evals[-1] if evals else {}
+    at = hit or last
+    final = [r for r in records if r.get("final")]
+    return {
+        "reached": hit is not None,
+        "time_to_target_s": float(hit["elapsed"]) if hit else None,
+        "samples_to_target": hit["samples"] if hit else None,
+        "bytes_per_sample": at.get("bytes_per_sample"),
+        "final_accuracy": last.get("metrics", {}).get("accuracy"),
+        "final_samples": last.get("samples"),
+        "finished": bool(final and final[-1].get("reason") == "epochs"),
+        "wall_s": float(last.get("elapsed", 0.0)) if last else None,
+        "notes": note, "curve": curve(records),
+        "samples_curve": [(r["samples"], r["metrics"]["accuracy"]) for r in evals],
+    }
+
+
+def accuracy_at(samples_curve: list, samples: float):
+    """The accuracy of the last evaluation at or before `samples` samples."""
+    before = [a for n, a in samples_curve if n <= samples]
+    return before[-1] if before else None
+
+
+def aggregate(runs: dict[str, list[dict]]) -> dict:
+    out = {}
+    for mode, rs in runs.items():
+        if not rs:
+            continue
+        reached = sum(r["reached"] for r in rs) * 2 > len(rs)  # a median exists
+        times = sorted((r["time_to_target_s"] if r["reached"] else float("inf")) for r in rs)
+        t = times[len(times) // 2]
+        out[mode] = {
+            "time_to_target_s": t if reached and t != float("inf") else None,
+            "reached": reached,
+            "bytes_per_sample": med([r["bytes_per_sample"] for r in rs]),
+            "final_accuracy": med([r["final_accuracy"] for r in rs]),
+            "final_samples": med([r["final_samples"] for r in rs]),
+            "runs_time_to_target_s": [r["time_to_target_s"] for r in rs],
+            "runs_final_accuracy": [r["final_accuracy"] for r in rs],
+            "runs_wall_s": [r["wall_s"] for r in rs],
+        }
+    grad = out.get("gradient", {})
+    for mode, m in out.items():
+        t, g = m["time_to_target_s"], grad.get("time_to_target_s")
+        m["speedup_vs_gradient"] = (g / t) if (t and g) else None
+        if t and not g and grad:  # gradient never reached it: a lower bound from its wall time
+            m["speedup_vs_gradient_at_least"] = med(grad["runs_wall_s"]) / t
+        # Accuracy at the same sample count: where gradient mode's median run ended.
+        if grad.get("final_samples") and mode != "gradient":
+            same = med([accuracy_at(r["samples_curve"], grad["final_samples"])
+                        for r in runs[mode]])
+            m["accuracy_at_gradient_samples"] = same
+            m["gap_vs_gradient_points"] = (
+                100 * (same - grad["final_accuracy"]) if same is not None
+                and grad.get("final_accuracy") is not None else None)
+    fixed = [out[m]["time_to_target_s"] for m in ("local:10", "local:50")
+             if m in out and out[m]["time_to_target_s"]]
+    if "local:auto" in out and fixed and out["local:auto"]["time_to_target_s"]:
+        out["local:auto"]["ratio_to_best_fixed"] = out["local:auto"]["time_to_target_s"] / min(fixed)
+    return out
+
+
+def print_table(summary: dict, runs: int) -> None:
+    print(f"\nmedians of {runs} run(s); times from the start of training (start-up excluded)")
+    print(f"{'mode':<11} {'reached':>7} {'t_target_s':>10} {'x_gradient':>10} {'KiB/sample':>10} "
+          f"{'final_acc':>9} {'samples':>8} {'acc@grad_n':>10}")
+    for mode in MODES:
+        m = summary.get(mode)
+        if m is None:
+            continue
+        speed = m.get("speedup_vs_gradient")
+        speed_text = fmt(speed, ".1f") if speed else (
+            ">" + fmt(m["speedup_vs_gradient_at_least"], ".1f")
+            if m.get("speedup_vs_gradient_at_least") else "-")
+        kib = m["bytes_per_sample"] / 1024 if m["bytes_per_sample"] is not None else None
+        print(f"{mode:<11} {str(m['reached']):>7} {fmt(m['time_to_target_s'], '.1f'):>10} "
+              f"{speed_text:>10} {fmt(kib, '.1f'):>10} {fmt(m['final_accuracy'], '.3f'):>9} "
+              f"{fmt(m['final_samples'], '.0f'):>8} "
+              f"{fmt(m.get('accuracy_at_gradient_samples'), '.3f'):>10}")
+    auto = summary.get("local:auto", {}).get("ratio_to_best_fixed")
+    if auto:
+        print(f"local:auto / best fixed H: {auto:.2f}")
+
+
+def plot(runs: dict[str, list[dict]], path: str, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 6))
+    for i, mode in enumerate(MODES):
+        rs = runs.get(mode)
+        if not rs or not rs[0]["curve"]:
+            continue
+        xs, ys = zip(*rs[0]["curve"])
+        t = rs[0]["time_to_target_s"]
+        label = f"{mode} ({t:.1f} s)" if t is not None else f"{mode} (not reached)"
+        ax.plot(xs, ys, f"C{i}-", label=label, linewidth=1.6)
+    ax.axhline(args.target, color="grey", linewidth=0.8, linestyle="-.")
+    ax.text(0.0, args.target, f" target {args.target:g}", va="bottom", color="grey")
+    ax.set_xscale("log")
+    ax.set_xlabel("wall time since training started (s, log scale)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(f"synthetic ~{args.params / 1e6:g}M params, {len(WORKERS)} workers behind "
+                 f"emulated {args.mbps:g} Mbit/s links, {args.epochs} epochs\n"
+                 "(first run of each mode)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=1, help="runs per mode; medians are reported")
+    parser.add_argument("--modes", default=",".join(MODES), help="subset of " + ",".join(MODES))
+    parser.add_argument("--mbps", type=float, default=10.0, help="each worker's link, each way")
+    parser.add_argument("--params", type=int, default=1_000_000)
+    parser.add_argument("--epochs", type=int, default=3, help="samples every mode trains on")
+    parser.add_argument("--target", type=float, default=0.75, help="test accuracy to reach")
+    parser.add_argument("--slot-s", type=float, default=None,
+                        help="local:auto's compute seconds per slot (default: 3 model round "
+                             "trips at --mbps, so the link is busy at most a quarter of a slot)")
+    parser.add_argument("--eval-every", type=float, default=1.0)
+    parser.add_argument("--heartbeat", type=float, default=4.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-wall", type=float, default=300.0,
+                        help="give a mode up after this many seconds of training")
+    parser.add_argument("--plot", default="bandwidth.png")
+    parser.add_argument("--dir", default=None, help="keep logs and metrics here (default: a temp dir)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.slot_s is None:
+        round_trip_s = 2 * args.params * 4 / (args.mbps * 1e6 / 8)  # float32 model down, change up
+        args.slot_s = 3 * round_trip_s
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}")
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_term)
+
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="idlegrad-bandwidth-"))
+    base.mkdir(parents=True, exist_ok=True)
+    print(f"logs and metrics under {base}; local:auto slot {args.slot_s:.1f} s", flush=True)
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    print(f"{'run':>3} {'mode':<11} {'reached':>7} {'t_target_s':>10} {'KiB/sample':>10} "
+          f"{'final_acc':>9} {'samples':>8} {'wall_s':>7}  notes", flush=True)
+    try:
+        for i in range(args.runs):
+            order = modes if i % 2 == 0 else list(reversed(modes))
+            for mode in order:
+                r = run_mode(mode, args, base / f"run{i + 1}" / mode.replace(":", ""))
+                runs[mode].append(r)
+                kib = r["bytes_per_sample"] / 1024 if r["bytes_per_sample"] is not None else None
+                print(f"{i + 1:>3} {mode:<11} {str(r['reached']):>7} "
+                      f"{fmt(r['time_to_target_s'], '.1f'):>10} {fmt(kib, '.1f'):>10} "
+                      f"{fmt(r['final_accuracy'], '.3f'):>9} {fmt(r['final_samples'], '.0f'):>8} "
+                      f"{fmt(r['wall_s'], '.0f'):>7}  {r['notes']}", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted: every process started was stopped", file=sys.stderr)
+        sys.exit(130)
+    summary = aggregate(runs)
+    print_table(summary, args.runs)
+    if args.plot:
+        plot(runs, args.plot, args)
+        print(f"plot: {os.path.abspath(args.plot)}")
+    if args.json:
+        print(json.dumps({"modes": {m: summary[m] for m in modes if m in summary},
+                          "target": {"accuracy": args.target}, "runs": args.runs,
+                          "mbps": args.mbps, "params": args.params, "slot_s": args.slot_s}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""Local-SGD tasks (issue 9): `--task` parsing, H sizing, the refused combinations, the outer step
+against a plain reference, the worker's inner steps against a plain reference, and rounds sized
+for the worker that opens them."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from idlegrad.common import protocol as proto
+from idlegrad.common.coding import Redundancy, parse_redundancy
+from idlegrad.common.errors import ConfigError, ProtocolError
+from idlegrad.common.job import FlatModel, build, gather, load_job
+from idlegrad.common.permutation import part_indices
+from idlegrad.coordinator import outer
+from idlegrad.coordinator.aggregator import Aggregator, StalenessRule
+from idlegrad.coordinator.local import (
+    TaskMode, check_redundancy, inner_steps, parse_task)
+from idlegrad.coordinator.sampler import Sampler
+from idlegrad.coordinator.scheduler import Assign, Scheduler, SchedulerConfig
+from idlegrad.worker.engine import Cancelled, Engine, Work
+
+
+def one_line(exc) -> str:
+    text = str(exc.value)
+    assert text and "\n" not in text
+    return text
+
+
+# --task ------------------------------------------------------------------------------------------
+
+
+def test_parse_task_kinds():
+    assert parse_task("gradient") == TaskMode() and not parse_task("gradient").local
+    fixed = parse_task("local:10")
+    assert fixed.local and not fixed.auto and fixed.steps == 10 and str(fixed) == "local:10"
+    auto = parse_task(" LOCAL:auto ", slot_s=2.0, max_steps=50)
+    assert auto.auto and str(auto) == "local:auto" and auto.slot_s == 2.0 and auto.max_steps == 50
+
+
+@pytest.mark.parametrize("text", ["", "local", "local:", "local:0", "local:-3", "local:1.5",
+                                  "local:10001", "sgd:3", "gradient:2", "local:autox"])
+def test_parse_task_refuses_in_one_line(text):
+    with pytest.raises(ConfigError) as exc:
+        parse_task(text)
+    assert "--task" in one_line(exc)
+
+
+def test_parse_task_refuses_bad_bounds():
+    with pytest.raises(ConfigError):
+        parse_task("local:auto", max_steps=1, min_steps=2)
+    with pytest.raises(ConfigError):
+        parse_task("local:auto", slot_s=0)
+
+
+# H sizing ----------------------------------------------------------------------------------------
+
+
+def test_fixed_steps_ignore_speed():
+    mode = parse_task("local:10")
+    assert mode.steps_for(None, 32) == mode.steps_for(1e-6, 32) == mode.steps_for(1.0, 32) == 10
+    assert mode.slot_samples(0.5, 32) == 320
+
+
+def test_auto_steps_give_every_worker_the_same_slot_time():
+    mode = parse_task("local:auto", slot_s=4.0, max_steps=500)
+    batch = 32
+    for s_per_sample in (1e-3, 3e-3, 1e-2):
+        steps = mode.steps_for(s_per_sample, batch)
+        assert steps * batch * s_per_sample == pytest.approx(4.0, rel=0.05)
+    fast, slow = mode.steps_for(1e-3, batch), mode.steps_for(1e-2, batch)
+    assert fast == pytest.approx(10 * slow, rel=0.05)
+
+
+def test_auto_steps_are_bounded_and_start_small():
+    mode = parse_task("local:auto", slot_s=4.0, min_steps=2, max_steps=100)
+    assert mode.steps_for(1e-9, 32) == 100  # a very fast worker: capped
+    assert mode.steps_for(10.0, 32) == 2  # a very slow one: at least the floor
+    assert mode.steps_for(None, 32) == 32  # unmeasured: a first slot worth its download
+    assert parse_task("local:auto", max_steps=10).steps_for(None, 32) == 10
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        assert 2 <= mode.steps_for(bad, 32) <= 100
+
+
+def test_inner_steps_of_a_short_slot():
+    assert inner_steps(320, 32) == 10
+    assert inner_steps(321, 32) == 11  # a partial last step, never smaller ones
+    assert inner_steps(5, 32) == 1
+    assert inner_steps(0, 32) == 1
+
+
+# refused combinations ----------------------------------------------------------------------------
+
+
+def test_local_refuses_gradient_coding_adaptive_and_sync_in_one_line():
+    mode = parse_task("local:10")
+    for text, sync, word in (("cyclic:1", False, "cyclic"), ("adaptive", False, "adaptive"),
+                             ("none", True, "--sync")):
+        with pytest.raises(ConfigError) as exc:
+            check_redundancy(mode, parse_redundancy(text), sync)
+        assert word in one_line(exc)
+    check_redundancy(mode, parse_redundancy("replicate:2"))  # replication is fine
+    check_redundancy(mode, Redundancy())
+    check_redundancy(parse_task("gradient"), parse_redundancy("cyclic:2"), True)  # not local
+
+
+# the outer step ----------------------------------------------------------------------------------
+
+
+def reference_outer(params, changes, samples, staleness, lr, momentum, rule):
+    """Nesterov SGD written out by hand, on plain Python floats: for each round,
+    g = change / samples, v = m v + g, p -= lr * w(tau) * (g + m v)."""
+    p = [float(x) for x in params]
+    v = [0.0] * len(p)
+    for change, n, tau in zip(changes, samples, staleness):
+        w = rule.weight(tau)
+        g = [float(c) / n for c in change]
+        v = [momentum * vi + gi for vi, gi in zip(v, g)]
+        p = [pi - lr * w * (gi + momentum * vi) for pi, gi, vi in zip(p, g, v)]
+    return p
+
+
+def test_outer_step_matches_a_plain_reference():
+    torch.manual_seed(0)
+    model = FlatModel(torch.nn.Linear(3, 2))
+    start = model.params.clone()
+    config = outer.OuterConfig(lr=0.7, momentum=0.9)
+    rule = StalenessRule("inverse", 8)
+    aggregator = Aggregator(model, outer.build(model.module.parameters(), config), rule)
+    changes = [torch.randn(model.numel, dtype=torch.float64).float() for _ in range(4)]
+    samples = [64, 32, 64, 96]
+    versions = [0, 0, 1, 3]  # the round's planned version: staleness 0, 1, 1, 0
+    taus = []
+    for change, n, v in zip(changes, samples, versions):
+        taus.append(aggregator.version - v)
+        assert aggregator.apply(change.clone(), n, v) == rule.weight(taus[-1])
+    expected = reference_outer(start, changes, samples, taus, 0.7, 0.9, rule)
+    assert torch.allclose(model.params, torch.tensor(expected), atol=1e-5)
+    assert aggregator.version == 4
+
+
+def test_outer_lr_one_without_momentum_lands_on_the_workers_model():
+    """Plain local SGD: a round of one slot moves the model to where the worker's steps ended."""
+    model = FlatModel(torch.nn.Linear(4, 1))
+    start = model.params.clone()
+    worker_end = start + torch.linspace(-1, 1, model.numel)
+    aggregator = Aggregator(model, outer.build(model.module.parameters(),
+                                               outer.OuterConfig(lr=1.0, momentum=0.0)),
+                            StalenessRule())
+    samples = 48
+    aggregator.apply((start - worker_end) * samples, samples, 0)
+    assert torch.allclose(model.params, worker_end, atol=1e-6)
+
+
+def test_outer_config_refuses_bad_values():
+    with pytest.raises(ConfigError):
+        outer.OuterConfig(lr=0)
+    with pytest.raises(ConfigError):
+        outer.OuterConfig(momentum=1.0)
+
+
+# the worker's inner steps ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def digits_built():
+    return build(load_job("digits", {"hidden": 16, "batch_size": 8}), seed=0)
+
+
+def reference_local(built, seed, params, part, steps):
+    """H steps of the job's optimizer on a fresh copy of the model, the plain way."""
+    module = built.job.build_model()
+    torch.nn.utils.vector_to_parameters(params.clone(), module.parameters())
+    optimizer = built.job.build_optimizer(module.parameters())
+    epoch, offset, count = part
+    indices = part_indices(seed, len(built.train), epoch, offset, count)
+    for step in range(steps):
+        chunk = indices[count * step // steps:count * (step + 1) // steps]
+        optimizer.zero_grad()
+        built.job.loss(module, gather(built.train, chunk)).backward()
+        optimizer.step()
+    return torch.nn.utils.parameters_to_vector(module.parameters()).detach()
+
+
+@pytest.mark.parametrize("micro_batch", [3, 64])  # micro-batches split a step, or hold several
+def test_local_slot_is_h_steps_of_the_jobs_optimizer(digits_built, micro_batch):
+    engine = Engine(digits_built, seed=5, device=torch.device("cpu"))
+    engine.micro_batch = micro_batch
+    engine._observe = lambda *a: None  # keep the micro-batch size fixed for the test
+    params = digits_built.model.params.clone()
+    kept = params.clone()
+    part = [1, 16, 40]
+    out = engine.compute(Work(7, 3, params, [part], [1.0], kind="local", steps=5),
+                         threading.Event())
+    end = reference_local(digits_built, 5, params, part, 5)
+    assert out.slot == 7 and out.version == 3 and out.samples == 40
+    assert torch.allclose(out.gradient, (params - end) * 40, atol=1e-4)
+    assert torch.equal(params, kept)  # the worker's cached model is not what the steps moved
+    again = engine.compute(Work(8, 3, params, [part], [1.0], kind="local", steps=5),
+                           threading.Event())
+    assert torch.equal(again.gradient, out.gradient)  # fresh inner state: replicas agree
+
+
+def test_local_slot_cancel(digits_built):
+    engine = Engine(digits_built, seed=5, device=torch.device("cpu"))
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(Cancelled):
+        engine.compute(Work(1, 0, digits_built.model.params.clone(), [[0, 0, 40]], [1.0],
+                            kind="local", steps=5), cancel)
+
+
+# the wire ----------------------------------------------------------------------------------------
+
+
+def test_task_kind_and_steps_round_trip_and_default_to_gradient():
+    task = proto.Task(slot=1, round=1, version=2, parts=[[0, 0, 64]], coefficients=[1.0],
+                      deadline_s=5.0, kind="local", steps=4)
+    assert proto.decode(proto.encode(task)) == task
+    plain = proto.Task(slot=1, round=1, version=2, parts=[[0, 0, 64]], coefficients=[1.0],
+                       deadline_s=5.0)
+    assert plain.kind == "gradient" and proto.decode(proto.encode(plain)).kind == "gradient"
+
+
+@pytest.mark.parametrize("fields", [
+    {"kind": "magic", "steps": 1},
+    {"kind": "local", "steps": 0},
+    {"kind": "local", "steps": -1},
+    {"kind": "local", "steps": 2, "parts": [[0, 0, 8], [0, 8, 8]], "coefficients": [1.0, 1.0]},
+])
+def test_bad_local_tasks_are_protocol_errors(fields):
+    base = dict(slot=1, round=1, version=0, parts=[[0, 0, 8]], coefficients=[1.0], deadline_s=1.0)
+    frames = proto.encode(proto.Task(**{**base, **fields}))
+    with pytest.raises(ProtocolError):
+        proto.decode(frames)
+
+
+# rounds sized per worker -------------------------------------------------------------------------
+
+
+def test_rounds_are_sized_for_the_worker_that_opens_them():
+    mode = parse_task("local:auto", slot_s=1.0, min_steps=1, max_steps=100)
+    s = Scheduler(SchedulerConfig(batch_size=8), Sampler(100_000, None))
+    s.slot_samples = lambda s_per_sample: mode.slot_samples(s_per_sample, 8)
+    for worker in ("fast", "slow"):
+        s.join(worker, {}, 0.0)
+    first = [a for a in s.ready("fast", 1, 0.0) + s.ready("slow", 1, 0.0) if isinstance(a, Assign)]
+    assert [sum(p[2] for p in a.parts) for a in first] == [256, 256]  # 32 steps, unmeasured
+    sizes = {}
+    for a in first:
+        per_sample = 1e-3 if a.worker == "fast" else 1e-2
+        ok, actions = s.result(a.worker, a.slot, per_sample * 256, 1.0)
+        assert ok
+        actions += s.applied(s.version + 1, 1.0)
+        for b in actions:
+            if isinstance(b, Assign):
+                sizes[b.worker] = sum(p[2] for p in b.parts)
+    # one second of compute each: 125 steps capped at 100 for the fast one, 12.5 -> 12 steps
+    assert sizes == {"fast": 100 * 8, "slow": 12 * 8}
+
+
+# wire economy: bfloat16 results with error feedback ------------------------------------------------
+
+
+def test_float32_results_travel_untouched():
+    from idlegrad.worker.compress import ErrorFeedback
+
+    change = torch.randn(100)
+    assert ErrorFeedback("float32").encode(change) is change
+
+
+def test_bfloat16_with_error_feedback_tracks_the_true_sum():
+    from idlegrad.worker.compress import ErrorFeedback
+
+    torch.manual_seed(1)
+    wire = ErrorFeedback("bfloat16")
+    # a small steady drift under noise: plain rounding loses the drift, feedback keeps it
+    changes = [1.0 + 1e-3 + 1e-4 * torch.randn(1000) for _ in range(200)]
+    sent = [wire.encode(c) for c in changes]
+    assert all(s.dtype == torch.bfloat16 for s in sent)
+    true_sum = torch.stack(changes).sum(0)
+    fed_back = torch.stack([s.float() for s in sent]).sum(0)
+    plain = torch.stack([c.to(torch.bfloat16).float() for c in changes]).sum(0)
+    one_rounding = 2 ** -8 * 1.01  # bfloat16's spacing just above 1
+    assert (fed_back - true_sum).abs().max() <= one_rounding
+    assert (plain - true_sum).abs().max() > 10 * one_rounding  # what the feedback prevents
+    assert torch.allclose(wire.residual, true_sum - fed_back, atol=1e-4)
+
+
+def test_unknown_result_dtype():
+    from idlegrad.worker.compress import ErrorFeedback
+
+    with pytest.raises(ValueError):
+        ErrorFeedback("int4")
+    welcome = proto.Welcome(job="digits", job_args={}, fingerprint="f", seed=0, heartbeat_s=1.0,
+                            liveness=3, result_dtype="int4")
+    with pytest.raises(ProtocolError):
+        proto.decode(proto.encode(welcome))
+    ok = dict(welcome.__dict__, result_dtype="bfloat16")
+    assert proto.decode(proto.encode(proto.Welcome(**ok))).result_dtype == "bfloat16"
+
+
+# checkpoints across task kinds ---------------------------------------------------------------------
+
+
+def test_a_checkpoint_resumes_across_task_kinds_without_mixing_optimizer_state(tmp_path):
+    from idlegrad.coordinator.server import Coordinator, CoordinatorConfig
+
+    ckpt = str(tmp_path / "ckpt")
+    config = dict(job="digits", job_args={"hidden": 8}, checkpoint_dir=ckpt, threads=1)
+    first = Coordinator(CoordinatorConfig(**config))  # gradient tasks: the job's Adam
+    first.model.params.add_(0.5)
+    first.save_checkpoint()
+    second = Coordinator(CoordinatorConfig(**config, task="local:4",
+                                           outer=outer.OuterConfig(lr=0.8, momentum=0.5)))
+    assert torch.equal(second.model.params, first.model.params)
+    assert isinstance(second.optimizer, torch.optim.SGD)
+    group = second.optimizer.param_groups[0]
+    assert group["lr"] == 0.8 and group["momentum"] == 0.5  # not Adam's lr from the checkpoint
+    second.aggregator.apply(torch.ones(second.model.numel), 1, 0)  # momentum state to carry
+    second.save_checkpoint()
+    third = Coordinator(CoordinatorConfig(**config, task="local:auto",
+                                          outer=outer.OuterConfig(lr=0.8, momentum=0.5)))
+    assert third.optimizer.state_dict()["state"]  # same kind: the outer momentum is carried
+    fourth = Coordinator(CoordinatorConfig(**config))
+    assert isinstance(fourth.optimizer, torch.optim.Adam) and not fourth.optimizer.state_dict()["state"]
