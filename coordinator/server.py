@@ -390,22 +390,22 @@ class Coordinator:
                     waiting.add(self._verifying)
                 await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if recv.done():
-                    self._handling = True
-                    try:
-                        await self._handle(recv.result())
-                        for _ in range(256):  # drain what is queued before the periodic work
-                            try:
-                                frames = self._direct.recv_multipart(zmq.NOBLOCK, copy=False)
-                            except zmq.Again:
-                                break
-                            await self._handle(frames)
-                    finally:
-                        self._handling = False
+                    await self._handle_batch(recv.result())
                     recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
                 if self._verifying is not None and self._verifying.done():
                     await self._settle()
                 now = time.monotonic()
                 if now >= next_tick:
+                    # What arrived while the loop was not looking (a frozen or busy coordinator)
+                    # is handled before silence is judged: workers knocking at the door are not
+                    # evicted for the coordinator's own absence.
+                    if recv.done():
+                        await self._handle_batch(recv.result())
+                    else:
+                        recv.cancel()  # a pending receive holds no message: nothing is lost
+                        await self._handle_batch(None)
+                    recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
+                    now = time.monotonic()
                     await self._perform(self.scheduler.tick(now))
                     next_tick = now + tick_every
                 if eval_task is not None and eval_task.done():
@@ -428,6 +428,22 @@ class Coordinator:
                 await asyncio.wait({eval_task})
             if self._verifying is not None:
                 await asyncio.wait({self._verifying})
+
+    async def _handle_batch(self, first: Optional[list]) -> None:
+        """Handle `first` (if any) and what else is queued, up to a bound, through the plain
+        view of the socket: no receive is pending meanwhile."""
+        self._handling = True
+        try:
+            if first is not None:
+                await self._handle(first)
+            for _ in range(256):  # the periodic work must not wait behind a flood
+                try:
+                    frames = self._direct.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                await self._handle(frames)
+        finally:
+            self._handling = False
 
     async def _finish(self) -> None:
         if self.stop_reason != "interrupted":
