@@ -26,6 +26,8 @@ slot per worker: synchronous SGD, the baseline.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -57,6 +59,7 @@ class SchedulerConfig:
     spec_min_results: int = 3  # a worker's prediction counts after this many results
     adaptive_max_level: int = 2  # adaptive: replicate up to R, cyclic up to S
     adaptive_every: int = 8  # adaptive: choose again after this many new observations
+    adaptive_sample: int = 64  # adaptive: time records of at most this many workers (hungry first)
 
 
 # actions ----------------------------------------------------------------------------------------
@@ -136,6 +139,8 @@ class WorkerRecord:
     failed: int = 0
     staleness: int = 0  # sum over its results of (version at arrival - version of the slot)
     draining: bool = False  # gets no new slots; sent home once it holds none
+    session: int = 0  # tells this record's entries in the scheduler's queues from a former one's
+    late_check: Optional[int] = None  # its current entry in the speculation queue
 
     @property
     def free(self) -> int:
@@ -163,6 +168,7 @@ class Slot:
     dead: bool = False  # its row repeats an arrived one: no longer needed
     speculated: bool = False  # a duplicate row was appended for it (or it is that duplicate)
     started: dict[str, float] = field(default_factory=dict)  # holder -> when it was assigned
+    index: int = 0  # its row in the round's code
 
 
 @dataclass
@@ -173,6 +179,8 @@ class Round:
     code: Code
     slots: list[int]  # slot ids, in code row order
     arrived: set[int] = field(default_factory=set)  # code rows that arrived
+    covered: set[int] = field(default_factory=set)  # partitions some arrived row covers
+    copies: dict[tuple, list[int]] = field(default_factory=dict)  # row -> slots computing it
 
     @property
     def samples(self) -> int:
@@ -202,6 +210,14 @@ class Scheduler:
         self._choice_key: tuple[int, int] = (0, 0)
         self.last_code = "none"  # the code of the newest round
         self.last_costs: dict[str, float] = {}  # adaptive: the predictions behind the choice
+        # Due times, so that a tick touches only what is due rather than every worker (lazy:
+        # an entry is checked against the record when it comes up, stale ones are dropped).
+        self._seq = itertools.count()
+        self._silence_due: list[tuple[float, int, str, int]] = []  # (due, seq, worker, session)
+        self._grace_due: list[tuple[float, int, str, int, float]] = []  # ... paused since
+        self._deadline_due: list[tuple[float, int, str, int]] = []  # (deadline, seq, worker, slot)
+        self._late_due: list[tuple[float, int, str]] = []  # (when a slot may be late, seq, worker)
+        self._fleet_stats: tuple[int, Optional[tuple[float, float]]] = (-1, None)
 
     # queries --------------------------------------------------------------------------------
 
@@ -230,7 +246,10 @@ class Scheduler:
         actions: list[Action] = []
         if worker_id in self.workers:  # a reconnect: its old session's slots are lost
             actions += self._remove(worker_id, "rejoined", now)
-        self.workers[worker_id] = WorkerRecord(worker_id, dict(info), joined=now, last_seen=now)
+        session = next(self._seq)
+        self.workers[worker_id] = WorkerRecord(worker_id, dict(info), joined=now, last_seen=now,
+                                               session=session)
+        self._watch_silence(self.workers[worker_id])
         return actions
 
     def ready(self, worker_id: str, credits: int, now: float) -> list[Action]:
@@ -248,6 +267,9 @@ class Scheduler:
                 if state == "paused" and worker.paused_since is None:
                     worker.paused_since = now
                     worker.pauses += 1
+                    heapq.heappush(self._grace_due, (now + self.config.pause_grace_s,
+                                                     next(self._seq), worker.id, worker.session,
+                                                     now))
                 elif state != "paused":
                     worker.paused_since = None
                 worker.state = state
@@ -277,6 +299,7 @@ class Scheduler:
             worker.late_streak = 0
             worker.size_factor = min(1.0, worker.size_factor * 1.5)
         self._update_hunger(worker)
+        self._watch_late(worker, now)
         actions: list[Action] = []
         if slot.arrived or slot.dead:
             self.stats["results_duplicate"] += 1
@@ -284,14 +307,18 @@ class Scheduler:
         slot.arrived = True
         actions += self._cancel_holders(slot)
         round_ = self.rounds[slot.round]
-        round_.arrived.add(round_.slots.index(slot_id))
-        for other_id in round_.slots:  # copies of this row (replicas, speculation): not needed
+        round_.arrived.add(slot.index)
+        round_.covered.update(j for j, _ in slot.row)
+        for other_id in round_.copies[tuple(slot.row)]:  # replicas, speculation: not needed
             other = self.slots[other_id]
-            if not other.arrived and not other.dead and other.row == slot.row:
+            if not other.arrived and not other.dead:
                 other.dead = True
                 self.stats["slots_redundant"] += 1
                 actions += self._cancel_holders(other, now)
-        weights = coding.decode(round_.code, round_.arrived)
+        # Every partition covered is necessary for a decode: the least squares waits for it.
+        weights = None
+        if len(round_.covered) == round_.code.partitions:
+            weights = coding.decode(round_.code, round_.arrived)
         self.stats["results_used"] += 1
         if weights is not None:
             # No new round yet: it must be planned at the version this round's step creates, so
@@ -307,6 +334,7 @@ class Scheduler:
         del worker.assigned[slot_id]
         worker.failed += 1
         self._update_hunger(worker)
+        self._watch_late(worker, now)
         slot = self.slots.get(slot_id)
         if slot is not None:
             slot.holders.discard(worker_id)
@@ -323,22 +351,46 @@ class Scheduler:
         """Evict silent workers and requeue late slots. Call about once per heartbeat."""
         actions: list[Action] = []
         silence = self.config.heartbeat_s * self.config.liveness
-        for worker in list(self.workers.values()):
+        due = self._silence_due
+        while due and due[0][0] <= now:
+            _, _, worker_id, session = heapq.heappop(due)
+            worker = self.workers.get(worker_id)
+            if worker is None or worker.session != session:
+                continue
             if now - worker.last_seen > silence:
                 actions += self._remove(worker.id, f"silent for {now - worker.last_seen:.1f}s", now)
+            else:
+                self._watch_silence(worker, after=now)
+        due = self._grace_due
+        while due and due[0][0] <= now:
+            _, _, worker_id, session, since = heapq.heappop(due)
+            worker = self.workers.get(worker_id)
+            if worker is None or worker.session != session or worker.paused_since != since:
                 continue
-            if (worker.paused_since is not None and worker.assigned
-                    and now - worker.paused_since >= self.config.pause_grace_s):
+            if now - since < self.config.pause_grace_s:  # rounding: not yet
+                heapq.heappush(due, (math.nextafter(now, math.inf), next(self._seq), worker_id,
+                                     session, since))
+            elif worker.assigned:
                 actions += self._withdraw(worker)
+        due = self._deadline_due
+        while due and due[0][0] < now:
+            deadline, _, worker_id, slot_id = heapq.heappop(due)
+            worker = self.workers.get(worker_id)
+            if worker is None or worker.assigned.get(slot_id) != deadline:
+                continue  # answered, cancelled, withdrawn or requeued already
+            worker.missed += 1
+            worker.assigned[slot_id] = math.inf  # requeued once; the holder may still win
+            self.stats["deadline_requeues"] += 1
+            self._requeue(self.slots[slot_id])
+        due = self._late_due
+        while due and due[0][0] <= now:
+            _, seq, worker_id = heapq.heappop(due)
+            worker = self.workers.get(worker_id)
+            if worker is None or worker.late_check != seq:
                 continue
-            for slot_id, deadline in worker.assigned.items():
-                if now > deadline:
-                    worker.missed += 1
-                    worker.assigned[slot_id] = math.inf  # requeued once; the holder may still win
-                    self.stats["deadline_requeues"] += 1
-                    self._requeue(self.slots[slot_id])
-            if self.config.speculate:
-                self._speculate_late(worker, now)
+            worker.late_check = None
+            self._speculate_late(worker, now)
+            self._watch_late(worker, now, after=now)
         return actions + self._fill(now)
 
     def pause(self) -> None:
@@ -407,10 +459,51 @@ class Scheduler:
         if worker.observed >= self.config.spec_min_results and worker.s_per_sample is not None:
             return worker.s_per_sample, math.sqrt(max(0.0, worker.s_var))
         if len(self.times) >= self.config.spec_min_results:
-            mean = sum(self.times) / len(self.times)
-            var = sum((t - mean) ** 2 for t in self.times) / len(self.times)
-            return mean, math.sqrt(var)
+            at, stats = self._fleet_stats
+            if at != self._observations:
+                mean = sum(self.times) / len(self.times)
+                var = sum((t - mean) ** 2 for t in self.times) / len(self.times)
+                stats = (mean, math.sqrt(var))
+                self._fleet_stats = (self._observations, stats)
+            return stats
         return None
+
+    def _watch_silence(self, worker: WorkerRecord, after: float = -math.inf) -> None:
+        """Queue the moment `worker` would have been silent too long, unless heard from again."""
+        due = max(worker.last_seen + self.config.heartbeat_s * self.config.liveness,
+                  math.nextafter(after, math.inf))
+        heapq.heappush(self._silence_due, (due, next(self._seq), worker.id, worker.session))
+
+    def _watch_late(self, worker: WorkerRecord, now: float, after: Optional[float] = None) -> None:
+        """Queue the first moment a slot of `worker` may turn late (as `_speculate_late` judges).
+
+        The judgement depends on the worker's prediction and on how many slots it holds; both
+        change only where this is called again, so the check comes exactly when it is due. A
+        worker judged by the fleet's times (few results of its own) is looked at every tick."""
+        if not self.config.speculate or not worker.assigned:
+            worker.late_check = None
+            return
+        prediction = self._prediction(worker)
+        due = math.inf
+        if prediction is None or worker.observed < self.config.spec_min_results:
+            due = now  # the next tick
+        if prediction is not None:
+            mean, sd = prediction
+            queued = max(1, len(worker.assigned))
+            for slot_id in worker.assigned:
+                slot = self.slots.get(slot_id)
+                if (slot is None or slot.speculated or slot.arrived or slot.dead
+                        or worker.id not in slot.started):
+                    continue
+                predicted = (mean + self.config.spec_sd * sd) * slot.samples * queued
+                due = min(due, slot.started[worker.id] + predicted + self.config.spec_floor_s)
+        if due == math.inf:
+            worker.late_check = None
+            return
+        if after is not None:
+            due = max(due, math.nextafter(after, math.inf))
+        worker.late_check = next(self._seq)
+        heapq.heappush(self._late_due, (due, worker.late_check, worker.id))
 
     def _speculate_late(self, worker: WorkerRecord, now: float) -> None:
         """Append a duplicate row for every slot of `worker` that is late past its prediction."""
@@ -429,10 +522,12 @@ class Scheduler:
             if elapsed <= predicted + self.config.spec_floor_s:
                 continue
             round_ = self.rounds[slot.round]
-            round_.code = coding.speculate(round_.code, round_.slots.index(slot_id))
-            copy = Slot(self._take_id(), round_.id, list(slot.row), slot.samples, speculated=True)
+            round_.code = coding.speculate(round_.code, slot.index)
+            copy = Slot(self._take_id(), round_.id, list(slot.row), slot.samples, speculated=True,
+                        index=len(round_.slots))
             self.slots[copy.id] = copy
             round_.slots.append(copy.id)
+            round_.copies[tuple(copy.row)].append(copy.id)
             copy.queued = True
             self._pending.appendleft(copy.id)
             slot.speculated = True
@@ -472,6 +567,7 @@ class Scheduler:
             del worker.assigned[slot.id]
             worker.cancelled += 1
             self._update_hunger(worker)
+            self._watch_late(worker, slot.started.get(holder, 0.0) if now is None else now)
             actions.append(CancelSlots(holder, [slot.id]))
         slot.holders.clear()
         return actions
@@ -539,17 +635,19 @@ class Scheduler:
         self.last_code = code.name
         self.stats["rounds_" + code.name.split(":")[0]] += 1
         round_id = self._take_id()
-        slot_ids = []
+        slot_ids = [0] * code.slots  # in code row order
         for row in _queue_order(code):
             entries = code.row(row)
-            slot = Slot(self._take_id(), round_id, entries, sum(parts[j][2] for j, _ in entries))
+            slot = Slot(self._take_id(), round_id, entries, sum(parts[j][2] for j, _ in entries),
+                        index=row)
             self.slots[slot.id] = slot
-            slot_ids.append(slot.id)
+            slot_ids[row] = slot.id
             slot.queued = True
             self._pending.append(slot.id)
-        order = _queue_order(code)
-        slot_ids = [slot_ids[order.index(row)] for row in range(code.slots)]  # code row order
-        self.rounds[round_id] = Round(round_id, self.version, list(parts), code, slot_ids)
+        round_ = Round(round_id, self.version, list(parts), code, slot_ids)
+        for slot_id in slot_ids:
+            round_.copies.setdefault(tuple(self.slots[slot_id].row), []).append(slot_id)
+        self.rounds[round_id] = round_
         self._rounds_at[self.version] += 1
         self.stats["rounds_opened"] += 1
         return True
@@ -564,6 +662,22 @@ class Scheduler:
         return [w for w in self.workers.values()
                 if w.capacity > 0 and w.paused_since is None and not w.draining]
 
+    def _adaptive_sample(self) -> list[WorkerRecord]:
+        """The workers whose records adaptive simulates: every active one in a small fleet; in a
+        large one a bounded sample, the hungry first (they take the new round's slots)."""
+        limit = self.config.adaptive_sample
+        if len(self.workers) <= limit:
+            return self._active()
+        chosen: dict[str, WorkerRecord] = {}
+        for worker in itertools.chain((self.workers[w] for w in self._hungry),
+                                      self.workers.values()):
+            if len(chosen) >= limit:
+                break
+            if (worker.id not in chosen and worker.capacity > 0 and worker.paused_since is None
+                    and not worker.draining):
+                chosen[worker.id] = worker
+        return list(chosen.values())
+
     def _policy(self, k: int) -> Redundancy:
         policy = self.config.redundancy
         if self.config.sync:
@@ -572,7 +686,7 @@ class Scheduler:
             return policy
         if len(self.times) < 8:
             return Redundancy()
-        active = self._active()
+        active = self._adaptive_sample()
         choice, at = self._choice
         key = (k, len(active))
         if self._observations - at >= self.config.adaptive_every or self._choice_key != key:
@@ -623,31 +737,66 @@ class Scheduler:
             if not self.workers[worker_id].assigned:
                 self._draining.discard(worker_id)
                 actions.append(Drained(worker_id))
-        if self.paused:
+        if self.paused or not self._hungry:
+            return actions
+        # Nothing to hand out (the plan is exhausted, the open-round limit reached): every
+        # hungry worker would come away empty, so none is asked.
+        can_open = self._can_open()
+        if not self._pending and not can_open:
             return actions
         # One slot per hungry worker per pass: a round's slots spread over the fleet instead of
         # filling the first worker's credits (which would run them one after another).
         progress = True
         while progress and self._hungry:
             progress = False
-            for worker_id in list(self._hungry):
+            for worker_id in self._hungry_in_order():
+                if not self._pending and not can_open:
+                    return actions  # nothing left for the rest of the pass either
                 worker = self.workers[worker_id]
                 if worker.free > 0 and not (self.config.sync and worker.assigned):
                     slot = self._next_slot_for(worker)
-                    if slot is None and self._open_round():
-                        slot = self._next_slot_for(worker)
+                    if slot is None and can_open:
+                        can_open = self._open_round()  # a round that cannot open now stays so
+                        if can_open:
+                            slot = self._next_slot_for(worker)
                     if slot is not None:
                         actions.append(self._assign(worker, slot, now))
                         progress = True
                 self._update_hunger(worker)
         return actions
 
+    def _hungry_in_order(self):
+        """The hungry workers in order, read a few at a time rather than copied whole.
+
+        While a pass runs only the worker just visited can leave `_hungry`, and none joins, so
+        the visited ones still there are a prefix of it and the rest follow in order."""
+        kept = 0
+        while True:
+            chunk = list(itertools.islice(self._hungry, kept, kept + 64))
+            if not chunk:
+                return
+            for worker_id in chunk:
+                yield worker_id
+                if worker_id in self._hungry:
+                    kept += 1
+
+    def _can_open(self) -> bool:
+        """Whether `_open_round` may open one now (it can still fail on an empty plan)."""
+        if not self.accepting:
+            return False
+        limit = 1 if self.config.sync else self.config.open_rounds
+        if limit and len(self.rounds) >= limit:
+            return False
+        return not self.sampler.exhausted
+
     def _assign(self, worker: WorkerRecord, slot: Slot, now: float) -> Assign:
         round_ = self.rounds[slot.round]
         deadline = self._deadline(worker, slot, now)
         worker.assigned[slot.id] = deadline
+        heapq.heappush(self._deadline_due, (deadline, next(self._seq), worker.id, slot.id))
         slot.holders.add(worker.id)
         slot.started[worker.id] = now
+        self._watch_late(worker, now)
         send_model = worker.model_version != round_.version
         worker.model_version = round_.version
         return Assign(
