@@ -33,10 +33,15 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+import numpy as np
+
 from ..common import coding
 from ..common.coding import Code, Redundancy
 from . import adaptive
 from .sampler import Part, Sampler
+
+
+_RECHECK_FLEET = 256  # fleets up to this size look at a newcomer's slots every tick
 
 
 @dataclass(frozen=True)
@@ -217,7 +222,7 @@ class Scheduler:
         self._grace_due: list[tuple[float, int, str, int, float]] = []  # ... paused since
         self._deadline_due: list[tuple[float, int, str, int]] = []  # (deadline, seq, worker, slot)
         self._late_due: list[tuple[float, int, str]] = []  # (when a slot may be late, seq, worker)
-        self._fleet_stats: tuple[int, Optional[tuple[float, float]]] = (-1, None)
+        self._times_sum = self._times_sq = 0.0  # of `times`, kept as it slides
 
     # queries --------------------------------------------------------------------------------
 
@@ -449,7 +454,16 @@ class Scheduler:
         self._observe(s_per_sample, worker)
 
     def _observe(self, s_per_sample: float, worker: Optional[WorkerRecord] = None) -> None:
+        if len(self.times) == self.times.maxlen:
+            old = self.times[0]
+            self._times_sum -= old
+            self._times_sq -= old * old
         self.times.append(s_per_sample)
+        self._times_sum += s_per_sample
+        self._times_sq += s_per_sample * s_per_sample
+        if self._observations % self.times.maxlen == 0:  # shed the rounding of the sliding sums
+            self._times_sum = math.fsum(self.times)
+            self._times_sq = math.fsum(t * t for t in self.times)
         if worker is not None:
             worker.recent.append(s_per_sample)
         self._observations += 1
@@ -459,13 +473,9 @@ class Scheduler:
         if worker.observed >= self.config.spec_min_results and worker.s_per_sample is not None:
             return worker.s_per_sample, math.sqrt(max(0.0, worker.s_var))
         if len(self.times) >= self.config.spec_min_results:
-            at, stats = self._fleet_stats
-            if at != self._observations:
-                mean = sum(self.times) / len(self.times)
-                var = sum((t - mean) ** 2 for t in self.times) / len(self.times)
-                stats = (mean, math.sqrt(var))
-                self._fleet_stats = (self._observations, stats)
-            return stats
+            n = len(self.times)
+            mean = self._times_sum / n
+            return mean, math.sqrt(max(0.0, self._times_sq / n - mean * mean))
         return None
 
     def _watch_silence(self, worker: WorkerRecord, after: float = -math.inf) -> None:
@@ -479,13 +489,16 @@ class Scheduler:
 
         The judgement depends on the worker's prediction and on how many slots it holds; both
         change only where this is called again, so the check comes exactly when it is due. A
-        worker judged by the fleet's times (few results of its own) is looked at every tick."""
+        worker judged by the fleet's times (few results of its own) is looked at every tick in a
+        fleet of up to `_RECHECK_FLEET` workers; in a larger one when the fleet's times of the
+        moment say it is due (they drift between its own events)."""
         if not self.config.speculate or not worker.assigned:
             worker.late_check = None
             return
         prediction = self._prediction(worker)
         due = math.inf
-        if prediction is None or worker.observed < self.config.spec_min_results:
+        if prediction is None or (worker.observed < self.config.spec_min_results
+                                  and len(self.workers) <= _RECHECK_FLEET):
             due = now  # the next tick
         if prediction is not None:
             mean, sd = prediction
@@ -636,8 +649,12 @@ class Scheduler:
         self.stats["rounds_" + code.name.split(":")[0]] += 1
         round_id = self._take_id()
         slot_ids = [0] * code.slots  # in code row order
+        rows: list[list[tuple[int, float]]] = [[] for _ in range(code.slots)]
+        r_idx, c_idx = np.nonzero(code.matrix)
+        for r, c, v in zip(r_idx.tolist(), c_idx.tolist(), code.matrix[r_idx, c_idx].tolist()):
+            rows[r].append((c, v))  # code.row(r) for every row at once
         for row in _queue_order(code):
-            entries = code.row(row)
+            entries = rows[row]
             slot = Slot(self._take_id(), round_id, entries, sum(parts[j][2] for j, _ in entries),
                         index=row)
             self.slots[slot.id] = slot
@@ -710,6 +727,8 @@ class Scheduler:
         """The oldest pending slot for `worker`: never one it holds or a copy of a row it holds,
         and none of a redundant round it already holds a slot of, so that one stopped worker
         never holds two slots of one round (it takes the next when it answers)."""
+        if not self._pending:
+            return None
         mine = [self.slots[s] for s in worker.assigned if s in self.slots]
         rows = {(s.round, tuple(s.row)) for s in mine}
         rounds = {s.round for s in mine}
@@ -720,7 +739,7 @@ class Scheduler:
             slot = self.slots.get(slot_id)
             if slot is None or slot.arrived or slot.dead:
                 continue  # its round closed while it waited, or a copy of it arrived
-            if (worker.id in slot.holders or (slot.round, tuple(slot.row)) in rows
+            if mine and (worker.id in slot.holders or (slot.round, tuple(slot.row)) in rows
                     or (slot.round in rounds and (
                         self.config.sync or self.rounds[slot.round].code.tolerance > 0))):
                 skipped.append(slot_id)
