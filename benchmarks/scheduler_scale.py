@@ -80,6 +80,8 @@ def costs(params: int, repeats: int = 50) -> dict:
     from idlegrad.common import protocol as proto
     from idlegrad.common.tensors import from_blob, to_blob
 
+    torch.set_num_threads(1)  # as the coordinator runs in the benchmarks (--threads 1)
+
     def per_call(fn, n):
         times = []
         for _ in range(5):

@@ -263,6 +263,8 @@ class ModeResult:
     coordinator_load: float  # busy fraction of the coordinator
     time_to_target_s: Optional[float]
     scheduler_us_per_slot: float  # time inside scheduler calls per slot assigned (CPU share)
+    decision_us_per_slot: float  # the same without ticks: result, ready, applied, join, leave
+    tick_us: float  # time per tick (liveness, deadlines, speculation)
     heartbeat_us: float  # time inside scheduler.seen per heartbeat delivered (CPU share)
     wall_s: float
     series: list[dict] = field(default_factory=list)
@@ -405,6 +407,8 @@ class Simulation:
         self.sched_s = 0.0
         self.beat_s = 0.0
         self.beats = 0
+        self.tick_s = 0.0
+        self.ticks = 0
         self.time_to_target: Optional[float] = None
         self.series: list[dict] = []
         self.metrics: dict = {}
@@ -596,7 +600,12 @@ class Simulation:
         self._perform(actions)
 
     def _tick(self) -> None:
-        self._perform(self._timed(self.scheduler.tick, self.now))
+        t0 = time.perf_counter()
+        actions = self.scheduler.tick(self.now)
+        if self.now >= self.config.warmup_s:
+            self.tick_s += time.perf_counter() - t0
+            self.ticks += 1
+        self._perform(actions)
         self._at(self.now + self.config.heartbeat_s / 2, _TICK)
 
     def _timed(self, call, *args):
@@ -689,13 +698,16 @@ class Simulation:
             rounds_replanned=self.rounds_replanned, slots_assigned=self.slots_assigned,
             slots_measured=self.slots_measured,
             slots_cancelled=self.slots_cancelled,
-            wasted_fraction=(total - self.compute_useful) / total if total > 0 else 0.0,
+            wasted_fraction=max(0.0, (total - self.compute_useful) / total) if total > 0 else 0.0,
             mean_staleness=(sum(t * n for t, n in self.staleness.items()) / applied
                             if applied else 0.0),
             staleness=dict(sorted(self.staleness.items())),
             coordinator_load=self.coord_busy / duration if duration > 0 else 0.0,
             time_to_target_s=self.time_to_target,
-            scheduler_us_per_slot=1e6 * self.sched_s * self.cpu_share / max(1, self.slots_measured),
+            scheduler_us_per_slot=(1e6 * (self.sched_s + self.tick_s) * self.cpu_share
+                                   / max(1, self.slots_measured)),
+            decision_us_per_slot=1e6 * self.sched_s * self.cpu_share / max(1, self.slots_measured),
+            tick_us=1e6 * self.tick_s * self.cpu_share / max(1, self.ticks),
             heartbeat_us=1e6 * self.beat_s * self.cpu_share / max(1, self.beats), wall_s=wall,
             series=self.series, metrics=self.metrics,
             codes={k: stats["rounds_" + k] for k in ("none", "replicate", "cyclic")
