@@ -4,8 +4,8 @@ The real `Scheduler` is driven by the fleet simulator (coordinator/simulator.py,
 gradients) at 1,000, 10,000 and 100,000 workers with the same round shape (64 partitions of 64
 samples, lognormal speeds, median 0.5 s per sample: ~30 s per slot; heartbeat 10 s), for
 `--slots` slots after a warm-up (every worker joined and known by its own results). It prints the wall time spent inside scheduler
-calls per slot assigned (result, fill, tick, applied: everything but heartbeats), and per
-heartbeat (`seen`); wall time inside the calls, scaled by the share of the run the process was
+calls per slot assigned (result, fill, tick, applied: everything but heartbeats; us/dec leaves
+the ticks out, ms/tick is one tick), and per heartbeat (`seen`); wall time inside the calls, scaled by the share of the run the process was
 on the CPU (this machine is shared: see the simulator's `run`). `--baseline REV` runs the scheduler of a git
 revision side by side (e.g. the one before this issue), at the fleet sizes it can finish.
 
@@ -70,8 +70,18 @@ def one(workers: int, slots: int, mode: str, scheduler_class, seed: int) -> dict
                        model_bytes=400_000, train_samples=10 ** 8, seed=seed)
     r = simulate(fleet, config, mode, scheduler_class=scheduler_class)
     return {"workers": workers, "mode": mode, "slots": r.slots_measured,
-            "us_per_slot": r.scheduler_us_per_slot, "us_per_heartbeat": r.heartbeat_us,
+            "us_per_slot": r.scheduler_us_per_slot, "us_per_decision": r.decision_us_per_slot,
+            "ms_per_tick": r.tick_us / 1e3, "us_per_heartbeat": r.heartbeat_us,
             "wall_s": r.wall_s}
+
+
+def median_of(repeats: int, *args) -> dict:
+    rows = [one(*args) for _ in range(repeats)]
+    out = dict(rows[0])
+    for key in ("us_per_slot", "us_per_decision", "ms_per_tick", "us_per_heartbeat", "wall_s"):
+        out[key] = statistics.median(r[key] for r in rows)
+    out["runs_us_per_slot"] = [round(r["us_per_slot"], 1) for r in rows]
+    return out
 
 
 def costs(params: int, repeats: int = 50) -> dict:
@@ -121,6 +131,7 @@ def main() -> None:
     parser.add_argument("--costs", action="store_true", help="measure the coordinator's costs")
     parser.add_argument("--params", type=int, default=1_000_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per row; medians printed")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     out: dict = {"rows": []}
@@ -134,16 +145,17 @@ def main() -> None:
     if args.baseline:
         candidates.append((args.baseline, load_scheduler(args.baseline)))
     print(f"{'scheduler':<10} {'mode':<12} {'workers':>8} {'slots':>7} {'us/slot':>8} "
-          f"{'us/beat':>8} {'wall_s':>7}", flush=True)
+          f"{'us/dec':>7} {'ms/tick':>7} {'us/beat':>8} {'wall_s':>7}", flush=True)
     for n in [int(x) for x in args.workers.split(",")]:
         for mode in args.modes.split(","):
             for name, cls in candidates:
                 if cls is not Scheduler and n > args.baseline_max_workers:
                     continue
-                row = one(n, args.slots, mode, cls, args.seed)
+                row = median_of(args.repeats, n, args.slots, mode, cls, args.seed)
                 row["scheduler"] = name
                 out["rows"].append(row)
                 print(f"{name:<10} {mode:<12} {n:>8} {row['slots']:>7} {row['us_per_slot']:>8.1f} "
+                      f"{row['us_per_decision']:>7.1f} {row['ms_per_tick']:>7.2f} "
                       f"{row['us_per_heartbeat']:>8.2f} {row['wall_s']:>7.1f}", flush=True)
     if args.json:
         print(json.dumps(out))

@@ -32,7 +32,8 @@ def add_simulate_parser(sub, add_common: Callable, positive: Callable,
                             "30%% fast CPUs, 10%% GPUs) (default: lognormal:0.005:0.5)")
     fleet.add_argument("--fleet", metavar="CSV",
                        help="the workers from a CSV: id,s_per_sample[,credits,latency_s,bandwidth,"
-                            "slowdown,stall_p,stall_s,jitter] (overrides --workers and --speed)")
+                            "slowdown,stall_p,stall_s,jitter] (overrides --workers and --speed; "
+                            "absent columns take --credits, --latency, --bandwidth, --jitter)")
     fleet.add_argument("--churn", default="none", metavar="SPEC",
                        help="availability: none, exp:ON_S:OFF_S (exponential sessions) or "
                             "diurnal:ON_S:OFF_S:SWING (default: none)")
@@ -109,7 +110,7 @@ def _fleet(args, rng):
     spec = dict(credits=args.credits, latency_s=args.latency, bandwidth=args.bandwidth * 1e6 / 8,
                 jitter=args.jitter)
     if args.fleet:
-        fleet = sim.fleet_from_csv(args.fleet)
+        fleet = sim.fleet_from_csv(args.fleet, **spec)
     elif args.speed.strip().lower() == "mix":
         fleet = sim.mixed_fleet(args.workers, rng, **spec)
     else:

@@ -93,9 +93,10 @@ _CSV_FIELDS = {"s_per_sample": float, "credits": int, "latency_s": float, "bandw
                "slowdown": float, "stall_p": float, "stall_s": float, "jitter": float}
 
 
-def fleet_from_csv(path: str) -> list[WorkerSpec]:
+def fleet_from_csv(path: str, **defaults) -> list[WorkerSpec]:
     """Rows `id,s_per_sample[,credits,latency_s,bandwidth,slowdown,stall_p,stall_s,jitter]`
-    (a header row names the columns; missing ones take the defaults)."""
+    (a header row names the columns; an absent or empty one takes `defaults`, else
+    WorkerSpec's)."""
     try:
         with open(path, newline="") as fh:
             rows = list(csv.DictReader(fh))
@@ -105,7 +106,7 @@ def fleet_from_csv(path: str) -> list[WorkerSpec]:
     for line, row in enumerate(rows, start=2):
         if not row.get("id") or not row.get("s_per_sample"):
             raise ConfigError(f"{path}:{line}: each row needs an id and s_per_sample")
-        values = {}
+        values = dict(defaults)
         for name, kind in _CSV_FIELDS.items():
             text = (row.get(name) or "").strip()
             if text:
@@ -257,7 +258,8 @@ class ModeResult:
     slots_assigned: int
     slots_measured: int  # assigned after the warm-up
     slots_cancelled: int
-    wasted_fraction: float  # worker compute time not in an applied gradient, over all of it
+    wasted_fraction: float  # worker compute not in an applied gradient, over all of it (less
+    # the results still waiting in open rounds at the end)
     mean_staleness: float
     staleness: dict[int, int]  # tau -> rounds applied
     coordinator_load: float  # busy fraction of the coordinator
@@ -689,7 +691,8 @@ class Simulation:
 
     def _result(self, duration: float, wall: float) -> ModeResult:
         applied = sum(self.staleness.values())
-        total = self.compute_total
+        # Results waiting in rounds still open at the end are neither used nor wasted yet.
+        total = self.compute_total - sum(self.used_compute.values())
         stats = self.scheduler.stats
         return ModeResult(
             mode=self.mode, duration_s=duration, samples_applied=self.samples_applied,

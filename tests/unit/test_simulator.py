@@ -156,6 +156,9 @@ def test_fleet_and_trace_files(tmp_path):
     fleet = sim.fleet_from_csv(str(fleet_csv))
     assert [w.id for w in fleet] == ["a", "b"]
     assert fleet[1].slowdown == 5.0 and fleet[1].stall_s == 3.0 and fleet[0].slowdown == 1.0
+    (tmp_path / "some.csv").write_text("id,s_per_sample,latency_s\na,0.01,\nb,0.01,0.3\n")
+    a, b = sim.fleet_from_csv(str(tmp_path / "some.csv"), latency_s=0.1, credits=1)
+    assert (a.latency_s, b.latency_s, a.credits) == (0.1, 0.3, 1)  # absent columns: the defaults
     trace = tmp_path / "trace.csv"
     trace.write_text("worker,start,end\nb,0,4\nb,7,\n")
     assert sim.sessions_from_trace(str(trace)) == {"b": [(0.0, 4.0), (7.0, math.inf)]}
