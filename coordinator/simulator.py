@@ -512,8 +512,8 @@ class Simulation:
         self._at(self.now + w.spec.latency_s, _HELLO, w, w.session)
 
     def _task(self, w: _Worker, session: int, task: tuple) -> None:
-        if session != w.session:
-            return  # the worker it was sent to has gone
+        if session != w.session or not w.online:
+            return  # the worker it was sent to has gone (sent before the scheduler noticed)
         w.queue.append(task)
         if w.current is None:
             self._start(w)
@@ -542,7 +542,7 @@ class Simulation:
         self._start(w)
 
     def _cancel(self, w: _Worker, session: int, slots: list[int]) -> None:
-        if session != w.session:
+        if session != w.session or not w.online:
             return
         gone = set(slots)
         w.queue = deque(t for t in w.queue if t[0] not in gone)

@@ -67,7 +67,13 @@ def test_a_worker_that_vanishes_is_evicted_and_its_slots_go_to_the_others():
     fleet = identical(2)
     fleet[1].sessions = [(0.0, 50.0)]  # gone, silently, at 50 s
     s = sim.Simulation(fleet, config(), "none")
+    computed = []
+    done = s._done
+    s._done = lambda w, *rest: (computed.append((w.spec.id, s.now)), done(w, *rest))
+    s._handlers = lambda: {**sim.Simulation._handlers(s), sim._DONE: s._done}
     r = s.run()
+    # tasks sent to it after it vanished (before the scheduler noticed) are never computed
+    assert max(t for w, t in computed if w == "w1") <= 50.0
     assert s.scheduler.stats["workers_removed"] == 1
     assert set(s.scheduler.workers) == {"w0"}
     # 200/s for 50 s, then 100/s for 150 s (less the slots lost with it)
