@@ -233,12 +233,14 @@ _TO_COORDINATOR = (_HELLO, _READY, _RESULT, _BYE, _BEAT)
 
 
 class _Worker:
-    __slots__ = ("spec", "online", "session", "queue", "current", "started", "rng", "sessions")
+    __slots__ = ("spec", "online", "session", "available", "queue", "current", "started", "rng",
+                 "sessions")
 
     def __init__(self, spec: WorkerSpec, sessions, rng):
         self.spec = spec
         self.online = False
-        self.session = 0
+        self.session = 0  # the connection: a new hello starts a new one
+        self.available = 0  # the availability session: ends only when the machine goes away
         self.queue: deque = deque()  # (slot, samples, parts, coefficients, version)
         self.current = None
         self.started = 0.0
@@ -484,12 +486,13 @@ class Simulation:
         w.online = True
         self.online += 1
         w.session += 1
+        w.available += 1
         self._at(self.now + self.config.startup_s + w.spec.latency_s, _HELLO, w, w.session)
         if stop < math.inf:
-            self._at(stop, _OFFLINE, w, w.session)
+            self._at(stop, _OFFLINE, w, w.available)
 
-    def _offline(self, w: _Worker, session: int) -> None:
-        if session != w.session:
+    def _offline(self, w: _Worker, available: int) -> None:
+        if available != w.available or not w.online:
             return
         if w.current is not None:
             self.compute_total += self.now - w.started  # lost with the machine

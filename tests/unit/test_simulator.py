@@ -81,6 +81,19 @@ def test_a_worker_that_vanishes_is_evicted_and_its_slots_go_to_the_others():
     assert r.wasted_fraction > 0
 
 
+def test_a_worker_evicted_while_alive_rejoins_and_still_leaves_on_time():
+    # a coordinator too slow to hear heartbeats in time evicts live workers; they handshake
+    # again, and their machines still go away when their sessions end
+    costs = sim.CoordinatorCosts(per_message_s=0.02, bytes_per_s=math.inf)
+    fleet = identical(20, s_per_sample=0.0001)
+    for w in fleet:
+        w.sessions = [(0.0, 30.0)]
+    s = sim.Simulation(fleet, config(costs=costs, duration_s=60.0, heartbeat_s=0.2), "none")
+    s.run()
+    assert s.scheduler.stats["workers_removed"] > 0
+    assert s.online == 0 and not any(w.online for w in s.workers.values())
+
+
 def test_a_saturated_coordinator_is_the_bottleneck():
     # every message costs 0.05 s: at most 20 results a second, whatever the fleet could do
     costs = sim.CoordinatorCosts(per_message_s=0.05, bytes_per_s=math.inf)
