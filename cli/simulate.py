@@ -227,6 +227,11 @@ def print_table(results, target=None) -> None:
               f"{100 * r.coordinator_load:>5.0f}% {_fmt(r.time_to_target_s, '.2f'):>9} "
               f"{r.scheduler_us_per_slot:>7.1f} {r.decision_us_per_slot:>6.1f} "
               f"{r.tick_us / 1e3:>7.2f} {r.wall_s:>6.1f}")
+    for mode, r in results.items():
+        causes = ", ".join(f"{k} {100 * v:.0f}%" for k, v in
+                           sorted(r.coordinator_by.items(), key=lambda kv: -kv[1]) if v >= 0.005)
+        print(f"  {mode}: coordinator busy with {causes or 'nothing'}; {r.slots_assigned} slots "
+              f"handed out, {r.slots_cancelled} cancelled")
     print("samples/s: applied samples over the virtual time (to the target when reached); "
           "wasted: worker compute not in an applied step; tau: staleness of applied rounds; "
           "coord: coordinator busy; us/slot: scheduler time per slot handed out, all of it (us/dec: "

@@ -265,6 +265,7 @@ class ModeResult:
     mean_staleness: float
     staleness: dict[int, int]  # tau -> rounds applied
     coordinator_load: float  # busy fraction of the coordinator
+    coordinator_by: dict  # its busy fraction by cause (results, models out, sums and steps, ...)
     time_to_target_s: Optional[float]
     scheduler_us_per_slot: float  # time inside scheduler calls per slot assigned (CPU share)
     decision_us_per_slot: float  # the same without ticks: result, ready, applied, join, leave
@@ -397,6 +398,7 @@ class Simulation:
         self.now = 0.0
         self.coord_free = 0.0
         self.coord_busy = 0.0
+        self.coord_by: dict[str, float] = {}  # busy seconds by what it was doing
         self.online = 0
         self.inbox: deque = deque()  # messages waiting for the busy coordinator
         self._waking = False
@@ -557,7 +559,8 @@ class Simulation:
     def _beat(self, w: _Worker, session: int) -> None:
         if session != w.session:
             return
-        self._charge(self.config.costs.per_message_s * self.beat_every / self.config.heartbeat_s)
+        self._charge(self.config.costs.per_message_s * self.beat_every / self.config.heartbeat_s,
+                     "heartbeats")
         t0 = time.perf_counter()
         self.scheduler.seen(w.spec.id, self.now)
         if self.now >= self.config.warmup_s:
@@ -567,14 +570,15 @@ class Simulation:
 
     # coordinator side ------------------------------------------------------------------------
 
-    def _charge(self, seconds: float) -> None:
+    def _charge(self, seconds: float, what: str) -> None:
         self.coord_free = max(self.coord_free, self.now) + seconds
         self.coord_busy += seconds
+        self.coord_by[what] = self.coord_by.get(what, 0.0) + seconds
 
     def _hello(self, w: _Worker, session: int) -> None:
         if session != w.session:
             return
-        self._charge(self.config.costs.per_message_s)
+        self._charge(self.config.costs.per_message_s, "hellos")
         self._perform(self._timed(self.scheduler.join, w.spec.id, {"host": w.spec.id}, self.now))
         # welcome out, ready back: a round trip later
         self._at(self.now + 2 * w.spec.latency_s, _READY, w, session)
@@ -583,17 +587,17 @@ class Simulation:
     def _ready(self, w: _Worker, session: int) -> None:
         if session != w.session or w.spec.id not in self.scheduler.workers:
             return
-        self._charge(self.config.costs.per_message_s)
+        self._charge(self.config.costs.per_message_s, "hellos")
         self._perform(self._timed(self.scheduler.ready, w.spec.id, w.spec.credits, self.now))
 
     def _bye(self, w: _Worker) -> None:
-        self._charge(self.config.costs.per_message_s)
+        self._charge(self.config.costs.per_message_s, "hellos")
         self._perform(self._timed(self.scheduler.leave, w.spec.id, self.now, "said bye"))
 
     def _result_in(self, w: _Worker, session: int, task: tuple, compute: float) -> None:
         # Sent before its worker left, it still counts if the scheduler still expects it.
         costs = self.config.costs
-        self._charge(costs.per_message_s + self.config.model_bytes / costs.bytes_per_s)
+        self._charge(costs.per_message_s + self.config.model_bytes / costs.bytes_per_s, "results")
         slot, _, parts, coefficients, version = task
         t0 = time.perf_counter()
         used, actions = self.scheduler.result(w.spec.id, slot, compute, self.now)
@@ -630,7 +634,7 @@ class Simulation:
                     self.slots_measured += 1
                 size = self.config.model_bytes if action.send_model else 0
                 if size:
-                    self._charge(size / costs.bytes_per_s)
+                    self._charge(size / costs.bytes_per_s, "models out")
                 samples = sum(p[2] for p in action.parts)
                 task = (action.slot, samples, action.parts, action.coefficients, action.version)
                 arrive = max(self.now, self.coord_free) + w.spec.latency_s + size / w.spec.bandwidth
@@ -654,7 +658,8 @@ class Simulation:
         self.rounds_decoded += 1
         costs = self.config.costs
         # the weighted sum of its slots' gradients and the optimizer step
-        self._charge((len(decoded.weights) + 1) * self.config.model_bytes / costs.bytes_per_s)
+        self._charge((len(decoded.weights) + 1) * self.config.model_bytes / costs.bytes_per_s,
+                     "sums and steps")
         tau = self.gradients.version - decoded.version
         weight = self.gradients.apply(decoded, self.scheduler)
         useful = sum(self.used_compute.pop(s, 0.0) for s in decoded.slots)
@@ -709,6 +714,8 @@ class Simulation:
                             if applied else 0.0),
             staleness=dict(sorted(self.staleness.items())),
             coordinator_load=self.coord_busy / duration if duration > 0 else 0.0,
+            coordinator_by={k: v / duration for k, v in self.coord_by.items()} if duration > 0
+            else {},
             time_to_target_s=self.time_to_target,
             scheduler_us_per_slot=(1e6 * (self.sched_s + self.tick_s) * self.cpu_share
                                    / max(1, self.slots_measured)),
