@@ -182,6 +182,9 @@ def run_simulate(args) -> int:
 
         probe = make_gradients()  # bad job specs fail here, once, before any mode runs
         config.model_bytes = probe.aggregator.model.numel * probe.aggregator.model.params.element_size()
+    if not args.job and args.batch > args.train_samples:
+        print(f"note: a round never spans two epochs: --batch {args.batch} is cut to the "
+              f"{args.train_samples} samples of --train-samples", file=sys.stderr)
     print(f"{len(fleet)} workers, {args.duration:g} virtual s, modes {', '.join(modes)}",
           file=sys.stderr, flush=True)
     results = sim.compare(fleet, config, modes, make_gradients,
