@@ -9,6 +9,10 @@ the ticks out, ms/tick is one tick), and per heartbeat (`seen`); wall time insid
 on the CPU (this machine is shared: see the simulator's `run`). `--baseline REV` runs the scheduler of a git
 revision side by side (e.g. the one before this issue), at the fleet sizes it can finish.
 
+`--no-gc` turns Python's cyclic garbage collector off: its passes over every live object make the
+cost per slot grow with the fleet (at 10,000 workers, 55 us with it, 32 us without, here), which
+a long-running coordinator can avoid with `gc.freeze()` after start-up and larger thresholds.
+
 `--costs` measures the coordinator's per-message CPU and tensor throughput, the defaults of
 `CoordinatorCosts`: encoding+decoding a heartbeat and a result header with the real protocol,
 and taking in a gradient (from_blob, isfinite, a weighted add) of `--params` float32 values.
@@ -132,8 +136,16 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=1_000_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="runs per row; medians printed")
+    parser.add_argument("--no-gc", action="store_true",
+                        help="Python's cyclic garbage collector off while measuring: what is left "
+                             "is the scheduler's own work (the collector's cost grows with the "
+                             "objects alive, i.e. with the fleet)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.no_gc:
+        import gc
+
+        gc.disable()
     out: dict = {"rows": []}
     if args.costs:
         c = costs(args.params)
