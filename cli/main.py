@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 from .. import __version__
 from ..common.errors import ConfigError, IdlegradError
+from .simulate import add_simulate_parser
 from .worker_cli import add_worker_parser
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -220,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     kg.add_argument("--dir", default=".", metavar="DIR", help="where to write them (default: .)")
     _add_common(kg)
     kg.set_defaults(func=_run_keys_generate)
+
+    add_simulate_parser(sub, _add_common, _positive, _non_negative)
 
     pl = sub.add_parser("plot", help="plot a metrics log (needs the extra: idlegrad[plot])",
                         description="Plot METRICS.jsonl: loss and metric against time and samples, "

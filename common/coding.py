@@ -54,7 +54,8 @@ class Code:
 
     def row(self, slot: int) -> list[tuple[int, float]]:
         """The (partition, coefficient) pairs that slot `slot` computes."""
-        return [(int(j), float(c)) for j, c in enumerate(self.matrix[slot]) if c != 0.0]
+        row = self.matrix[slot]
+        return [(int(j), float(row[j])) for j in np.flatnonzero(row)]
 
 
 def none(partitions: int) -> Code:
@@ -274,8 +275,17 @@ def decode(code: Code, arrived: Iterable[int]) -> Optional[dict[int, float]]:
     if len(chosen) == code.partitions:
         return {s: 1.0 for s in chosen.values()}
     rows = code.matrix[slots]  # |I| x k
-    if np.any(np.all(rows == 0, axis=0)):  # some partition is covered by no arrived slot
+    nonzero = rows != 0
+    if not np.all(np.any(nonzero, axis=0)):  # some partition is covered by no arrived slot
         return None
+    if np.all(np.count_nonzero(nonzero, axis=1) == 1):
+        # Each slot is one partition times c_i (none, replicate, speculated copies): the least
+        # squares solution in closed form, a_i = c_i / (sum of c^2 over that partition's slots),
+        # without a k x k solve.
+        cols = np.argmax(nonzero, axis=1)
+        coef = rows[np.arange(len(slots)), cols]
+        norm = np.bincount(cols, weights=coef * coef, minlength=code.partitions)
+        return {s: float(w) for s, w in zip(slots, coef / norm[cols]) if w != 0.0}
     ones = np.ones(code.partitions)
     weights, *_ = np.linalg.lstsq(rows.T, ones, rcond=None)
     if np.max(np.abs(rows.T @ weights - ones)) > DECODE_TOLERANCE * max(1.0, code.partitions):

@@ -22,19 +22,33 @@ sample, plus `spec_floor_s`) gets a duplicate row appended to its round's code, 
 free worker. A worker that keeps missing its predictions holds fewer slots at once (its
 `size_factor`). `sync`: one round at a time, code none, one partition per ready worker and one
 slot per worker: synchronous SGD, the baseline.
+
+Scale (issue 8): no call walks the whole fleet. `tick` takes from heaps of due times (a worker's
+silence, a pause's grace, a slot's deadline, the moment a worker's slot may turn late) only the
+entries that are due, checks each against the live record (stale entries are dropped), and
+queues the next; `_fill` stops as soon as nothing is left to hand out; adaptive redundancy reads
+the records of at most `adaptive_sample` workers. Per slot the cost is flat from 1,000 to 100,000
+workers (benchmarks/scheduler_scale.py).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
+import numpy as np
+
 from ..common import coding
 from ..common.coding import Code, Redundancy
 from . import adaptive
 from .sampler import Part, Sampler
+
+
+_RECHECK_FLEET = 256  # fleets up to this size look at a newcomer's slots every tick
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,7 @@ class SchedulerConfig:
     spec_min_results: int = 3  # a worker's prediction counts after this many results
     adaptive_max_level: int = 2  # adaptive: replicate up to R, cyclic up to S
     adaptive_every: int = 8  # adaptive: choose again after this many new observations
+    adaptive_sample: int = 64  # adaptive: time records of at most this many workers (hungry first)
 
 
 # actions ----------------------------------------------------------------------------------------
@@ -137,6 +152,8 @@ class WorkerRecord:
     failed: int = 0
     staleness: int = 0  # sum over its results of (version at arrival - version of the slot)
     draining: bool = False  # gets no new slots; sent home once it holds none
+    session: int = 0  # tells this record's entries in the scheduler's queues from a former one's
+    late_check: Optional[int] = None  # its current entry in the speculation queue
 
     @property
     def free(self) -> int:
@@ -164,6 +181,7 @@ class Slot:
     dead: bool = False  # its row repeats an arrived one: no longer needed
     speculated: bool = False  # a duplicate row was appended for it (or it is that duplicate)
     started: dict[str, float] = field(default_factory=dict)  # holder -> when it was assigned
+    index: int = 0  # its row in the round's code
 
 
 @dataclass
@@ -174,6 +192,8 @@ class Round:
     code: Code
     slots: list[int]  # slot ids, in code row order
     arrived: set[int] = field(default_factory=set)  # code rows that arrived
+    covered: set[int] = field(default_factory=set)  # partitions some arrived row covers
+    copies: dict[tuple, list[int]] = field(default_factory=dict)  # row -> slots computing it
 
     @property
     def samples(self) -> int:
@@ -206,6 +226,14 @@ class Scheduler:
         # Local tasks (local.py): a slot's samples for the worker opening a round, from its
         # seconds per sample (None: not measured yet). None: rounds are the configured batch.
         self.slot_samples: Optional[Callable[[Optional[float]], int]] = None
+        # Due times, so that a tick touches only what is due rather than every worker (lazy:
+        # an entry is checked against the record when it comes up, stale ones are dropped).
+        self._seq = itertools.count()
+        self._silence_due: list[tuple[float, int, str, int]] = []  # (due, seq, worker, session)
+        self._grace_due: list[tuple[float, int, str, int, float]] = []  # ... paused since
+        self._deadline_due: list[tuple[float, int, str, int]] = []  # (deadline, seq, worker, slot)
+        self._late_due: list[tuple[float, int, str]] = []  # (when a slot may be late, seq, worker)
+        self._times_sum = self._times_sq = 0.0  # of `times`, kept as it slides
 
     # queries --------------------------------------------------------------------------------
 
@@ -234,7 +262,10 @@ class Scheduler:
         actions: list[Action] = []
         if worker_id in self.workers:  # a reconnect: its old session's slots are lost
             actions += self._remove(worker_id, "rejoined", now)
-        self.workers[worker_id] = WorkerRecord(worker_id, dict(info), joined=now, last_seen=now)
+        session = next(self._seq)
+        self.workers[worker_id] = WorkerRecord(worker_id, dict(info), joined=now, last_seen=now,
+                                               session=session)
+        self._watch_silence(self.workers[worker_id])
         return actions
 
     def ready(self, worker_id: str, credits: int, now: float) -> list[Action]:
@@ -252,6 +283,9 @@ class Scheduler:
                 if state == "paused" and worker.paused_since is None:
                     worker.paused_since = now
                     worker.pauses += 1
+                    heapq.heappush(self._grace_due, (now + self.config.pause_grace_s,
+                                                     next(self._seq), worker.id, worker.session,
+                                                     now))
                 elif state != "paused":
                     worker.paused_since = None
                 worker.state = state
@@ -282,6 +316,7 @@ class Scheduler:
             worker.late_streak = 0
             worker.size_factor = min(1.0, worker.size_factor * 1.5)
         self._update_hunger(worker)
+        self._watch_late(worker, now)
         actions: list[Action] = []
         if slot.arrived or slot.dead:
             self.stats["results_duplicate"] += 1
@@ -289,14 +324,18 @@ class Scheduler:
         slot.arrived = True
         actions += self._cancel_holders(slot)
         round_ = self.rounds[slot.round]
-        round_.arrived.add(round_.slots.index(slot_id))
-        for other_id in round_.slots:  # copies of this row (replicas, speculation): not needed
+        round_.arrived.add(slot.index)
+        round_.covered.update(j for j, _ in slot.row)
+        for other_id in round_.copies[tuple(slot.row)]:  # replicas, speculation: not needed
             other = self.slots[other_id]
-            if not other.arrived and not other.dead and other.row == slot.row:
+            if not other.arrived and not other.dead:
                 other.dead = True
                 self.stats["slots_redundant"] += 1
                 actions += self._cancel_holders(other, now)
-        weights = coding.decode(round_.code, round_.arrived)
+        # Every partition covered is necessary for a decode: the least squares waits for it.
+        weights = None
+        if len(round_.covered) == round_.code.partitions:
+            weights = coding.decode(round_.code, round_.arrived)
         self.stats["results_used"] += 1
         if weights is not None:
             # No new round yet: it must be planned at the version this round's step creates, so
@@ -312,6 +351,7 @@ class Scheduler:
         del worker.assigned[slot_id]
         worker.failed += 1
         self._update_hunger(worker)
+        self._watch_late(worker, now)
         slot = self.slots.get(slot_id)
         if slot is not None:
             slot.holders.discard(worker_id)
@@ -328,22 +368,46 @@ class Scheduler:
         """Evict silent workers and requeue late slots. Call about once per heartbeat."""
         actions: list[Action] = []
         silence = self.config.heartbeat_s * self.config.liveness
-        for worker in list(self.workers.values()):
+        due = self._silence_due
+        while due and due[0][0] <= now:
+            _, _, worker_id, session = heapq.heappop(due)
+            worker = self.workers.get(worker_id)
+            if worker is None or worker.session != session:
+                continue
             if now - worker.last_seen > silence:
                 actions += self._remove(worker.id, f"silent for {now - worker.last_seen:.1f}s", now)
+            else:
+                self._watch_silence(worker, after=now)
+        due = self._grace_due
+        while due and due[0][0] <= now:
+            _, _, worker_id, session, since = heapq.heappop(due)
+            worker = self.workers.get(worker_id)
+            if worker is None or worker.session != session or worker.paused_since != since:
                 continue
-            if (worker.paused_since is not None and worker.assigned
-                    and now - worker.paused_since >= self.config.pause_grace_s):
+            if now - since < self.config.pause_grace_s:  # rounding: not yet
+                heapq.heappush(due, (math.nextafter(now, math.inf), next(self._seq), worker_id,
+                                     session, since))
+            elif worker.assigned:
                 actions += self._withdraw(worker)
+        due = self._deadline_due
+        while due and due[0][0] < now:
+            deadline, _, worker_id, slot_id = heapq.heappop(due)
+            worker = self.workers.get(worker_id)
+            if worker is None or worker.assigned.get(slot_id) != deadline:
+                continue  # answered, cancelled, withdrawn or requeued already
+            worker.missed += 1
+            worker.assigned[slot_id] = math.inf  # requeued once; the holder may still win
+            self.stats["deadline_requeues"] += 1
+            self._requeue(self.slots[slot_id])
+        due = self._late_due
+        while due and due[0][0] <= now:
+            _, seq, worker_id = heapq.heappop(due)
+            worker = self.workers.get(worker_id)
+            if worker is None or worker.late_check != seq:
                 continue
-            for slot_id, deadline in worker.assigned.items():
-                if now > deadline:
-                    worker.missed += 1
-                    worker.assigned[slot_id] = math.inf  # requeued once; the holder may still win
-                    self.stats["deadline_requeues"] += 1
-                    self._requeue(self.slots[slot_id])
-            if self.config.speculate:
-                self._speculate_late(worker, now)
+            worker.late_check = None
+            self._speculate_late(worker, now)
+            self._watch_late(worker, now, after=now)
         return actions + self._fill(now)
 
     def pause(self) -> None:
@@ -402,7 +466,16 @@ class Scheduler:
         self._observe(s_per_sample, worker)
 
     def _observe(self, s_per_sample: float, worker: Optional[WorkerRecord] = None) -> None:
+        if len(self.times) == self.times.maxlen:
+            old = self.times[0]
+            self._times_sum -= old
+            self._times_sq -= old * old
         self.times.append(s_per_sample)
+        self._times_sum += s_per_sample
+        self._times_sq += s_per_sample * s_per_sample
+        if self._observations % self.times.maxlen == 0:  # shed the rounding of the sliding sums
+            self._times_sum = math.fsum(self.times)
+            self._times_sq = math.fsum(t * t for t in self.times)
         if worker is not None:
             worker.recent.append(s_per_sample)
         self._observations += 1
@@ -412,10 +485,50 @@ class Scheduler:
         if worker.observed >= self.config.spec_min_results and worker.s_per_sample is not None:
             return worker.s_per_sample, math.sqrt(max(0.0, worker.s_var))
         if len(self.times) >= self.config.spec_min_results:
-            mean = sum(self.times) / len(self.times)
-            var = sum((t - mean) ** 2 for t in self.times) / len(self.times)
-            return mean, math.sqrt(var)
+            n = len(self.times)
+            mean = self._times_sum / n
+            return mean, math.sqrt(max(0.0, self._times_sq / n - mean * mean))
         return None
+
+    def _watch_silence(self, worker: WorkerRecord, after: float = -math.inf) -> None:
+        """Queue the moment `worker` would have been silent too long, unless heard from again."""
+        due = max(worker.last_seen + self.config.heartbeat_s * self.config.liveness,
+                  math.nextafter(after, math.inf))
+        heapq.heappush(self._silence_due, (due, next(self._seq), worker.id, worker.session))
+
+    def _watch_late(self, worker: WorkerRecord, now: float, after: Optional[float] = None) -> None:
+        """Queue the first moment a slot of `worker` may turn late (as `_speculate_late` judges).
+
+        The judgement depends on the worker's prediction and on how many slots it holds; both
+        change only where this is called again, so the check comes exactly when it is due. A
+        worker judged by the fleet's times (few results of its own) is looked at every tick in a
+        fleet of up to `_RECHECK_FLEET` workers; in a larger one when the fleet's times of the
+        moment say it is due (they drift between its own events)."""
+        if not self.config.speculate or not worker.assigned:
+            worker.late_check = None
+            return
+        prediction = self._prediction(worker)
+        due = math.inf
+        if prediction is None or (worker.observed < self.config.spec_min_results
+                                  and len(self.workers) <= _RECHECK_FLEET):
+            due = now  # the next tick
+        if prediction is not None:
+            mean, sd = prediction
+            queued = max(1, len(worker.assigned))
+            for slot_id in worker.assigned:
+                slot = self.slots.get(slot_id)
+                if (slot is None or slot.speculated or slot.arrived or slot.dead
+                        or worker.id not in slot.started):
+                    continue
+                predicted = (mean + self.config.spec_sd * sd) * slot.samples * queued
+                due = min(due, slot.started[worker.id] + predicted + self.config.spec_floor_s)
+        if due == math.inf:
+            worker.late_check = None
+            return
+        if after is not None:
+            due = max(due, math.nextafter(after, math.inf))
+        worker.late_check = next(self._seq)
+        heapq.heappush(self._late_due, (due, worker.late_check, worker.id))
 
     def _speculate_late(self, worker: WorkerRecord, now: float) -> None:
         """Append a duplicate row for every slot of `worker` that is late past its prediction."""
@@ -434,10 +547,12 @@ class Scheduler:
             if elapsed <= predicted + self.config.spec_floor_s:
                 continue
             round_ = self.rounds[slot.round]
-            round_.code = coding.speculate(round_.code, round_.slots.index(slot_id))
-            copy = Slot(self._take_id(), round_.id, list(slot.row), slot.samples, speculated=True)
+            round_.code = coding.speculate(round_.code, slot.index)
+            copy = Slot(self._take_id(), round_.id, list(slot.row), slot.samples, speculated=True,
+                        index=len(round_.slots))
             self.slots[copy.id] = copy
             round_.slots.append(copy.id)
+            round_.copies[tuple(copy.row)].append(copy.id)
             copy.queued = True
             self._pending.appendleft(copy.id)
             slot.speculated = True
@@ -477,6 +592,7 @@ class Scheduler:
             del worker.assigned[slot.id]
             worker.cancelled += 1
             self._update_hunger(worker)
+            self._watch_late(worker, slot.started.get(holder, 0.0) if now is None else now)
             actions.append(CancelSlots(holder, [slot.id]))
         slot.holders.clear()
         return actions
@@ -544,17 +660,24 @@ class Scheduler:
         self.last_code = code.name
         self.stats["rounds_" + code.name.split(":")[0]] += 1
         round_id = self._take_id()
-        slot_ids = []
+        slot_ids = [0] * code.slots  # in code row order
+        rows: list[list[tuple[int, float]]] = [[] for _ in range(code.slots)]
+        r_idx, c_idx = np.nonzero(code.matrix)
+        for r, c, v in zip(r_idx.tolist(), c_idx.tolist(), code.matrix[r_idx, c_idx].tolist()):
+            rows[r].append((c, v))  # code.row(r) for every row at once
+        counts = [p[2] for p in parts]
         for row in _queue_order(code):
-            entries = code.row(row)
-            slot = Slot(self._take_id(), round_id, entries, sum(parts[j][2] for j, _ in entries))
+            entries = rows[row]
+            samples = (counts[entries[0][0]] if len(entries) == 1
+                       else sum(counts[j] for j, _ in entries))
+            slot = Slot(self._take_id(), round_id, entries, samples, queued=True, index=row)
             self.slots[slot.id] = slot
-            slot_ids.append(slot.id)
-            slot.queued = True
+            slot_ids[row] = slot.id
             self._pending.append(slot.id)
-        order = _queue_order(code)
-        slot_ids = [slot_ids[order.index(row)] for row in range(code.slots)]  # code row order
-        self.rounds[round_id] = Round(round_id, self.version, list(parts), code, slot_ids)
+        round_ = Round(round_id, self.version, list(parts), code, slot_ids)
+        for slot_id in slot_ids:
+            round_.copies.setdefault(tuple(self.slots[slot_id].row), []).append(slot_id)
+        self.rounds[round_id] = round_
         self._rounds_at[self.version] += 1
         self.stats["rounds_opened"] += 1
         return True
@@ -571,6 +694,22 @@ class Scheduler:
         return [w for w in self.workers.values()
                 if w.capacity > 0 and w.paused_since is None and not w.draining]
 
+    def _adaptive_sample(self) -> list[WorkerRecord]:
+        """The workers whose records adaptive simulates: every active one in a small fleet; in a
+        large one a bounded sample, the hungry first (they take the new round's slots)."""
+        limit = self.config.adaptive_sample
+        if len(self.workers) <= limit:
+            return self._active()
+        chosen: dict[str, WorkerRecord] = {}
+        for worker in itertools.chain((self.workers[w] for w in self._hungry),
+                                      self.workers.values()):
+            if len(chosen) >= limit:
+                break
+            if (worker.id not in chosen and worker.capacity > 0 and worker.paused_since is None
+                    and not worker.draining):
+                chosen[worker.id] = worker
+        return list(chosen.values())
+
     def _policy(self, k: int) -> Redundancy:
         policy = self.config.redundancy
         if self.config.sync:
@@ -579,7 +718,7 @@ class Scheduler:
             return policy
         if len(self.times) < 8:
             return Redundancy()
-        active = self._active()
+        active = self._adaptive_sample()
         choice, at = self._choice
         key = (k, len(active))
         if self._observations - at >= self.config.adaptive_every or self._choice_key != key:
@@ -603,9 +742,15 @@ class Scheduler:
         """The oldest pending slot for `worker`: never one it holds or a copy of a row it holds,
         and none of a redundant round it already holds a slot of, so that one stopped worker
         never holds two slots of one round (it takes the next when it answers)."""
-        mine = [self.slots[s] for s in worker.assigned if s in self.slots]
-        rows = {(s.round, tuple(s.row)) for s in mine}
-        rounds = {s.round for s in mine}
+        if not self._pending:
+            return None
+        mine: list[Slot] = []
+        rows: set = set()
+        rounds: set = set()
+        if worker.assigned:
+            mine = [self.slots[s] for s in worker.assigned if s in self.slots]
+            rows = {(s.round, tuple(s.row)) for s in mine}
+            rounds = {s.round for s in mine}
         skipped: list[int] = []
         found = None
         while self._pending:
@@ -613,7 +758,7 @@ class Scheduler:
             slot = self.slots.get(slot_id)
             if slot is None or slot.arrived or slot.dead:
                 continue  # its round closed while it waited, or a copy of it arrived
-            if (worker.id in slot.holders or (slot.round, tuple(slot.row)) in rows
+            if mine and (worker.id in slot.holders or (slot.round, tuple(slot.row)) in rows
                     or (slot.round in rounds and (
                         self.config.sync or self.rounds[slot.round].code.tolerance > 0))):
                 skipped.append(slot_id)
@@ -630,31 +775,66 @@ class Scheduler:
             if not self.workers[worker_id].assigned:
                 self._draining.discard(worker_id)
                 actions.append(Drained(worker_id))
-        if self.paused:
+        if self.paused or not self._hungry:
+            return actions
+        # Nothing to hand out (the plan is exhausted, the open-round limit reached): every
+        # hungry worker would come away empty, so none is asked.
+        can_open = self._can_open()
+        if not self._pending and not can_open:
             return actions
         # One slot per hungry worker per pass: a round's slots spread over the fleet instead of
         # filling the first worker's credits (which would run them one after another).
         progress = True
         while progress and self._hungry:
             progress = False
-            for worker_id in list(self._hungry):
+            for worker_id in self._hungry_in_order():
+                if not self._pending and not can_open:
+                    return actions  # nothing left for the rest of the pass either
                 worker = self.workers[worker_id]
                 if worker.free > 0 and not (self.config.sync and worker.assigned):
                     slot = self._next_slot_for(worker)
-                    if slot is None and self._open_round(worker):
-                        slot = self._next_slot_for(worker)
+                    if slot is None and can_open:
+                        can_open = self._open_round(worker)  # a round that cannot open now stays so
+                        if can_open:
+                            slot = self._next_slot_for(worker)
                     if slot is not None:
                         actions.append(self._assign(worker, slot, now))
                         progress = True
                 self._update_hunger(worker)
         return actions
 
+    def _hungry_in_order(self):
+        """The hungry workers in order, read a few at a time rather than copied whole.
+
+        While a pass runs only the worker just visited can leave `_hungry`, and none joins, so
+        the visited ones still there are a prefix of it and the rest follow in order."""
+        kept = 0
+        while True:
+            chunk = list(itertools.islice(self._hungry, kept, kept + 64))
+            if not chunk:
+                return
+            for worker_id in chunk:
+                yield worker_id
+                if worker_id in self._hungry:
+                    kept += 1
+
+    def _can_open(self) -> bool:
+        """Whether `_open_round` may open one now (it can still fail on an empty plan)."""
+        if not self.accepting:
+            return False
+        limit = 1 if self.config.sync else self.config.open_rounds
+        if limit and len(self.rounds) >= limit:
+            return False
+        return not self.sampler.exhausted
+
     def _assign(self, worker: WorkerRecord, slot: Slot, now: float) -> Assign:
         round_ = self.rounds[slot.round]
         deadline = self._deadline(worker, slot, now)
         worker.assigned[slot.id] = deadline
+        heapq.heappush(self._deadline_due, (deadline, next(self._seq), worker.id, slot.id))
         slot.holders.add(worker.id)
         slot.started[worker.id] = now
+        self._watch_late(worker, now)
         send_model = worker.model_version != round_.version
         worker.model_version = round_.version
         return Assign(

@@ -1,0 +1,177 @@
+"""What one scheduler decision costs as the fleet grows (issue 8), and the coordinator's costs.
+
+The real `Scheduler` is driven by the fleet simulator (coordinator/simulator.py, costless
+gradients) at 1,000, 10,000 and 100,000 workers with the same round shape (64 partitions of 64
+samples, lognormal speeds, median 0.5 s per sample: ~30 s per slot; heartbeat 10 s), for
+`--slots` slots after a warm-up (every worker joined and known by its own results). It prints the wall time spent inside scheduler
+calls per slot assigned (result, fill, tick, applied: everything but heartbeats; us/dec leaves
+the ticks out, ms/tick is one tick), and per heartbeat (`seen`); wall time inside the calls, scaled by the share of the run the process was
+on the CPU (this machine is shared: see the simulator's `run`). `--baseline REV` runs the scheduler of a git
+revision side by side (e.g. the one before this issue), at the fleet sizes it can finish.
+
+`--no-gc` turns Python's cyclic garbage collector off: its passes over every live object make the
+cost per slot grow with the fleet (at 10,000 workers, 55 us with it, 32 us without, here), which
+a long-running coordinator can avoid with `gc.freeze()` after start-up and larger thresholds.
+
+`--costs` measures the coordinator's per-message CPU and tensor throughput, the defaults of
+`CoordinatorCosts`: encoding+decoding a heartbeat and a result header with the real protocol,
+and taking in a gradient (from_blob, isfinite, a weighted add) of `--params` float32 values.
+
+    python benchmarks/scheduler_scale.py --workers 1000,10000,100000 --baseline a66f2d5 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from idlegrad.coordinator.scheduler import Scheduler
+from idlegrad.coordinator.simulator import (CoordinatorCosts, SimConfig, lognormal_fleet,
+                                            simulate)
+
+PARTITIONS, SAMPLES_PER_SLOT, MEDIAN_S, SIGMA = 64, 64, 0.5, 0.5
+
+
+def load_scheduler(rev: str):
+    """The Scheduler class of coordinator/scheduler.py at git revision `rev`."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = subprocess.run(["git", "show", f"{rev}:coordinator/scheduler.py"], cwd=here,
+                            check=True, capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(prefix="idlegrad-sched-"), "scheduler_baseline.py")
+    with open(path, "w") as fh:
+        fh.write(source)
+    spec = importlib.util.spec_from_file_location("idlegrad.coordinator._scheduler_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    from idlegrad.coordinator import scheduler
+
+    for name in ("Assign", "CancelSlots", "Decoded", "Evicted", "Drained"):  # the simulator's
+        setattr(module, name, getattr(scheduler, name))
+    return module.Scheduler
+
+
+def one(workers: int, slots: int, mode: str, scheduler_class, seed: int) -> dict:
+    fleet = lognormal_fleet(workers, MEDIAN_S, SIGMA, np.random.default_rng(seed))
+    slot_s = MEDIAN_S * SAMPLES_PER_SLOT
+    # Measured after a warm-up of three slot times (every worker has joined and answered a few
+    # times: its own speed is known), for ~`slots` slots: each worker finishes one per ~slot_s.
+    warmup = 3 * slot_s
+    duration = warmup + slot_s * slots / workers
+    # The coordinator's own costs are left out (free): this measures the scheduler alone.
+    config = SimConfig(duration_s=duration, warmup_s=warmup, costs=CoordinatorCosts(0.0, math.inf), batch_size=PARTITIONS * SAMPLES_PER_SLOT,
+                       partitions=PARTITIONS, heartbeat_s=10.0, max_staleness=10 ** 6,
+                       model_bytes=400_000, train_samples=10 ** 8, seed=seed)
+    r = simulate(fleet, config, mode, scheduler_class=scheduler_class)
+    return {"workers": workers, "mode": mode, "slots": r.slots_measured,
+            "us_per_slot": r.scheduler_us_per_slot, "us_per_decision": r.decision_us_per_slot,
+            "ms_per_tick": r.tick_us / 1e3, "us_per_heartbeat": r.heartbeat_us,
+            "wall_s": r.wall_s}
+
+
+def median_of(repeats: int, *args) -> dict:
+    rows = [one(*args) for _ in range(repeats)]
+    out = dict(rows[0])
+    for key in ("us_per_slot", "us_per_decision", "ms_per_tick", "us_per_heartbeat", "wall_s"):
+        out[key] = statistics.median(r[key] for r in rows)
+    out["runs_us_per_slot"] = [round(r["us_per_slot"], 1) for r in rows]
+    return out
+
+
+def costs(params: int, repeats: int = 50) -> dict:
+    import torch
+
+    from idlegrad.common import protocol as proto
+    from idlegrad.common.tensors import from_blob, to_blob
+
+    torch.set_num_threads(1)  # as the coordinator runs in the benchmarks (--threads 1)
+
+    def per_call(fn, n):
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times.append((time.perf_counter() - t0) / n)
+        return statistics.median(times)
+
+    beat = proto.encode(proto.Heartbeat(state="working"))
+    grad = torch.randn(params)
+    result = proto.encode(proto.Result(slot=1, version=2, samples=64, loss=0.5, compute_s=1.0,
+                                       gradient=to_blob(grad)))
+    header_s = per_call(lambda: proto.decode(proto.encode(proto.Heartbeat(state="working"))), 2000)
+    total = torch.zeros(params)
+
+    def take_gradient():
+        g = from_blob(proto.decode(result).gradient, params, torch.float32)
+        bool(torch.isfinite(g).all())
+        total.add_(g, alpha=0.5)
+
+    gradient_s = per_call(take_gradient, repeats)
+    del beat
+    return {"per_message_s": header_s, "gradient_s": gradient_s,
+            "bytes_per_s": params * 4 / gradient_s, "params": params}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", default="1000,10000,100000")
+    parser.add_argument("--slots", type=int, default=20000, help="slots per measurement")
+    parser.add_argument("--modes", default="none,replicate:2")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also run coordinator/scheduler.py of this git revision")
+    parser.add_argument("--baseline-max-workers", type=int, default=10000)
+    parser.add_argument("--costs", action="store_true", help="measure the coordinator's costs")
+    parser.add_argument("--params", type=int, default=1_000_000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per row; medians printed")
+    parser.add_argument("--no-gc", action="store_true",
+                        help="Python's cyclic garbage collector off while measuring: what is left "
+                             "is the scheduler's own work (the collector's cost grows with the "
+                             "objects alive, i.e. with the fleet)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.no_gc:
+        import gc
+
+        gc.disable()
+    out: dict = {"rows": []}
+    if args.costs:
+        c = costs(args.params)
+        out["costs"] = c
+        print(f"coordinator: {c['per_message_s'] * 1e6:.1f} us per message (encode+decode), "
+              f"{c['gradient_s'] * 1e3:.2f} ms per gradient of {c['params']} float32 "
+              f"-> {c['bytes_per_s'] / 1e9:.2f} GB/s")
+    candidates = [("now", Scheduler)]
+    if args.baseline:
+        candidates.append((args.baseline, load_scheduler(args.baseline)))
+    print(f"{'scheduler':<10} {'mode':<12} {'workers':>8} {'slots':>7} {'us/slot':>8} "
+          f"{'us/dec':>7} {'ms/tick':>7} {'us/beat':>8} {'wall_s':>7}", flush=True)
+    for n in [int(x) for x in args.workers.split(",")]:
+        for mode in args.modes.split(","):
+            for name, cls in candidates:
+                if cls is not Scheduler and n > args.baseline_max_workers:
+                    continue
+                row = median_of(args.repeats, n, args.slots, mode, cls, args.seed)
+                row["scheduler"] = name
+                out["rows"].append(row)
+                print(f"{name:<10} {mode:<12} {n:>8} {row['slots']:>7} {row['us_per_slot']:>8.1f} "
+                      f"{row['us_per_decision']:>7.1f} {row['ms_per_tick']:>7.2f} "
+                      f"{row['us_per_heartbeat']:>8.2f} {row['wall_s']:>7.1f}", flush=True)
+    if args.json:
+        print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
