@@ -435,6 +435,28 @@ class Scheduler:
         self.version = version
         return self._fill(now)
 
+    def resend(self, worker_id: str, now: float) -> list[Assign]:
+        """Every slot `worker_id` holds, assigned again with its model: after a reconnect the
+        tasks sent down its old connection may never have arrived (the worker ignores those
+        it has). Without this a resumed worker could hold phantom slots, and its credits, forever."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return []
+        out = []
+        for slot_id, deadline in sorted(worker.assigned.items()):
+            slot = self.slots.get(slot_id)
+            if slot is None or slot.round not in self.rounds:
+                continue
+            round_ = self.rounds[slot.round]
+            worker.model_version = round_.version
+            wait = deadline - now if math.isfinite(deadline) else self.config.min_deadline_s
+            out.append(Assign(
+                worker=worker.id, slot=slot.id, round=round_.id, version=round_.version,
+                parts=[list(round_.parts[j]) for j, _ in slot.row],
+                coefficients=[c for _, c in slot.row], deadline_s=max(0.0, wait),
+                send_model=True))
+        return out
+
     def replan(self, decoded: Decoded) -> None:
         """A decoded round that could not be applied (too stale): its samples come back."""
         self.stats["rounds_replanned"] += 1

@@ -721,6 +721,8 @@ class Coordinator:
             seed=self.config.seed, heartbeat_s=self.config.heartbeat_s,
             liveness=self.config.liveness, instance=self.instance, holding=holding,
             result_dtype=self.config.result_dtype))
+        if resumed:  # tasks sent down its old connection may be lost: it ignores the ones it has
+            await self._perform(self.scheduler.resend(msg.worker_id, now))
 
     async def _on_ready(self, route: bytes, msg: proto.Ready) -> None:
         worker_id = self._worker_of(route)

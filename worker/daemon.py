@@ -484,6 +484,10 @@ class Worker:
             self._on_reject(msg)
         # Heartbeats need nothing beyond having been heard.
 
+    def _holds(self, slot: int) -> bool:
+        return (slot in self._unacked or any(w.slot == slot for w in self._queue)
+                or (self._current is not None and self._current[0].slot == slot))
+
     def _on_task(self, task: proto.Task) -> None:
         if task.model is not None:
             try:
@@ -496,6 +500,8 @@ class Worker:
             # The coordinator thinks we hold a model we do not: start the session afresh.
             self._forget_session()
             raise _Rehello()
+        if self._holds(task.slot):  # sent again after a resumed session: we have it
+            return
         work = Work(task.slot, task.version, self._cache[1], task.parts, task.coefficients,
                     task.kind, task.steps)
         try:

@@ -918,3 +918,15 @@ def test_coded_rounds_applied_once_and_every_sample_once(n, batch, partitions, o
     assert s.stats["rounds_decoded"] == len(h.decoded)
     assert s.stats["results_used"] == sum(h.accepted.values())
     assert all(v <= 1 for v in h.accepted.values())
+
+
+def test_resend_reassigns_every_held_slot_with_its_model():
+    s = make(n=100, batch=4, partitions=2)
+    held = assigns(start(s, "a", 2))
+    assert len(held) == 2
+    again = s.resend("a", now=1.0)
+    assert sorted(a.slot for a in again) == sorted(a.slot for a in held)
+    assert all(a.send_model for a in again)  # the worker may have lost every task
+    assert [a.parts for a in sorted(again, key=lambda a: a.slot)] == \
+        [a.parts for a in sorted(held, key=lambda a: a.slot)]
+    assert s.resend("nobody", now=1.0) == []
