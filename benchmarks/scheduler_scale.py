@@ -9,9 +9,10 @@ the ticks out, ms/tick is one tick), and per heartbeat (`seen`); wall time insid
 on the CPU (this machine is shared: see the simulator's `run`). `--baseline REV` runs the scheduler of a git
 revision side by side (e.g. the one before this issue), at the fleet sizes it can finish.
 
-`--no-gc` turns Python's cyclic garbage collector off: its passes over every live object make the
-cost per slot grow with the fleet (at 10,000 workers, 55 us with it, 32 us without, here), which
-a long-running coordinator can avoid with `gc.freeze()` after start-up and larger thresholds.
+The collector runs as in the coordinator process (`coordinator.server.tune_gc`: start-up frozen,
+larger thresholds); `--default-gc` measures Python's defaults instead, whose passes over every
+live object make the cost per slot grow with the fleet (at 10,000 workers, 55 us against 32 us
+with the collector off, here), and `--no-gc` turns the collector off.
 
 `--costs` measures the coordinator's per-message CPU and tensor throughput, the defaults of
 `CoordinatorCosts`: encoding+decoding a heartbeat and a result header with the real protocol,
@@ -140,12 +141,19 @@ def main() -> None:
                         help="Python's cyclic garbage collector off while measuring: what is left "
                              "is the scheduler's own work (the collector's cost grows with the "
                              "objects alive, i.e. with the fleet)")
+    parser.add_argument("--default-gc", action="store_true",
+                        help="Python's default collector settings, not the coordinator's "
+                             "(coordinator.server.tune_gc, which the coordinator process uses)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.no_gc:
         import gc
 
         gc.disable()
+    elif not args.default_gc:
+        from idlegrad.coordinator.server import tune_gc
+
+        tune_gc()
     out: dict = {"rows": []}
     if args.costs:
         c = costs(args.params)

@@ -435,6 +435,12 @@ class Scheduler:
         self.version = version
         return self._fill(now)
 
+    def absent(self, seconds: float) -> None:
+        """The caller was not running for `seconds` (a frozen or suspended coordinator): nobody
+        could be heard meanwhile, so that time counts as no worker's silence."""
+        for worker in self.workers.values():
+            worker.last_seen += seconds
+
     def resend(self, worker_id: str, now: float) -> list[Assign]:
         """Every slot `worker_id` holds, assigned again with its model: after a reconnect the
         tasks sent down its old connection may never have arrived (the worker ignores those

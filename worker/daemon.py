@@ -485,7 +485,9 @@ class Worker:
         # Heartbeats need nothing beyond having been heard.
 
     def _holds(self, slot: int) -> bool:
-        return (slot in self._unacked or any(w.slot == slot for w in self._queue)
+        """Whether `slot` is queued or computing. (A slot whose result is unacknowledged is not
+        held: the coordinator may have refused that result and handed the slot back to us.)"""
+        return (any(w.slot == slot for w in self._queue)
                 or (self._current is not None and self._current[0].slot == slot))
 
     def _on_task(self, task: proto.Task) -> None:

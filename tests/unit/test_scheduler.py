@@ -930,3 +930,11 @@ def test_resend_reassigns_every_held_slot_with_its_model():
     assert [a.parts for a in sorted(again, key=lambda a: a.slot)] == \
         [a.parts for a in sorted(held, key=lambda a: a.slot)]
     assert s.resend("nobody", now=1.0) == []
+
+
+def test_time_the_coordinator_was_absent_is_no_workers_silence():
+    s = make(n=100, batch=4, heartbeat_s=1.0, liveness=3)
+    start(s, "a", 1, now=0.0)
+    s.absent(10.0)  # frozen from t=0.5 to t=10.5, say
+    assert not any(isinstance(a, Evicted) for a in s.tick(10.6))
+    assert any(isinstance(a, Evicted) for a in s.tick(14.0))  # silent 3.x s of its own time
