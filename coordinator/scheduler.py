@@ -745,6 +745,11 @@ class Scheduler:
         if policy.kind != "adaptive":
             return policy
         if len(self.times) < 8:
+            # Nothing measured yet: assume the fleet straggles (volunteers' machines do). A
+            # replicated first round or two costs little where nobody is slow, and where one is,
+            # a first round without redundancy waits for it.
+            if self.config.adaptive_max_level >= 2:
+                return Redundancy("replicate", 2)
             return Redundancy()
         active = self._adaptive_sample()
         choice, at = self._choice

@@ -850,12 +850,12 @@ def test_adaptive_prediction_is_pull_based_per_worker():
     assert cyc == pytest.approx(2.0 / 2)  # each slot covers two partitions; any one decodes
 
 
-def test_adaptive_scheduler_starts_with_none_then_follows_the_record():
+def test_adaptive_scheduler_starts_replicated_then_follows_the_record():
     s = coded("adaptive", n=1000, batch=6, partitions=3, min_deadline_s=1000.0,
               heartbeat_s=1000.0)
     for w in "abc":
         start(s, w, 1)
-    assert {r.code.name for r in s.rounds.values()} == {"none"}
+    assert {r.code.name for r in s.rounds.values()} == {"replicate:2"}  # nothing measured yet
     for t in [0.01] * 40 + [0.5] * 10:
         for w in "abc":
             s._observe(t, s.workers[w])
