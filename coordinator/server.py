@@ -57,7 +57,7 @@ def tune_gc() -> None:
     coordinator's records hold few reference cycles."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(50_000, 50, 100)
+    gc.set_threshold(50_000, 10, 10)
 
 
 @dataclass
