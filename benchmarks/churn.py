@@ -31,6 +31,14 @@ HERE = os.path.abspath(__file__)
 PARAMS = 20_000
 
 
+def model_numel() -> int:
+    """The coordinator's model size (`synthetic` rounds `params` to a width): a gradient of any
+    other size is malformed, and repeated offences get a worker banned."""
+    from idlegrad.common.builtin_jobs import synthetic
+
+    return sum(p.numel() for p in synthetic(params=PARAMS).build_model().parameters())
+
+
 def swarm(address: str, workers: int, seconds: float, period: float, fraction: float,
           seed: int, task_s: float) -> dict:
     import heapq
@@ -47,7 +55,8 @@ def swarm(address: str, workers: int, seconds: float, period: float, fraction: f
     owner: dict[zmq.Socket, str] = {}
     counts = {"joins": 0, "byes": 0, "vanished": 0, "reconnects": 0, "results": 0}
     serial = 0
-    gradient = proto.Blob("float32", PARAMS, (bytes(4 * PARAMS),))
+    numel = model_numel()
+    gradient = proto.Blob("float32", numel, (bytes(4 * numel),))
     beat = proto.encode(proto.Heartbeat(state="working"))
     order = itertools.count()  # ties in `due` never compare sockets
     due: list = []  # (when, serial, socket, result frames): answers wait `task_s` (a slot's work)
