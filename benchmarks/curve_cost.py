@@ -29,7 +29,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from idlegrad.common import protocol as proto
-from idlegrad.common.tensors import from_blob
+from idlegrad.common.tensors import blob_chunks, finite_norm
 
 
 def run_once(numel: int, messages: int, window: int, curve: bool) -> float:
@@ -68,7 +68,7 @@ def run_once(numel: int, messages: int, window: int, curve: bool) -> float:
         for _ in range(messages):
             parts = router.recv_multipart(copy=False)
             msg = proto.decode(parts[1:])
-            from_blob(msg.gradient, numel)  # size and finiteness, as the coordinator checks
+            finite_norm(blob_chunks(msg.gradient, numel))  # size and finiteness, as the coordinator
             router.send_multipart([parts[0].bytes, *ack])
 
     server = threading.Thread(target=serve)

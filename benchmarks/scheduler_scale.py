@@ -16,7 +16,7 @@ with the collector off, here), and `--no-gc` turns the collector off.
 
 `--costs` measures the coordinator's per-message CPU and tensor throughput, the defaults of
 `CoordinatorCosts`: encoding+decoding a heartbeat and a result header with the real protocol,
-and taking in a gradient (from_blob, isfinite, a weighted add) of `--params` float32 values.
+and taking in a gradient (frame views, a norm check, a weighted write) of `--params` float32 values.
 
     python benchmarks/scheduler_scale.py --workers 1000,10000,100000 --baseline a66f2d5 --json
 """
@@ -93,7 +93,7 @@ def costs(params: int, repeats: int = 50) -> dict:
     import torch
 
     from idlegrad.common import protocol as proto
-    from idlegrad.common.tensors import from_blob, to_blob
+    from idlegrad.common.tensors import blob_chunks, finite_norm, to_blob
 
     torch.set_num_threads(1)  # as the coordinator runs in the benchmarks (--threads 1)
 
@@ -106,20 +106,21 @@ def costs(params: int, repeats: int = 50) -> dict:
             times.append((time.perf_counter() - t0) / n)
         return statistics.median(times)
 
-    beat = proto.encode(proto.Heartbeat(state="working"))
     grad = torch.randn(params)
     result = proto.encode(proto.Result(slot=1, version=2, samples=64, loss=0.5, compute_s=1.0,
                                        gradient=to_blob(grad)))
     header_s = per_call(lambda: proto.decode(proto.encode(proto.Heartbeat(state="working"))), 2000)
     total = torch.zeros(params)
 
-    def take_gradient():
-        g = from_blob(proto.decode(result).gradient, params, torch.float32)
-        bool(torch.isfinite(g).all())
-        total.add_(g, alpha=0.5)
+    def take_gradient():  # as the coordinator does: frame views, a norm check, a weighted write
+        chunks = blob_chunks(proto.decode(result).gradient, params, torch.float32)
+        finite_norm(chunks)
+        offset = 0
+        for chunk in chunks:
+            torch.mul(chunk, 0.5, out=total[offset:offset + chunk.numel()])
+            offset += chunk.numel()
 
     gradient_s = per_call(take_gradient, repeats)
-    del beat
     return {"per_message_s": header_s, "gradient_s": gradient_s,
             "bytes_per_s": params * 4 / gradient_s, "params": params}
 
