@@ -23,7 +23,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 2  # 2: ack; hello.instance; welcome.instance and welcome.holding
+PROTOCOL_VERSION = 3  # 2: ack; hello.instance; welcome.instance and welcome.holding. 3: task.acks
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # tensor frames are cut to this; larger zero-copy frames slow down
 MAX_HEADER_BYTES = 1024 * 1024
@@ -156,6 +156,9 @@ class Task(Message):
     # `version` - model after), the slot's summed parameter change (docs/protocol.md).
     kind: str = "gradient"
     steps: int = 0
+    # results the coordinator has taken, as an `Ack` would say: a task sent in answer to a
+    # result carries its acknowledgement, one message instead of two
+    acks: list[int] = field(default_factory=list)
 
     KINDS: ClassVar[frozenset] = frozenset({"gradient", "local"})
 

@@ -115,14 +115,18 @@ def finite_norm(tensors: torch.Tensor | Sequence[torch.Tensor]) -> float:
     (values beyond ~1e19 in float32) also reads as non-finite: no usable gradient is that large."""
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
-    total = 0.0
-    for t in tensors:
-        if t.numel():
-            t = t.detach()
-            if t.dtype not in (torch.float32, torch.float64):
-                t = t.float()  # half types: no BLAS dot on every device
-            total += float(torch.dot(t, t))
+    total = sum(sum_of_squares(t) for t in tensors)
     return math.sqrt(total) if math.isfinite(total) else total
+
+
+def sum_of_squares(tensor: torch.Tensor) -> float:
+    """`finite_norm`'s square for one tensor (inf or nan when a value is not finite)."""
+    if not tensor.numel():
+        return 0.0
+    tensor = tensor.detach()
+    if tensor.dtype not in (torch.float32, torch.float64):
+        tensor = tensor.float()  # half types: no BLAS dot on every device
+    return float(torch.dot(tensor, tensor))
 
 
 class BufferPool:

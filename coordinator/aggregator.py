@@ -14,7 +14,7 @@ import torch
 
 from ..common.errors import ConfigError, GradientRejected
 from ..common.job import FlatModel
-from ..common.tensors import finite_norm
+from ..common.tensors import sum_of_squares
 
 
 @dataclass(frozen=True)
@@ -71,10 +71,13 @@ class Aggregator:
         return self.apply_terms([([gradient_sum], 1.0)], samples, round_version)
 
     def apply_terms(self, terms: Sequence[tuple[Sequence[torch.Tensor], float]], samples: int,
-                    round_version: int) -> Optional[float]:
+                    round_version: int, norms: Optional[Sequence[float]] = None) -> Optional[float]:
         """`apply` for a gradient sum given as weighted terms, each a flat gradient cut into
         consecutive chunks (the frames it arrived in): the sum is written straight into the
-        model's gradient, with no intermediate tensor the size of the model."""
+        model's gradient, with no intermediate tensor the size of the model.
+
+        `norms`, the terms' L2 norms when the caller has measured them (on arrival), bound the
+        sum's: when that bound is safely finite the sum is not read again to check it."""
         weight = self.weight_for(round_version)
         if weight is None:
             return None
@@ -83,22 +86,18 @@ class Aggregator:
         if not terms:
             raise GradientRejected("a round of no gradients")
         grads = self.model.grads
-        for i, (chunks, coefficient) in enumerate(terms):
+        for chunks, _ in terms:
             if any(c.dim() != 1 for c in chunks):
                 raise GradientRejected("a gradient must be flat")
             numel = sum(c.numel() for c in chunks)
             if numel != grads.numel():
                 raise GradientRejected(f"gradient of {numel} values, model has {grads.numel()}")
-            scale = coefficient / samples
-            offset = 0
-            for chunk in chunks:
-                target = grads[offset:offset + chunk.numel()]
-                if i == 0:
-                    torch.mul(chunk, scale, out=target)
-                else:
-                    target.add_(chunk, alpha=scale)
-                offset += chunk.numel()
-        if not math.isfinite(finite_norm(grads)):
+        bound = math.inf
+        if norms is not None and len(norms) == len(terms):
+            bound = sum(abs(c) / samples * n for (_, c), n in zip(terms, norms))
+        # the check below sums squares in the gradient's own precision: the bound must too
+        checked = not (bound * bound < torch.finfo(grads.dtype).max)
+        if not math.isfinite(_write_sum(grads, terms, samples, measure=checked)):
             grads.zero_()
             raise GradientRejected("non-finite gradient")
         # The staleness weight scales the step, not the gradient: adaptive optimizers (Adam)
@@ -114,3 +113,40 @@ class Aggregator:
                     group["lr"] = lr
         self.version += 1
         return weight
+
+
+BLOCK = 1 << 18  # values per block of `_write_sum`: a block (1 MiB of float32) stays in cache
+
+
+def _write_sum(out: torch.Tensor, terms: Sequence[tuple[Sequence[torch.Tensor], float]],
+               samples: int, measure: bool = True) -> float:
+    """Write sum_k coefficient_k / samples * term_k into `out` and return the squared norm of
+    the result (inf or nan when a value is not; 0 without `measure`). Block by block, so the
+    norm reads what was just written from cache: one pass over memory instead of two."""
+    cuts = {0, out.numel(), *(range(BLOCK, out.numel(), BLOCK) if measure else ())}
+    pieces = []  # per term: (start offset, chunk) of its consecutive chunks
+    for chunks, _ in terms:
+        offset, starts = 0, []
+        for chunk in chunks:
+            starts.append((offset, chunk))
+            offset += chunk.numel()
+            cuts.add(offset)
+        pieces.append(starts)
+    bounds = sorted(cuts)
+    where = [0] * len(terms)  # per term: index of the chunk holding the current interval
+    total = 0.0
+    for a, b in zip(bounds, bounds[1:]):
+        target = out[a:b]
+        for i, (_, coefficient) in enumerate(terms):
+            starts = pieces[i]
+            while starts[where[i]][0] + starts[where[i]][1].numel() <= a:
+                where[i] += 1
+            start, chunk = starts[where[i]]
+            source = chunk[a - start:b - start]
+            if i == 0:
+                torch.mul(source, coefficient / samples, out=target)
+            else:
+                target.add_(source, alpha=coefficient / samples)
+        if measure:
+            total += sum_of_squares(target)
+    return total

@@ -156,10 +156,14 @@ class Coordinator:
         self.key_of: dict[str, bytes] = {}  # worker id -> the CURVE public key that holds it
         self.peers: dict[bytes, str] = {}  # routing id -> worker id
         # arrived slot gradients of open rounds, as views of the frames they came in
-        self._grads: dict[int, list[torch.Tensor]] = {}
+        # (and their norms, measured on arrival: they bound the round's sum)
+        self._grads: dict[int, tuple[list[torch.Tensor], float]] = {}
+        self._acks_due: dict[str, int] = {}  # worker id -> the slot of the result being taken
         # version -> (model, its blob, trackers of the zero-copy sends of it)
         self._snapshots: dict[int, tuple[torch.Tensor, proto.Blob, list]] = {}
         self._snapshot_buffers = BufferPool(self.model.numel, self.model.dtype)
+        # below ZeroMQ's copy threshold a model is copied at send: cheaper than tracking it
+        self._copy_numel = zmq.COPY_THRESHOLD // self.model.params.element_size()
         self.bad_messages: Counter[str] = Counter()
         self.counters: Counter[str] = Counter()
         self.events: deque[dict] = deque(maxlen=self.EVENTS_KEPT)
@@ -672,7 +676,7 @@ class Coordinator:
             self.trust.accept(float(size), scale)
             self._event("verified", f"slot {msg.slot} from {worker_id}: computed here, it matches "
                                     "(an honest outlier); used", worker=worker_id)
-            await self._use_result(worker_id, msg, grad, now)
+            await self._use_result(worker_id, msg, grad, finite_norm(grad), now)
             return
         self.counters["suspects_wrong"] += 1
         banned = self.trust.confirmed(identity, now)
@@ -757,15 +761,18 @@ class Coordinator:
     async def _on_result(self, route: bytes, msg: proto.Result) -> None:
         worker_id = self._worker_of(route)
         used = False
+        # Taken (used, refused or dropped) once the scheduler has judged it: the worker forgets
+        # it; unacknowledged, it would be resent after a reconnect. A task sent to the worker
+        # meanwhile carries the acknowledgement (`_perform`).
+        self._acks_due[worker_id] = msg.slot
         try:
             used = await self._take_result(worker_id, msg)
         finally:
             if self.ledger is not None:
                 self.ledger.write("ack", slot=msg.slot, worker=worker_id, used=used)
-            # Taken: used, refused or dropped. The worker forgets it; unacknowledged, it would be
-            # resent after a reconnect.
-            if worker_id in self.routes:
-                await self._send(self.routes[worker_id], proto.Ack(slots=[msg.slot]))
+            slot = self._acks_due.pop(worker_id, None)
+            if slot is not None and worker_id in self.routes:
+                await self._send(self.routes[worker_id], proto.Ack(slots=[slot]))
 
     async def _take_result(self, worker_id: str, msg: proto.Result) -> bool:
         """Judge and hand a result to the scheduler; whether its gradient is used."""
@@ -795,13 +802,13 @@ class Coordinator:
         if verdict is not None and not verdict.ok:
             await self._offence(worker_id, msg.slot, verdict.reason, verdict.detail, verdict.banned)
             return False
-        return await self._use_result(worker_id, msg, grad, now)
+        return await self._use_result(worker_id, msg, grad, norm, now)
 
     async def _use_result(self, worker_id: str, msg: proto.Result, grad: list[torch.Tensor],
-                          now: float) -> bool:
+                          norm: float, now: float) -> bool:
         accepted, actions = self.scheduler.result(worker_id, msg.slot, msg.compute_s, now)
         if accepted:
-            self._grads[msg.slot] = grad
+            self._grads[msg.slot] = (grad, norm)
             if msg.samples and math.isfinite(msg.loss):
                 self.train_loss = msg.loss if self.train_loss is None else (
                     0.9 * self.train_loss + 0.1 * msg.loss)
@@ -873,9 +880,10 @@ class Coordinator:
         """Send `msg`; with `track`, return the MessageTracker of its zero-copy frames."""
         frames = proto.encode(msg)
         self.counters["bytes_sent"] += sum(memoryview(f).nbytes for f in frames)
+        copy = not track
         if self._handling:
-            return self._direct.send_multipart([route, *frames], copy=False, track=track)
-        return await self.sock.send_multipart([route, *frames], copy=False, track=track)
+            return self._direct.send_multipart([route, *frames], copy=copy, track=track)
+        return await self.sock.send_multipart([route, *frames], copy=copy, track=track)
 
     def bytes_per_sample(self) -> Optional[float]:
         """Wire bytes, both ways, per sample applied."""
@@ -891,12 +899,15 @@ class Coordinator:
                 model = self._model_blob(action.version) if action.send_model else None
                 if self.ledger is not None:
                     self.ledger.write("sent", slot=action.slot, worker=action.worker)
+                # A small model is copied into ZeroMQ at once: a tracker costs more than the copy
+                track = model is not None and model.numel > self._copy_numel
+                ack = self._acks_due.pop(action.worker, None)
                 tracker = await self._send(route, proto.Task(
                     slot=action.slot, round=action.round, version=action.version,
                     parts=action.parts, coefficients=action.coefficients,
-                    deadline_s=min(action.deadline_s, 1e9), model=model, **self._task_kind(action)),
-                    track=model is not None)
-                if model is not None:
+                    deadline_s=min(action.deadline_s, 1e9), model=model,
+                    acks=[] if ack is None else [ack], **self._task_kind(action)), track=track)
+                if track:
                     self._snapshots[action.version][2].append(tracker)
             elif isinstance(action, CancelSlots):
                 route = self.routes.get(action.worker)
@@ -945,14 +956,15 @@ class Coordinator:
 
     def _apply(self, decoded: Decoded) -> list:
         """Step with a decoded round (or replan it); returns the scheduler's follow-up actions."""
-        terms = [(self._grads[s], w) for s, w in decoded.weights.items()]
+        terms = [(self._grads[s][0], w) for s, w in decoded.weights.items()]
+        norms = [self._grads[s][1] for s in decoded.weights]
         for slot in decoded.slots:
             self._grads.pop(slot, None)
         current = self.aggregator.version
         if self.scheduler.version_in_use(current):
             self._model_blob(current)  # rounds still open at this version need it kept
         try:
-            weight = self.aggregator.apply_terms(terms, decoded.samples, decoded.version)
+            weight = self.aggregator.apply_terms(terms, decoded.samples, decoded.version, norms)
         except GradientRejected as exc:
             self.counters["rounds_rejected"] += 1
             self._event("rejected", f"round {decoded.round}: {exc}", level=logging.WARNING)

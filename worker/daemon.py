@@ -468,6 +468,8 @@ class Worker:
             log.warning("dropped a bad message from the coordinator: %s", exc)
             return
         if isinstance(msg, proto.Task):
+            if msg.acks:
+                self._drop_results(msg.acks)
             self._on_task(msg)
         elif isinstance(msg, proto.Cancel):
             cancelled = set(msg.slots)

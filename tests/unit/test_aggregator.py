@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from idlegrad.common.errors import ConfigError, GradientRejected
@@ -214,6 +216,11 @@ def test_apply_terms_equals_apply_of_the_weighted_sum():
     agg_b.apply_terms(terms, samples=3, round_version=0)
     assert torch.allclose(a.params, b.params, atol=1e-6)
     assert agg_b.version == 1
+    # with the terms' norms known (measured on arrival), the same step
+    agg_a.apply(0.5 * g1 - 2.0 * g2, samples=3, round_version=1)
+    agg_b.apply_terms(terms, samples=3, round_version=1,
+                      norms=[float(g1.norm()), float(g2.norm())])
+    assert torch.allclose(a.params, b.params, atol=1e-6)
 
 
 def test_apply_terms_refuses_wrong_sizes_and_non_finite_terms():
@@ -229,4 +236,41 @@ def test_apply_terms_refuses_wrong_sizes_and_non_finite_terms():
     with pytest.raises(GradientRejected):
         agg.apply_terms([([torch.ones(model.numel)], 1.0), ([bad[:2], bad[2:]], 1.0)], samples=1,
                         round_version=0)
+    with pytest.raises(GradientRejected):  # a non-finite norm bounds nothing: the sum is read
+        agg.apply_terms([([bad], 1.0)], samples=1, round_version=0, norms=[math.nan])
+    huge = torch.full((model.numel,), 1e30)
+    with pytest.raises(GradientRejected):  # finite values, but squares beyond float32's range
+        agg.apply_terms([([huge], 1.0)], samples=1, round_version=0,
+                        norms=[float(huge.double().norm())])
     assert torch.equal(model.params, before) and agg.version == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(numel=st.integers(1, 40), block=st.integers(1, 9), data=st.data())
+def test_write_sum_blocks_across_uneven_chunks(numel, block, data):
+    """Blocks that straddle the chunks of several terms write the weighted sum exactly and
+    return its squared norm; a non-finite value anywhere reads as non-finite."""
+    import idlegrad.coordinator.aggregator as aggregator
+
+    saved, aggregator.BLOCK = aggregator.BLOCK, block
+    try:
+        terms, expected = [], torch.zeros(numel, dtype=torch.float64)
+        for _ in range(data.draw(st.integers(1, 3))):
+            values = torch.randn(numel)
+            cuts = sorted(data.draw(st.lists(st.integers(0, numel), max_size=4)))
+            chunks = [values[a:b] for a, b in zip([0, *cuts], [*cuts, numel])]
+            coefficient = data.draw(st.floats(-3, 3, allow_nan=False))
+            terms.append((chunks, coefficient))
+            expected += values.double() * coefficient / 2
+        out = torch.full((numel,), 7.0)
+        squares = aggregator._write_sum(out, terms, samples=2)
+        assert torch.allclose(out.double(), expected, atol=1e-5)
+        assert squares == pytest.approx(float(expected.dot(expected)), rel=1e-4, abs=1e-6)
+        chunks = list(terms[-1][0])
+        k = max(i for i, c in enumerate(chunks) if c.numel())
+        chunks[k] = chunks[k].clone()
+        chunks[k][-1] = float("inf") if data.draw(st.booleans()) else float("nan")
+        terms[-1] = (chunks, 1.0)
+        assert not math.isfinite(aggregator._write_sum(out, terms, samples=2))
+    finally:
+        aggregator.BLOCK = saved
