@@ -91,7 +91,7 @@ class CoordinatorConfig:
     ledger_path: Optional[str] = None  # JSON lines: slots sent, results acknowledged, rounds applied
     task: str = "gradient"  # gradient | local:H | local:auto (local.parse_task)
     outer: OuterConfig = field(default_factory=OuterConfig)  # local tasks' outer optimizer
-    local_slot_s: float = 5.0  # local:auto: compute seconds per slot
+    local_slot_s: float = 5.0  # local:auto: the least compute seconds of a slot
     local_max_steps: int = 500  # local:auto: at most this many inner steps per slot
     local_link_factor: float = local.TaskMode.link_factor  # local:auto: compute / link seconds
     result_dtype: str = "float32"  # results on the wire: float32 or bfloat16 (workers round)
