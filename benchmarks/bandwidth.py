@@ -7,11 +7,14 @@ job with a model of `--params` (1M: 4 MB of float32 per model or change, 3.2 s p
 workers, run one after another (order alternating across `--runs`, the machine being shared):
 
 - `gradient`: a slot is the coded gradient of a batch, the coordinator steps the job's optimizer;
-- `local:10`, `local:50`: a slot is 10 / 50 inner steps of the job's optimizer on a worker, the
-  coordinator applies the outer optimizer to the change (`--task local:H`);
-- `local:auto`: H sized per worker from its measured speed so that a slot takes `--slot-s`
-  seconds of compute: by default 3 model round trips at the link's speed (19.2 s for 1M params
-  at 10 Mbit/s), so that each slot keeps the link busy for at most a quarter of its time.
+- `local:10`, `local:50`, `local:100`: a slot is H inner steps of the job's optimizer on a
+  worker, the coordinator applies the outer optimizer to the change (`--task local:H`); any other
+  `local:H` may be named in `--modes`, and `local:auto` is judged against the best fixed H that ran;
+- `local:auto`: H sized per worker from its measured compute time per step and its measured link
+  time per slot (model down, change up), so that a slot computes at least `--link-factor` (3)
+  times as long as its transfers take; the benchmark does not tell it the link's speed. Its first
+  slots, before any measurement, are 64 steps, and this benchmark's target falls within them
+  (docs/architecture.md, "Local tasks").
 
 Every mode runs the same `--epochs` (3: the same samples) with the coordinator's default
 asynchronous rounds of one slot, `--no-speculate` (speculation predicts task times from compute
@@ -48,21 +51,25 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from stragglers import Run, curve, fmt, med, read_metrics  # noqa: E402  (one harness, not two)
 
-MODES = ["gradient", "local:10", "local:50", "local:auto"]
+from idlegrad.common.errors import ConfigError  # noqa: E402
+from idlegrad.coordinator.local import parse_task  # noqa: E402
+
+MODES = ["gradient", "local:10", "local:50", "local:100", "local:auto"]
 WORKERS = ["w1", "w2", "w3", "w4"]
 
 
 def coordinator_args(mode: str, args, address: str, ckpt: Path) -> list[str]:
+    sizing = [] if args.slot_s is None else ["--local-slot-s", f"{args.slot_s:.3f}"]
     return ["coordinator", "--bind", address, "--job", "synthetic",
-            "--job-arg", f"params={args.params}", "--task", mode,
-            "--local-slot-s", f"{args.slot_s:.3f}", "--epochs", str(args.epochs),
+            "--job-arg", f"params={args.params}", "--task", mode, *sizing,
+            "--local-link-factor", f"{args.link_factor:g}", "--epochs", str(args.epochs),
             "--seed", str(args.seed), "--eval-every", str(args.eval_every),
             "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3600", "--threads", "1",
             # a 4 MB transfer holds a slow link for seconds, heartbeats queue behind it
             "--heartbeat", str(args.heartbeat), "--task-timeout", "120",
             # speculation predicts a task's time from compute alone; on a slow link every task
             # would look late and be duplicated, doubling the traffic the links cannot carry
-            "--no-speculate", "--log-level", "warning"]
+            "--no-speculate", "--log-level", args.log_level]
 
 
 def worker_args(name: str, address: str, args) -> list[str]:
@@ -118,9 +125,12 @@ def summarize(records: list[dict], target: float, note: str) -> dict:
 
 
 def accuracy_at(samples_curve: list, samples: float):
-    """The accuracy of the last evaluation at or before `samples` samples."""
-    before = [a for n, a in samples_curve if n <= samples]
-    return before[-1] if before else None
+    """The accuracy of the evaluation nearest to `samples` samples. (The last one before it
+    would be the untrained model's for a mode whose first slots, applied together, overshoot
+    `samples`: local:100 jumps from 0 to 12,800 samples.)"""
+    if not samples_curve:
+        return None
+    return min(samples_curve, key=lambda point: abs(point[0] - samples))[1]
 
 
 def aggregate(runs: dict[str, list[dict]]) -> dict:
@@ -155,18 +165,19 @@ def aggregate(runs: dict[str, list[dict]]) -> dict:
             m["gap_vs_gradient_points"] = (
                 100 * (same - grad["final_accuracy"]) if same is not None
                 and grad.get("final_accuracy") is not None else None)
-    fixed = [out[m]["time_to_target_s"] for m in ("local:10", "local:50")
-             if m in out and out[m]["time_to_target_s"]]
+    # Every fixed H that ran, not only the default two: auto is judged against the best of them.
+    fixed = [m["time_to_target_s"] for mode, m in out.items()
+             if mode.startswith("local:") and mode != "local:auto" and m["time_to_target_s"]]
     if "local:auto" in out and fixed and out["local:auto"]["time_to_target_s"]:
         out["local:auto"]["ratio_to_best_fixed"] = out["local:auto"]["time_to_target_s"] / min(fixed)
     return out
 
 
-def print_table(summary: dict, runs: int) -> None:
+def print_table(summary: dict, runs: int, modes: list[str]) -> None:
     print(f"\nmedians of {runs} run(s); times from the start of training (start-up excluded)")
     print(f"{'mode':<11} {'reached':>7} {'t_target_s':>10} {'x_gradient':>10} {'KiB/sample':>10} "
           f"{'final_acc':>9} {'samples':>8} {'acc@grad_n':>10}")
-    for mode in MODES:
+    for mode in modes:
         m = summary.get(mode)
         if m is None:
             continue
@@ -184,14 +195,14 @@ def print_table(summary: dict, runs: int) -> None:
         print(f"local:auto / best fixed H: {auto:.2f}")
 
 
-def plot(runs: dict[str, list[dict]], path: str, args) -> None:
+def plot(runs: dict[str, list[dict]], path: str, args, modes: list[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 6))
-    for i, mode in enumerate(MODES):
+    for i, mode in enumerate(modes):
         rs = runs.get(mode)
         if not rs or not rs[0]["curve"]:
             continue
@@ -218,30 +229,37 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=1, help="runs per mode; medians are reported")
-    parser.add_argument("--modes", default=",".join(MODES), help="subset of " + ",".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated --task values (default: " + ",".join(MODES) +
+                             "); any local:H may be added, e.g. local:100")
     parser.add_argument("--mbps", type=float, default=10.0, help="each worker's link, each way")
     parser.add_argument("--params", type=int, default=1_000_000)
     parser.add_argument("--epochs", type=int, default=3, help="samples every mode trains on")
     parser.add_argument("--target", type=float, default=0.75, help="test accuracy to reach")
     parser.add_argument("--slot-s", type=float, default=None,
-                        help="local:auto's compute seconds per slot (default: 3 model round "
-                             "trips at --mbps, so the link is busy at most a quarter of a slot)")
+                        help="local:auto's least compute seconds per slot (default: the "
+                             "coordinator's, 5)")
+    parser.add_argument("--link-factor", type=float, default=3.0,
+                        help="local:auto computes at least this many times its measured link "
+                             "time per slot (default: 3, the coordinator's)")
     parser.add_argument("--eval-every", type=float, default=1.0)
     parser.add_argument("--heartbeat", type=float, default=4.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-wall", type=float, default=300.0,
                         help="give a mode up after this many seconds of training")
+    parser.add_argument("--log-level", default="warning",
+                        help="the coordinator's (debug: each local slot's H and the measurements "
+                             "behind it, in DIR/run*/<mode>/coordinator-*.log)")
     parser.add_argument("--plot", default="bandwidth.png")
     parser.add_argument("--dir", default=None, help="keep logs and metrics here (default: a temp dir)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    if args.slot_s is None:
-        round_trip_s = 2 * args.params * 4 / (args.mbps * 1e6 / 8)  # float32 model down, change up
-        args.slot_s = 3 * round_trip_s
     modes = [m for m in args.modes.split(",") if m]
-    unknown = set(modes) - set(MODES)
-    if unknown:
-        parser.error(f"unknown modes {sorted(unknown)}")
+    for mode in modes:
+        try:
+            parse_task(mode)
+        except ConfigError as exc:
+            parser.error(str(exc))
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
@@ -249,7 +267,7 @@ def main():
 
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="idlegrad-bandwidth-"))
     base.mkdir(parents=True, exist_ok=True)
-    print(f"logs and metrics under {base}; local:auto slot {args.slot_s:.1f} s", flush=True)
+    print(f"logs and metrics under {base}", flush=True)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     print(f"{'run':>3} {'mode':<11} {'reached':>7} {'t_target_s':>10} {'KiB/sample':>10} "
           f"{'final_acc':>9} {'samples':>8} {'wall_s':>7}  notes", flush=True)
@@ -268,14 +286,15 @@ def main():
         print("interrupted: every process started was stopped", file=sys.stderr)
         sys.exit(130)
     summary = aggregate(runs)
-    print_table(summary, args.runs)
+    print_table(summary, args.runs, modes)
     if args.plot:
-        plot(runs, args.plot, args)
+        plot(runs, args.plot, args, modes)
         print(f"plot: {os.path.abspath(args.plot)}")
     if args.json:
         print(json.dumps({"modes": {m: summary[m] for m in modes if m in summary},
                           "target": {"accuracy": args.target}, "runs": args.runs,
-                          "mbps": args.mbps, "params": args.params, "slot_s": args.slot_s}))
+                          "mbps": args.mbps, "params": args.params, "slot_s": args.slot_s,
+                          "link_factor": args.link_factor}))
 
 
 if __name__ == "__main__":

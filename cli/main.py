@@ -130,7 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local tasks: the outer Nesterov momentum, below 1 (default: 0; DiLoCo "
                         "uses 0.9 with lr 0.7 for rounds of several slots, --partitions K)")
     c.add_argument("--local-slot-s", type=_positive(float), default=5.0, metavar="SECONDS",
-                   help="local:auto: compute seconds each slot should take (default: 5)")
+                   help="local:auto: the least compute seconds of a slot (default: 5)")
+    c.add_argument("--local-link-factor", type=_non_negative(float), default=3.0, metavar="F",
+                   help="local:auto: a slot computes at least F times as long as its worker's "
+                        "measured link time per slot (model down, change up), so transfers "
+                        "take at most 1/(1+F) of a slot (default: 3)")
     c.add_argument("--local-max-steps", type=_positive(int), default=500, metavar="H",
                    help="local:auto: at most H inner steps per slot (default: 500)")
     c.add_argument("--result-dtype", choices=["float32", "bfloat16"], default="float32",
@@ -257,7 +261,8 @@ def _run_coordinator(args) -> int:
     metrics = args.metrics
     if metrics is None and args.checkpoint_dir:
         metrics = os.path.join(args.checkpoint_dir, "metrics.jsonl")
-    check_redundancy(parse_task(args.task, args.local_slot_s, max_steps=args.local_max_steps),
+    check_redundancy(parse_task(args.task, args.local_slot_s, max_steps=args.local_max_steps,
+                                link_factor=args.local_link_factor),
                      parse_redundancy(args.redundancy), args.sync)
     config = CoordinatorConfig(
         job=args.job, job_args=parse_job_args(args.job_arg), bind=args.bind,
@@ -272,7 +277,8 @@ def _run_coordinator(args) -> int:
         allow_keys=args.allow_keys, insecure=args.insecure, ledger_path=args.ledger,
         trust=_trust_config(TrustConfig, args.reject_norm, args.ban_after), task=args.task,
         outer=OuterConfig(args.outer_lr, args.outer_momentum), local_slot_s=args.local_slot_s,
-        local_max_steps=args.local_max_steps, result_dtype=args.result_dtype)
+        local_max_steps=args.local_max_steps, local_link_factor=args.local_link_factor,
+        result_dtype=args.result_dtype)
     coordinator = Coordinator(config)
     reason = coordinator.run()
     logging.getLogger("idlegrad.coordinator").info(

@@ -23,7 +23,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 3  # 2: ack; hello.instance; welcome.instance and welcome.holding. 3: task.acks
+PROTOCOL_VERSION = 3  # 2: ack; hello.instance; welcome.instance and welcome.holding. 3: task.acks, result.waited_s
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # tensor frames are cut to this; larger zero-copy frames slow down
 MAX_HEADER_BYTES = 1024 * 1024
@@ -96,6 +96,9 @@ class Result(Message):
     loss: float
     compute_s: float
     gradient: Blob
+    # Seconds the task waited in the worker's queue before its compute began: the coordinator
+    # takes it and compute_s from the slot's wall time to learn the worker's link time.
+    waited_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -492,7 +495,7 @@ def _semantic_checks(msg: Message) -> None:
         if msg.credits > 1024:
             raise ProtocolError("schema", "ready.credits over 1024")
     elif isinstance(msg, Result):
-        non_negative("slot", "version", "samples", "compute_s")
+        non_negative("slot", "version", "samples", "compute_s", "waited_s")
     elif isinstance(msg, Task):
         non_negative("slot", "round", "version", "deadline_s", "steps")
         if len(msg.parts) != len(msg.coefficients) or not msg.parts:

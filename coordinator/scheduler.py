@@ -147,6 +147,9 @@ class WorkerRecord:
     done: int = 0
     samples: int = 0
     compute_s: float = 0.0  # seconds of compute its results report
+    # Seconds its recent slots that came with a model spent on the link (down and up): from task
+    # sent to result arrived, less compute and the wait in its queue. Local tasks size H from it.
+    link_times: deque = field(default_factory=lambda: deque(maxlen=8))
     cancelled: int = 0
     missed: int = 0
     failed: int = 0
@@ -168,6 +171,16 @@ class WorkerRecord:
             return 0
         return max(1, int(self.capacity * self.size_factor + 1e-9))
 
+    @property
+    def link_s(self) -> Optional[float]:
+        """The median of `link_times`: a result resent after a lost connection, or a coordinator
+        busy when it arrived, makes one slot's reading far too long."""
+        if not self.link_times:
+            return None
+        ordered = sorted(self.link_times)
+        mid = len(ordered) // 2
+        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
 
 @dataclass
 class Slot:
@@ -181,6 +194,7 @@ class Slot:
     dead: bool = False  # its row repeats an arrived one: no longer needed
     speculated: bool = False  # a duplicate row was appended for it (or it is that duplicate)
     started: dict[str, float] = field(default_factory=dict)  # holder -> when it was assigned
+    with_model: set[str] = field(default_factory=set)  # holders it was sent to with the model
     index: int = 0  # its row in the round's code
 
 
@@ -224,8 +238,9 @@ class Scheduler:
         self.last_code = "none"  # the code of the newest round
         self.last_costs: dict[str, float] = {}  # adaptive: the predictions behind the choice
         # Local tasks (local.py): a slot's samples for the worker opening a round, from its
-        # seconds per sample (None: not measured yet). None: rounds are the configured batch.
-        self.slot_samples: Optional[Callable[[Optional[float]], int]] = None
+        # seconds per sample and its link seconds per slot (None: not measured yet). None:
+        # rounds are the configured batch.
+        self.slot_samples: Optional[Callable[[Optional[float], Optional[float]], int]] = None
         # Due times, so that a tick touches only what is due rather than every worker (lazy:
         # an entry is checked against the record when it comes up, stale ones are dropped).
         self._seq = itertools.count()
@@ -292,9 +307,10 @@ class Scheduler:
                 self._update_hunger(worker)
 
     def result(self, worker_id: str, slot_id: int, compute_s: float,
-               now: float) -> tuple[bool, list[Action]]:
+               now: float, waited_s: float = 0.0) -> tuple[bool, list[Action]]:
         """A worker's answer for a slot. Returns (use this gradient?, actions).
 
+        `waited_s`: how long the task waited in the worker's queue before its compute began.
         Only the first answer for a slot that is still assigned to this worker is used; late
         replicas, answers for cancelled or finished slots, and repeats are refused (counted).
         """
@@ -312,6 +328,10 @@ class Scheduler:
         worker.compute_s += max(0.0, compute_s)
         if slot.samples and compute_s > 0:
             self._observe_speed(worker, compute_s / slot.samples)
+        if worker_id in slot.with_model and worker_id in slot.started:
+            link_s = now - slot.started[worker_id] - max(0.0, compute_s) - max(0.0, waited_s)
+            if link_s >= 0:  # below: the worker misreports its times
+                worker.link_times.append(link_s)
         if not slot.speculated or worker.late_streak == 0:
             worker.late_streak = 0
             worker.size_factor = min(1.0, worker.size_factor * 1.5)
@@ -712,7 +732,9 @@ class Scheduler:
 
     def _round_batch(self, k: int = 1, worker: Optional[WorkerRecord] = None) -> int:
         if self.slot_samples is not None:
-            return k * self.slot_samples(worker.s_per_sample if worker is not None else None)
+            if worker is None:
+                return k * self.slot_samples(None, None)
+            return k * self.slot_samples(worker.s_per_sample, worker.link_s)
         batch = self.config.batch_size
         if self.config.max_batch:
             batch = max(1, min(batch, self.config.max_batch))
@@ -869,6 +891,10 @@ class Scheduler:
         slot.started[worker.id] = now
         self._watch_late(worker, now)
         send_model = worker.model_version != round_.version
+        if send_model:
+            slot.with_model.add(worker.id)
+        else:
+            slot.with_model.discard(worker.id)
         worker.model_version = round_.version
         return Assign(
             worker=worker.id, slot=slot.id, round=round_.id, version=round_.version,

@@ -91,8 +91,9 @@ class CoordinatorConfig:
     ledger_path: Optional[str] = None  # JSON lines: slots sent, results acknowledged, rounds applied
     task: str = "gradient"  # gradient | local:H | local:auto (local.parse_task)
     outer: OuterConfig = field(default_factory=OuterConfig)  # local tasks' outer optimizer
-    local_slot_s: float = 5.0  # local:auto: compute seconds per slot
+    local_slot_s: float = 5.0  # local:auto: the least compute seconds of a slot
     local_max_steps: int = 500  # local:auto: at most this many inner steps per slot
+    local_link_factor: float = local.TaskMode.link_factor  # local:auto: compute / link seconds
     result_dtype: str = "float32"  # results on the wire: float32 or bfloat16 (workers round)
 
 
@@ -108,7 +109,8 @@ class Coordinator:
             torch.set_num_threads(config.threads)
         job = load_job(config.job, config.job_args)
         self.task_mode = local.parse_task(config.task, config.local_slot_s,
-                                          max_steps=config.local_max_steps)
+                                          max_steps=config.local_max_steps,
+                                          link_factor=config.local_link_factor)
         redundancy = coding.parse_redundancy(config.redundancy)
         local.check_redundancy(self.task_mode, redundancy, config.sync)
         self.built: BuiltJob = build(job, seed=config.seed)
@@ -138,8 +140,8 @@ class Coordinator:
         self._result_dtype = (self.model.dtype if config.result_dtype == "float32"
                               else TORCH_DTYPES[config.result_dtype])
         if self.task_mode.local:
-            self.scheduler.slot_samples = lambda s_per_sample: self.task_mode.slot_samples(
-                s_per_sample, job.batch_size)
+            self.scheduler.slot_samples = lambda s_per_sample, link_s: (
+                self.task_mode.slot_samples(s_per_sample, job.batch_size, link_s))
 
         self._eval_model.load(self.model.params)
         try:
@@ -806,7 +808,8 @@ class Coordinator:
 
     async def _use_result(self, worker_id: str, msg: proto.Result, grad: list[torch.Tensor],
                           norm: float, now: float) -> bool:
-        accepted, actions = self.scheduler.result(worker_id, msg.slot, msg.compute_s, now)
+        accepted, actions = self.scheduler.result(worker_id, msg.slot, msg.compute_s, now,
+                                                  msg.waited_s)
         if accepted:
             self._grads[msg.slot] = (grad, norm)
             if msg.samples and math.isfinite(msg.loss):
@@ -933,7 +936,13 @@ class Coordinator:
         if not self.task_mode.local:
             return {}
         samples = sum(part[2] for part in action.parts)
-        return {"kind": "local", "steps": local.inner_steps(samples, self.built.job.batch_size)}
+        steps = local.inner_steps(samples, self.built.job.batch_size)
+        if log.isEnabledFor(logging.DEBUG):
+            record = self.scheduler.workers.get(action.worker)
+            if record is not None:
+                log.debug("slot %d to %s: %d inner steps (%s s per sample, %s link s per slot)",
+                          action.slot, action.worker, steps, record.s_per_sample, record.link_s)
+        return {"kind": "local", "steps": steps}
 
     def _model_blob(self, version: int) -> proto.Blob:
         """The model at `version`, as an immutable copy: frames go out zero-copy, asynchronously,

@@ -36,6 +36,8 @@ def worker_row(w: WorkerRecord, now: float) -> dict:
         "samples_per_s": round(1.0 / w.s_per_sample, 2) if w.s_per_sample else 0.0,
         "staleness": round(w.staleness / w.done, 3) if w.done else 0.0,
         "compute_s": round(w.compute_s, 3),
+        # link seconds per slot sent with a model (down and up); local:auto sizes H from it
+        "link_s": round(w.link_s, 3) if w.link_s is not None else None,
         # share of its time in this session spent computing slots (what prefetch keeps high)
         "busy": round(min(1.0, w.compute_s / (now - w.joined)), 3) if now > w.joined else 0.0,
         "last_seen_s": round(now - w.last_seen, 3), "joined_s": round(now - w.joined, 3),

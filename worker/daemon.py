@@ -121,6 +121,7 @@ class Worker:
         # (version, model as views of the frames it came in)
         self._cache: Optional[tuple[int, list[torch.Tensor]]] = None
         self._current: Optional[tuple[Work, threading.Event]] = None
+        self._began = 0.0  # when the current compute began (time.monotonic())
         self._stop: Optional[str] = None
         self.results_sent = 0
         self.results_resent = 0
@@ -369,6 +370,7 @@ class Worker:
                     work = self._queue.popleft()
                     cancel = threading.Event()
                     self._current = (work, cancel)
+                    self._began = time.monotonic()
                     computing = asyncio.ensure_future(
                         asyncio.to_thread(self.engine.compute, work, cancel, self._running))
         finally:
@@ -391,7 +393,7 @@ class Worker:
         result = proto.Result(
             slot=outcome.slot, version=outcome.version, samples=outcome.samples,
             loss=outcome.loss, compute_s=outcome.compute_s,
-            gradient=to_blob(self._wire.encode(outcome.gradient)))
+            gradient=to_blob(self._wire.encode(outcome.gradient)), waited_s=outcome.waited_s)
         self._drop_results([outcome.slot])  # a recomputed slot replaces its older result
         self._unacked[outcome.slot] = result
         self._held[outcome.slot] = (outcome.gradient, [])
@@ -454,7 +456,10 @@ class Worker:
         work, cancel = self._current
         self._current = None
         try:
-            return computing.result()
+            outcome = computing.result()
+            if work.arrived is not None:
+                outcome = dataclasses.replace(outcome, waited_s=max(0.0, self._began - work.arrived))
+            return outcome
         except Cancelled:
             return None
         except Exception as exc:  # the job's own code failed on this slot
@@ -507,7 +512,7 @@ class Worker:
         if self._holds(task.slot):  # sent again after a resumed session: we have it
             return
         work = Work(task.slot, task.version, self._cache[1], task.parts, task.coefficients,
-                    task.kind, task.steps)
+                    task.kind, task.steps, arrived=time.monotonic())
         try:
             self.engine.check(work)
         except ValueError as exc:

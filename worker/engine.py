@@ -37,6 +37,7 @@ class Work:
     coefficients: Sequence[float]
     kind: str = "gradient"  # "local": `steps` inner steps of the job's optimizer (compute_local)
     steps: int = 0
+    arrived: Optional[float] = None  # time.monotonic() when the task reached the worker
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Outcome:
     samples: int
     loss: float
     compute_s: float
+    waited_s: float = 0.0  # from the task's arrival to the start of its compute (the daemon's)
 
 
 class Engine:

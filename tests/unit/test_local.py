@@ -74,14 +74,41 @@ def test_auto_steps_give_every_worker_the_same_slot_time():
     assert fast == pytest.approx(10 * slow, rel=0.05)
 
 
-def test_auto_steps_are_bounded_and_start_small():
+def test_auto_steps_are_bounded_and_start_at_the_low_end():
     mode = parse_task("local:auto", slot_s=4.0, min_steps=2, max_steps=100)
     assert mode.steps_for(1e-9, 32) == 100  # a very fast worker: capped
     assert mode.steps_for(10.0, 32) == 2  # a very slow one: at least the floor
-    assert mode.steps_for(None, 32) == 32  # unmeasured: a first slot worth its download
+    assert mode.steps_for(None, 32) == 64  # unmeasured: a first slot worth its download
+    assert mode.steps_for(None, 32, link_s=5.0) == 64  # the link alone says nothing of compute
     assert parse_task("local:auto", max_steps=10).steps_for(None, 32) == 10
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         assert 2 <= mode.steps_for(bad, 32) <= 100
+        assert 2 <= mode.steps_for(bad, 32, link_s=bad) <= 100
+
+
+def test_auto_computes_link_factor_times_the_link_time():
+    mode = parse_task("local:auto", slot_s=1.0, max_steps=1000, link_factor=3.0)
+    step_s = 1e-3 * 32
+    # a slow link: 2 s of transfers per slot call for 6 s of compute, 187.5 -> 188 steps
+    assert mode.steps_for(1e-3, 32, link_s=2.0) == 188
+    assert 188 * step_s >= 3 * 2.0
+    # a fast link: the least compute time decides, 31.25 -> 32 steps
+    assert mode.steps_for(1e-3, 32, link_s=0.1) == mode.steps_for(1e-3, 32) == 32
+    # a worker twice as fast on the same link takes twice the steps: the same wall time
+    assert mode.steps_for(0.5e-3, 32, link_s=2.0) == 375
+    # the cap: too few outer steps otherwise
+    assert mode.steps_for(1e-3, 32, link_s=100.0) == 1000
+    for bad in (None, -1.0, float("nan"), float("inf")):
+        assert mode.steps_for(1e-3, 32, link_s=bad) == 32
+    assert parse_task("local:auto", slot_s=1.0, link_factor=0.0).steps_for(
+        1e-3, 32, link_s=2.0) == 32  # factor 0: compute time only, as before the link counted
+    assert parse_task("local:10", link_factor=3.0).steps_for(1e-3, 32, link_s=2.0) == 10
+
+
+def test_link_factor_must_be_a_non_negative_number():
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError):
+            parse_task("local:auto", link_factor=bad)
 
 
 def test_inner_steps_of_a_short_slot():
@@ -243,22 +270,25 @@ def test_bad_local_tasks_are_protocol_errors(fields):
 def test_rounds_are_sized_for_the_worker_that_opens_them():
     mode = parse_task("local:auto", slot_s=1.0, min_steps=1, max_steps=100)
     s = Scheduler(SchedulerConfig(batch_size=8), Sampler(100_000, None))
-    s.slot_samples = lambda s_per_sample: mode.slot_samples(s_per_sample, 8)
+    s.slot_samples = lambda s_per_sample, link_s: mode.slot_samples(s_per_sample, 8, link_s)
     for worker in ("fast", "slow"):
         s.join(worker, {}, 0.0)
     first = [a for a in s.ready("fast", 1, 0.0) + s.ready("slow", 1, 0.0) if isinstance(a, Assign)]
-    assert [sum(p[2] for p in a.parts) for a in first] == [256, 256]  # 32 steps, unmeasured
+    assert [sum(p[2] for p in a.parts) for a in first] == [512, 512]  # 64 steps, unmeasured
     sizes = {}
     for a in first:
         per_sample = 1e-3 if a.worker == "fast" else 1e-2
-        ok, actions = s.result(a.worker, a.slot, per_sample * 256, 1.0)
+        # arriving the moment its compute ends: a link that costs nothing
+        ok, actions = s.result(a.worker, a.slot, per_sample * 512, per_sample * 512)
         assert ok
+        assert s.workers[a.worker].link_s == 0.0
         actions += s.applied(s.version + 1, 1.0)
         for b in actions:
             if isinstance(b, Assign):
                 sizes[b.worker] = sum(p[2] for p in b.parts)
-    # one second of compute each: 125 steps capped at 100 for the fast one, 12.5 -> 12 steps
-    assert sizes == {"fast": 100 * 8, "slow": 12 * 8}
+    # one second of compute each: 125 steps capped at 100 for the fast one, 12.5 -> 13 steps
+    # (at least the slot's time)
+    assert sizes == {"fast": 100 * 8, "slow": 13 * 8}
 
 
 # wire economy: bfloat16 results with error feedback ------------------------------------------------
@@ -326,3 +356,51 @@ def test_a_checkpoint_resumes_across_task_kinds_without_mixing_optimizer_state(t
     assert third.optimizer.state_dict()["state"]  # same kind: the outer momentum is carried
     fourth = Coordinator(CoordinatorConfig(**config))
     assert isinstance(fourth.optimizer, torch.optim.Adam) and not fourth.optimizer.state_dict()["state"]
+
+
+def test_link_time_is_wall_time_less_compute_and_queue_wait_of_slots_with_a_model():
+    mode = parse_task("local:auto", slot_s=0.1, min_steps=1, max_steps=10_000, link_factor=3.0)
+    s = Scheduler(SchedulerConfig(batch_size=8), Sampler(1_000_000, None))
+    s.slot_samples = lambda s_per_sample, link_s: mode.slot_samples(s_per_sample, 8, link_s)
+    s.join("w", {}, 0.0)
+    first, second = [a for a in s.ready("w", 2, 0.0) if isinstance(a, Assign)]
+    assert first.send_model and not second.send_model  # one round's version: one download
+    # sent at 0; 2 s down, 1 s compute, 2 s up
+    ok, _ = s.result("w", first.slot, 1.0, 5.0, waited_s=0.0)
+    assert ok and s.workers["w"].link_s == pytest.approx(4.0)
+    # queued behind the first: its wait is not link time, and it came without a model anyway
+    ok, actions = s.result("w", second.slot, 1.0, 6.0, waited_s=3.0)
+    assert ok and s.workers["w"].link_s == pytest.approx(4.0)
+    assert s.workers["w"].s_per_sample == pytest.approx(1.0 / 512)
+    actions += s.applied(s.version + 1, 6.0)
+    nxt, _ = [a for a in actions if isinstance(a, Assign)]
+    # 3 x 4 s of compute at 1/512 s per sample: 6144 samples, 768 steps of 8
+    assert nxt.send_model and sum(p[2] for p in nxt.parts) == 768 * 8
+    # a misreported time (the result before its own compute) is not a reading
+    ok, _ = s.result("w", nxt.slot, 100.0, 7.0)
+    assert ok and list(s.workers["w"].link_times) == [pytest.approx(4.0)]
+
+
+def test_link_time_is_a_median_a_resent_result_does_not_move():
+    from idlegrad.coordinator.scheduler import WorkerRecord
+
+    record = WorkerRecord("w", {}, joined=0.0, last_seen=0.0)
+    assert record.link_s is None
+    for reading in (4.0, 4.2, 3.9, 600.0, 4.1):  # one result resent after a lost connection
+        record.link_times.append(reading)
+    assert record.link_s == pytest.approx(4.1)
+    record.link_times.append(3.8)
+    assert record.link_s == pytest.approx((4.0 + 4.1) / 2)
+
+
+def test_result_carries_its_queue_wait():
+    blob = proto.Blob("float32", 2, [b"\0" * 8])
+    result = proto.Result(slot=1, version=0, samples=8, loss=0.5, compute_s=1.0, gradient=blob,
+                          waited_s=2.5)
+    assert proto.decode(proto.encode(result)).waited_s == 2.5
+    old = proto.Result(slot=1, version=0, samples=8, loss=0.5, compute_s=1.0, gradient=blob)
+    assert proto.decode(proto.encode(old)).waited_s == 0.0
+    bad = proto.Result(slot=1, version=0, samples=8, loss=0.5, compute_s=1.0, gradient=blob,
+                       waited_s=-1.0)
+    with pytest.raises(ProtocolError):
+        proto.decode(proto.encode(bad))
