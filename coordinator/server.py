@@ -390,6 +390,10 @@ class Coordinator:
         if self.stop_reason is None:
             self.stop_reason = "interrupted"
             self._event("stop", f"{signal.Signals(sig).name} received")
+        if self._stopping is not None and not self._stopping.done():
+            self._stopping.set_result(None)  # the loop may be waiting for its next tick
+
+    _stopping: Optional[asyncio.Future] = None  # done once a signal asks the loop to stop
 
     async def _loop(self) -> None:
         sock = self.sock
@@ -399,12 +403,14 @@ class Coordinator:
         next_eval = time.monotonic()
         eval_task: Optional[asyncio.Task] = None
         recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
+        self._stopping = asyncio.get_running_loop().create_future()
         try:
             while self.stop_reason is None:
                 now = time.monotonic()
                 due = min(next_tick, next_checkpoint, next_eval if eval_task is None else math.inf)
                 wait = max(0.0, due - now)
-                waiting = {recv} if eval_task is None else {recv, eval_task}
+                waiting = {recv, self._stopping} if eval_task is None else {
+                    recv, self._stopping, eval_task}
                 if self._verifying is not None:
                     waiting.add(self._verifying)
                 await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)

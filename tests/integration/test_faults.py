@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 
 import pytest
 
@@ -150,3 +151,18 @@ def test_worker_stopped_past_eviction_rejoins_and_its_late_work_is_not_applied_t
     assert final["reason"] == "epochs"
     assert final["samples"] == total, (final["samples"], total)
     cluster.assert_no_tracebacks()
+
+
+def test_sigterm_stops_the_coordinator_within_a_moment_whatever_its_heartbeat(cluster):
+    """The loop waits for its next tick (half a heartbeat: 30 s here); a signal must wake it."""
+    coordinator = cluster.coordinator("--job", "synthetic", "--job-arg", "params=100",
+                                      "--epochs", "100000", "--heartbeat", "60",
+                                      "--eval-every", "3600")
+    status = cluster.status()
+    status.wait_for(lambda s: s["state"] in ("waiting", "training"), "the coordinator up",
+                    alive=[coordinator])
+    sent = time.monotonic()
+    os.kill(coordinator.pid, signal.SIGTERM)
+    assert coordinator.wait(timeout=20) == 0, coordinator.tail()
+    assert time.monotonic() - sent < 5, f"took {time.monotonic() - sent:.1f}s to stop"
+    assert "Traceback" not in coordinator.output()
