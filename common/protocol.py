@@ -361,6 +361,14 @@ _FIELD_NAMES = {kind: frozenset(name for name, _, _ in schema) | {"v", "type"}
                 for kind, schema in _SCHEMAS.items()}
 
 
+def _mentions_any(hint) -> bool:
+    return hint is Any or any(_mentions_any(arg) for arg in typing.get_args(hint))
+
+
+_UNTYPED_KINDS = frozenset(kind for kind, schema in _SCHEMAS.items()
+                           if any(_mentions_any(hint) for _, hint, _ in schema))
+
+
 # encode / decode ------------------------------------------------------------------------------
 
 
@@ -406,8 +414,6 @@ def decode(frames: Sequence) -> Message:
         raise ProtocolError("msgpack", f"{type(exc).__name__}: {exc}"[:200]) from None
     if not isinstance(header, dict):
         raise ProtocolError("schema", "header must be a map")
-    if _too_deep(header, MAX_DEPTH):
-        raise ProtocolError("schema", f"header nests deeper than {MAX_DEPTH}")
     version = header.get("v")
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError("version", f"protocol {version!r}, expected {PROTOCOL_VERSION}")
@@ -418,6 +424,10 @@ def decode(frames: Sequence) -> Message:
     unknown = header.keys() - _FIELD_NAMES[kind]
     if unknown:
         raise ProtocolError("schema", f"{kind}: unknown fields {sorted(map(str, unknown))[:5]}")
+    # Typed fields are checked no deeper than their types go; only an `Any` field can nest
+    # without bound (a message without one, a result say, skips the walk)
+    if kind in _UNTYPED_KINDS and _too_deep(header, MAX_DEPTH):
+        raise ProtocolError("schema", f"header nests deeper than {MAX_DEPTH}")
 
     values: dict[str, Any] = {}
     next_frame = 1

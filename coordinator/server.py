@@ -49,6 +49,10 @@ from .trust import TrustConfig, TrustPolicy
 log = logging.getLogger("idlegrad.coordinator")
 
 
+_send_frame = zmq.backend.Socket.send  # (socket, data, flags, copy, track): one frame, no checks
+_MORE = int(zmq.SNDMORE)
+
+
 def tune_gc() -> None:
     """A long-running coordinator's collector: what start-up built (torch, the job, the model)
     is frozen out of collections, and full passes over the fleet's records come less often.
@@ -889,10 +893,15 @@ class Coordinator:
         """Send `msg`; with `track`, return the MessageTracker of its zero-copy frames."""
         frames = proto.encode(msg)
         self.counters["bytes_sent"] += sum(memoryview(f).nbytes for f in frames)
-        copy = not track
         if self._handling:
-            return self._direct.send_multipart([route, *frames], copy=copy, track=track)
-        return await self.sock.send_multipart([route, *frames], copy=copy, track=track)
+            # pyzmq's send_multipart adds per-frame checks and enum arithmetic: a third of the
+            # cost of a small message
+            sock = self._direct
+            _send_frame(sock, route, _MORE)
+            for frame in frames[:-1]:
+                _send_frame(sock, frame, _MORE, not track, track)
+            return _send_frame(sock, frames[-1], 0, not track, track)
+        return await self.sock.send_multipart([route, *frames], copy=not track, track=track)
 
     def bytes_per_sample(self) -> Optional[float]:
         """Wire bytes, both ways, per sample applied."""

@@ -20,8 +20,8 @@ seconds ban the identity for the rest of the run.
 
 from __future__ import annotations
 
+import bisect
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
@@ -63,17 +63,17 @@ class TrustPolicy:
     def __init__(self, config: TrustConfig = TrustConfig(), reference: Optional[float] = None):
         """`reference`: a per-unit norm the coordinator computed itself; it seeds the median."""
         self.config = config
-        self._norms: deque[float] = deque(maxlen=config.window)  # accepted norm per unit of scale
-        self._scales: deque[float] = deque(maxlen=config.window)
+        self._norms = RollingMedian(config.window)  # accepted norm per unit of scale
+        self._scales = RollingMedian(config.window)
         if reference is not None and math.isfinite(reference) and reference > 0:
-            self._norms.append(reference)
+            self._norms.add(reference)
         self.offenders: dict[str, Offender] = {}
         self.accepted = 0
         self.refused = 0
         self.suspected = 0
 
     def median(self) -> Optional[float]:
-        return statistics.median(self._norms) if self._norms else None
+        return self._norms.median()
 
     def is_banned(self, identity: str) -> bool:
         offender = self.offenders.get(identity)
@@ -92,7 +92,7 @@ class TrustPolicy:
         per_unit = norm / scale
         median = self.median()
         if median is not None and median > 0:
-            typical = statistics.median(self._scales) if self._scales else scale
+            typical = self._scales.median() or scale
             limit = self.config.norm_factor * median * math.sqrt(max(1.0, typical / scale))
             if per_unit > limit:
                 self.suspected += 1
@@ -105,8 +105,8 @@ class TrustPolicy:
     def accept(self, norm: float, scale: float) -> None:
         """A gradient found honest (by the median, or by a third computation)."""
         if math.isfinite(norm) and scale > 0:
-            self._norms.append(norm / scale)
-            self._scales.append(scale)
+            self._norms.add(norm / scale)
+            self._scales.add(scale)
         self.accepted += 1
 
     def confirmed(self, identity: str, now: float) -> bool:
@@ -144,3 +144,31 @@ class TrustPolicy:
                               "banned": o.banned_at is not None}
                           for i, o in sorted(self.offenders.items())[:100]},
         }
+
+
+class RollingMedian:
+    """The median of the last `window` values, kept sorted as they come and go: judging every
+    result must not sort the window each time."""
+
+    def __init__(self, window: int):
+        self._recent: deque[float] = deque()
+        self._sorted: list[float] = []
+        self.window = max(1, window)
+
+    def add(self, value: float) -> None:
+        if len(self._recent) == self.window:
+            old = self._recent.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._recent.append(value)
+        bisect.insort(self._sorted, value)
+
+    def median(self) -> Optional[float]:
+        n = len(self._sorted)
+        if not n:
+            return None
+        if n % 2:
+            return self._sorted[n // 2]
+        return (self._sorted[n // 2 - 1] + self._sorted[n // 2]) / 2
+
+    def __len__(self) -> int:
+        return len(self._recent)

@@ -993,3 +993,13 @@ def test_nesting_at_the_limit_is_fine():
     assert isinstance(ok, proto.Status)
     with pytest.raises(ProtocolError, match="deeper"):
         decode([_in_header(_nested(MAX_DEPTH, "map"))])
+
+
+@pytest.mark.parametrize("shape", ["array", "map"])
+def test_deep_nesting_in_a_typed_field_is_refused_by_its_type(shape):
+    """Messages whose fields are all typed skip the depth walk: their checkers go no deeper than
+    the type, so a value nested past the limit is refused as the wrong type, not recursed into."""
+    deep = _nested(100_000 if shape == "array" else MAX_DEPTH * 4, shape)
+    with pytest.raises(ProtocolError) as info:
+        decode([_in_header(deep, kind="cancel", name="slots")])
+    assert info.value.reason in ("schema", "msgpack")

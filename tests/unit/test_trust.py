@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from idlegrad.coordinator.trust import TrustConfig, TrustPolicy
+from idlegrad.coordinator.trust import RollingMedian, TrustConfig, TrustPolicy
 
 
 def honest(policy: TrustPolicy, n: int, per_sample: float = 1.0, scale: float = 32.0,
@@ -111,3 +114,14 @@ def test_check_off_accepts_any_finite_norm():
 def test_config_checks(kw):
     with pytest.raises(ValueError):
         TrustConfig(**kw)
+
+
+@settings(max_examples=100, deadline=None)
+@given(window=st.integers(1, 9),
+       values=st.lists(st.floats(0, 1e6, allow_nan=False), max_size=40))
+def test_rolling_median_is_the_median_of_the_last_window_values(window, values):
+    rolling = RollingMedian(window)
+    assert rolling.median() is None
+    for i, value in enumerate(values):
+        rolling.add(value)
+        assert rolling.median() == statistics.median(values[max(0, i + 1 - window):i + 1])
