@@ -18,7 +18,6 @@ import os
 import sys
 from typing import Callable
 
-from ..common.errors import ConfigError
 
 # (flag, setting, metavar, help); every one a setting of worker/config.py
 SETTING_FLAGS: list[tuple[str, str, str, str]] = [

@@ -9,10 +9,9 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-import numpy as np
 import torch
 
-from .errors import GradientRejected, ProtocolError
+from .errors import ProtocolError
 from .protocol import DTYPE_SIZES, MAX_FRAME_BYTES, Blob
 
 TORCH_DTYPES = {
@@ -89,25 +88,6 @@ def blob_chunks(blob: Blob, expect_numel: int | None = None,
     return [torch.frombuffer(v, dtype=dtype) for v in views if v.nbytes]
 
 
-def all_finite(tensors: torch.Tensor | Sequence[torch.Tensor]) -> bool:
-    """Whether every value is finite, in one read pass and without a mask the size of the data:
-    a float64 sum of float32/16 values cannot overflow, so it is finite iff every value is.
-    (numpy's widening sum is ~8x faster than torch's here, and torch's isfinite().all() builds
-    a mask.)"""
-    if isinstance(tensors, torch.Tensor):
-        tensors = [tensors]
-    for t in tensors:
-        if not t.numel():
-            continue
-        if t.dtype in (torch.float32, torch.float16, torch.float64) and t.device.type == "cpu":
-            total = float(t.detach().numpy().sum(dtype=np.float64))
-        else:  # bfloat16 (no numpy type) or an accelerator's tensor
-            total = float(t.sum(dtype=torch.float64))
-        if not math.isfinite(total):
-            return False
-    return True
-
-
 def finite_norm(tensors: torch.Tensor | Sequence[torch.Tensor]) -> float:
     """The L2 norm, or inf/nan when a value is not finite: one BLAS pass, no temporary.
 
@@ -154,11 +134,6 @@ class BufferPool:
         if buffer.numel() == self.numel and buffer.dtype == self.dtype and buffer.is_contiguous():
             self._free.append((buffer, [t for t in trackers if t is not None]))
             del self._free[:-self.keep]
-
-
-def check_finite(tensor: torch.Tensor) -> None:
-    if not all_finite(tensor):
-        raise GradientRejected("non-finite values")
 
 
 assert set(TORCH_DTYPES) == set(DTYPE_SIZES)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import math
 import os
 import sys
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
 from ..common.errors import ConfigError
-from .idle import RULES, PolicyConfig, format_hours, parse_hours
+from .idle import RULES, PolicyConfig, parse_hours
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -30,8 +30,8 @@ import socket as pysocket
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import psutil
 import torch

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 RULES = ("cpu", "user", "battery", "memory", "gpu", "hours", "rss")

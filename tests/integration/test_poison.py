@@ -11,8 +11,10 @@ from .harness import final_metrics
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 EPOCHS = 20
-# Asynchronous runs differ by a little even without an attacker (the order results arrive in).
-ACCURACY_SLACK = 0.015
+# Asynchronous runs differ by a little even without an attacker (the order results arrive in):
+# on a loaded 2-core machine a run whose attacker was refused measured 0.944 against its clean
+# run's 0.961. A gradient scaled x1000 that got through would cost far more than this.
+ACCURACY_SLACK = 0.03
 
 
 def clean_accuracy(cluster) -> float:

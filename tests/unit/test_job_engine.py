@@ -4,10 +4,8 @@ against gradients computed the plain way."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 import threading
-import textwrap
 
 import pytest
 import torch

@@ -14,13 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from idlegrad.common import protocol as proto
-from idlegrad.common.errors import GradientRejected, ProtocolError
+from idlegrad.common.errors import ProtocolError
 from idlegrad.common.protocol import (
     MAX_BLOB_FRAMES, MAX_DEPTH, MAX_FRAME_BYTES, MAX_HEADER_BYTES, MAX_LIST, MAX_STR, MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Ack, Blob, Bye, Cancel, Control, ControlReply, Heartbeat, Hello, Ready, Reject, Result, Shutdown,
     Status, StatusRequest, Task, Welcome, decode, encode)
-from idlegrad.common.tensors import DTYPE_NAMES, check_finite, from_blob, to_blob
+from idlegrad.common.tensors import DTYPE_NAMES, from_blob, to_blob
 
 # one-frame blobs are read-only views of the received bytes: torch warns, rightly, and that is fine
 pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
@@ -228,14 +228,6 @@ def test_from_blob_survives_empty_frames_that_decode_accepts():
     assert torch.equal(from_blob(msg.gradient, 4, torch.float32), t)
     msg = decode([header, raw[:6], b"", raw[6:]])
     assert torch.equal(from_blob(msg.gradient, 4, torch.float32), t)
-
-
-def test_check_finite():
-    check_finite(torch.tensor([0.0, -1.0, 3e38]))
-    check_finite(torch.empty(0))
-    for bad in (float("nan"), float("inf"), float("-inf")):
-        with pytest.raises(GradientRejected):
-            check_finite(torch.tensor([1.0, bad, 2.0]))
 
 
 # rejections ---------------------------------------------------------------------------------
@@ -722,49 +714,6 @@ def test_blob_chunks_of_frames_cut_mid_element_copy_once():
     blob = Blob("float32", 4, (raw[:5], raw[5:]))  # a hostile cut: 5 + 11 bytes
     (whole,) = blob_chunks(blob, 4, torch.float32)
     assert torch.equal(whole, torch.arange(4, dtype=torch.float32))
-
-
-@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
-def test_all_finite_finds_any_non_finite_value(value):
-    from idlegrad.common.tensors import all_finite
-
-    t = torch.randn(1000)
-    assert all_finite(t) and all_finite([t[:10], t[10:]]) and all_finite(torch.empty(0))
-    big = torch.full((100,), 3.0e38)  # finite, though its float32 sum would overflow
-    assert all_finite(big)
-    t[537] = value
-    assert not all_finite(t) and not all_finite([t[:500], t[500:]])
-    half = torch.ones(10, dtype=torch.float16)
-    half[3] = value
-    assert not all_finite(half)
-
-
-# reused buffers and the norm check -------------------------------------------------------------
-
-
-class _Tracker:
-    def __init__(self, done: bool):
-        self.done = done
-
-
-def test_buffer_pool_reuses_a_buffer_only_once_its_sends_are_done():
-    from idlegrad.common.tensors import BufferPool
-
-    pool = BufferPool(8, torch.float32, keep=2)
-    a = pool.take()
-    assert pool.allocated == 1 and a.shape == (8,)
-    in_flight = _Tracker(False)
-    pool.give(a, [in_flight])
-    b = pool.take()  # a is still being sent: a new buffer
-    assert b is not a and pool.allocated == 2
-    in_flight.done = True
-    assert pool.take() is a and pool.allocated == 2
-    pool.give(torch.empty(3))  # the wrong size is not kept
-    pool.give(b, [None])  # copied sends have no tracker
-    assert pool.take() is b and pool.allocated == 2
-    for _ in range(5):
-        pool.give(torch.empty(8), [])
-    assert len(pool._free) == 2  # bounded
 
 
 def test_finite_norm():
