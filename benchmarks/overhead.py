@@ -14,17 +14,22 @@ since this machine is shared and noisy):
   nothing: what the sockets, the swarm and the interpreter allow.
 
 slots/s is counted in the swarm over a window after a warm-up. The ratio is idlegrad / ceiling.
+Over the same window it reads each server's CPU time (psutil): microseconds per slot of its main
+thread, which bounds the slots/s one coordinator can serve whatever the machine, and of its other
+threads (ZeroMQ's I/O thread).
 
     python benchmarks/overhead.py --runs 3 --json
 
 With `--json` its last line is {"ratio": ..., "slots_per_s": ..., "ceiling_per_s": ...,
-"by_workers": {"10": {...}, ...}} (top-level figures at 100 workers, medians).
+"main_us_per_slot": ..., "by_workers": {"10": {...}, ...}} (top-level figures at 100 workers,
+medians).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -96,10 +101,13 @@ def swarm(address: str, workers: int, warmup: float, window: float, credits: int
                         if msg.model is not None and msg.model.numel != gradient.numel:
                             raise SystemExit(f"the model has {msg.model.numel} parameters")
                         if time.monotonic() >= counting_from:
+                            if not counted:
+                                print("open", flush=True)  # the parent reads the server's CPU
                             counted += 1
                     elif isinstance(msg, proto.Welcome):
                         sock.send_multipart(proto.encode(proto.Ready(
                             credits=credits, fingerprint=msg.fingerprint)))
+        print("closed", flush=True)
         return {"slots": counted, "seconds": window, "slots_per_s": counted / window,
                 "answered": answered}
     finally:
@@ -146,17 +154,47 @@ def bare_server(address: str) -> None:
 # runs -----------------------------------------------------------------------------------------
 
 
-def run_swarm(address: str, args, workers: int) -> dict:
-    out = subprocess.run([sys.executable, HERE, "--swarm", address, "--workers", str(workers),
-                          "--warmup", str(args.warmup), "--window", str(args.window)],
-                         capture_output=True, text=True,
-                         timeout=args.warmup + args.window + 120)
-    if out.returncode != 0:
-        raise RuntimeError(f"swarm failed: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def thread_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds of `pid`'s main thread and of its other threads."""
+    import psutil
+
+    threads = psutil.Process(pid).threads()
+    main = sum(t.user_time + t.system_time for t in threads if t.id == pid)
+    return main, sum(t.user_time + t.system_time for t in threads) - main
 
 
-def measure(kind: str, args, workers: int) -> float:
+def run_swarm(address: str, args, workers: int, server_pid: int) -> dict:
+    """The swarm's counts, and the server's CPU per slot over the swarm's counted window."""
+    swarm_proc = subprocess.Popen(
+        [sys.executable, HERE, "--swarm", address, "--workers", str(workers),
+         "--warmup", str(args.warmup), "--window", str(args.window)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    cpu = {}
+    try:
+        lines = []
+        for line in swarm_proc.stdout:  # ends when the swarm exits (its own loop is bounded)
+            line = line.strip()
+            if line in ("open", "closed"):
+                cpu[line] = thread_cpu(server_pid)
+            else:
+                lines.append(line)
+        swarm_proc.wait(timeout=args.warmup + args.window + 120)
+        if swarm_proc.returncode != 0:
+            raise RuntimeError(f"swarm failed: {swarm_proc.stderr.read()[-2000:]}")
+    finally:
+        if swarm_proc.poll() is None:
+            swarm_proc.kill()
+            swarm_proc.wait(timeout=10)
+        swarm_proc.stdout.close()
+        swarm_proc.stderr.close()
+    result = json.loads(lines[-1])
+    if "open" in cpu and "closed" in cpu and result["slots"]:
+        result["main_us_per_slot"] = (cpu["closed"][0] - cpu["open"][0]) / result["slots"] * 1e6
+        result["others_us_per_slot"] = (cpu["closed"][1] - cpu["open"][1]) / result["slots"] * 1e6
+    return result
+
+
+def measure(kind: str, args, workers: int) -> dict:
     from idlegrad.cli.processes import free_port, spawn, stop
 
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -174,11 +212,11 @@ def measure(kind: str, args, workers: int) -> float:
                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       start_new_session=True)
         try:
-            result = run_swarm(address, args, workers)
+            result = run_swarm(address, args, workers, server.pid)
         finally:
             stop([server], grace=5.0)
             log.close()
-    return result["slots_per_s"]
+    return result
 
 
 def main() -> None:
@@ -200,28 +238,36 @@ def main() -> None:
 
     counts = [int(w) for w in args.workers.split(",")]
     by_workers = {}
-    print(f"{'workers':>8} {'run':>4} {'idlegrad/s':>11} {'ceiling/s':>10} {'ratio':>6}", flush=True)
+    print(f"{'workers':>8} {'run':>4} {'idlegrad/s':>11} {'ceiling/s':>10} {'ratio':>6} "
+          f"{'us/slot main (ceiling)':>23} {'other threads':>14}", flush=True)
     for n in counts:
-        ours, ceiling = [], []
+        runs = []
         for i in range(args.runs):
             order = ["idlegrad", "ceiling"] if i % 2 == 0 else ["ceiling", "idlegrad"]
             got = {kind: measure(kind, args, n) for kind in order}
-            ours.append(got["idlegrad"])
-            ceiling.append(got["ceiling"])
-            print(f"{n:>8} {i + 1:>4} {got['idlegrad']:>11.0f} {got['ceiling']:>10.0f} "
-                  f"{got['idlegrad'] / max(1e-9, got['ceiling']):>6.2f}", flush=True)
-        ratios = [a / max(1e-9, b) for a, b in zip(ours, ceiling)]
-        by_workers[str(n)] = {"slots_per_s": statistics.median(ours),
-                              "ceiling_per_s": statistics.median(ceiling),
-                              "ratio": statistics.median(ratios), "runs_ratio": ratios}
+            ours, bare = got["idlegrad"], got["ceiling"]
+            runs.append({"slots_per_s": ours["slots_per_s"], "ceiling_per_s": bare["slots_per_s"],
+                         "ratio": ours["slots_per_s"] / max(1e-9, bare["slots_per_s"]),
+                         "main_us_per_slot": ours.get("main_us_per_slot", math.nan),
+                         "others_us_per_slot": ours.get("others_us_per_slot", math.nan),
+                         "ceiling_main_us_per_slot": bare.get("main_us_per_slot", math.nan)})
+            r = runs[-1]
+            print(f"{n:>8} {i + 1:>4} {r['slots_per_s']:>11.0f} {r['ceiling_per_s']:>10.0f} "
+                  f"{r['ratio']:>6.2f} {r['main_us_per_slot']:>12.1f} "
+                  f"({r['ceiling_main_us_per_slot']:>6.1f})   {r['others_us_per_slot']:>12.1f}",
+                  flush=True)
+        by_workers[str(n)] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        by_workers[str(n)]["runs_ratio"] = [r["ratio"] for r in runs]
     print("\nmedians")
     for n, r in by_workers.items():
         print(f"{n:>8} workers: idlegrad {r['slots_per_s']:.0f} slots/s, ceiling "
-              f"{r['ceiling_per_s']:.0f}/s, ratio {r['ratio']:.2f}")
+              f"{r['ceiling_per_s']:.0f}/s, ratio {r['ratio']:.2f}; coordinator main thread "
+              f"{r['main_us_per_slot']:.1f} us/slot (bare server {r['ceiling_main_us_per_slot']:.1f})")
     if args.json:
         top = by_workers.get("100") or next(iter(by_workers.values()))
         print(json.dumps({"ratio": top["ratio"], "slots_per_s": top["slots_per_s"],
-                          "ceiling_per_s": top["ceiling_per_s"], "by_workers": by_workers}))
+                          "ceiling_per_s": top["ceiling_per_s"],
+                          "main_us_per_slot": top["main_us_per_slot"], "by_workers": by_workers}))
 
 
 if __name__ == "__main__":

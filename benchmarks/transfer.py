@@ -14,6 +14,10 @@ the same bytes the same way, zero-copy from preallocated buffers in frames of at
 the "worker" keeps two gradients in flight (idlegrad's default credits), the "coordinator" answers
 each gradient it receives with a model of the same size. Nothing is decoded, copied or applied.
 
+Over each window it also reads both processes' CPU time (psutil: user and system, all threads)
+per step: the bare pair's is nearly all the kernel's copies through loopback TCP; what idlegrad
+adds on top is its own passes over the tensors (sum, step, snapshot; load, gradient).
+
     python benchmarks/transfer.py --runs 3 --json
 
 With `--json` its last line is {"ratio": ..., "gbps": ..., "ceiling_gbps": ..., "by_params": {...}}
@@ -110,9 +114,11 @@ def bare_worker(address: str, nbytes: int, warmup: float, window: float) -> dict
             if now - start >= warmup:
                 if t_first is None:
                     t_first = now
+                    print("open", flush=True)  # the parent reads both processes' CPU
                 else:
                     counted += 1
                 if now - t_first >= window:
+                    print("closed", flush=True)
                     break
             sock.send_multipart([b"result", *frames], copy=False)
         return {"gbps": counted * nbytes / (now - t_first) / 1e9, "exchanges": counted}
@@ -124,28 +130,52 @@ def bare_worker(address: str, nbytes: int, warmup: float, window: float) -> dict
 # runs -------------------------------------------------------------------------------------------
 
 
-def measure_ceiling(args, params: int) -> float:
+def cpu_ms(pids: list[int]) -> tuple[float, float]:
+    """User and system CPU milliseconds of these processes, all threads."""
+    import psutil
+
+    times = [psutil.Process(pid).cpu_times() for pid in pids]
+    return sum(t.user for t in times) * 1e3, sum(t.system for t in times) * 1e3
+
+
+def measure_ceiling(args, params: int) -> dict:
     from idlegrad.cli.processes import free_port, stop
 
     address = f"tcp://127.0.0.1:{free_port()}"
-    nbytes = params * 4
     server = subprocess.Popen([sys.executable, HERE, "--bare-coordinator", address,
                                "--params", str(params)], stdin=subprocess.DEVNULL,
                               start_new_session=True)
+    worker = None
     try:
-        out = subprocess.run([sys.executable, HERE, "--bare-worker", address, "--params",
-                              str(params), "--warmup", str(args.warmup), "--window",
-                              str(args.window)], capture_output=True, text=True,
-                             timeout=args.warmup + args.window + 120)
-        if out.returncode != 0:
-            raise RuntimeError(out.stderr[-2000:])
-        return json.loads(out.stdout.strip().splitlines()[-1])["gbps"]
+        worker = subprocess.Popen([sys.executable, HERE, "--bare-worker", address, "--params",
+                                   str(params), "--warmup", str(args.warmup), "--window",
+                                   str(args.window)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
+        cpu, lines = {}, []
+        for line in worker.stdout:  # ends when the bare worker exits (its loop is bounded)
+            line = line.strip()
+            if line in ("open", "closed"):
+                cpu[line] = cpu_ms([server.pid, worker.pid])
+            else:
+                lines.append(line)
+        if worker.wait(timeout=args.warmup + args.window + 120) != 0:
+            raise RuntimeError(worker.stderr.read()[-2000:])
+        result = json.loads(lines[-1])
+        steps = max(1, result["exchanges"])
+        return {"gbps": result["gbps"],
+                "user_ms": (cpu["closed"][0] - cpu["open"][0]) / steps,
+                "system_ms": (cpu["closed"][1] - cpu["open"][1]) / steps}
     finally:
+        if worker is not None:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait(timeout=10)
+            worker.stdout.close()
+            worker.stderr.close()
         stop([server], grace=5.0)
-    del nbytes
 
 
-def measure_idlegrad(args, params: int) -> float:
+def measure_idlegrad(args, params: int) -> dict:
     from idlegrad.cli.processes import free_port, spawn, stop, wait_for_hellos
     from idlegrad.monitor.source import ZmqStatusSource
 
@@ -180,12 +210,17 @@ def measure_idlegrad(args, params: int) -> float:
                 time.sleep(0.2)
                 t0, v0 = version()
             time.sleep(args.warmup)
+            pids = [p.pid for p in procs]
             t0, v0 = version()
+            cpu0 = cpu_ms(pids)
             time.sleep(args.window)
             t1, v1 = version()
+            cpu1 = cpu_ms(pids)
             if v1 <= v0:
                 raise RuntimeError(f"no progress in {args.window}s; see {tmp}")
-            return (v1 - v0) * params * 4 / (t1 - t0) / 1e9
+            return {"gbps": (v1 - v0) * params * 4 / (t1 - t0) / 1e9,
+                    "user_ms": (cpu1[0] - cpu0[0]) / (v1 - v0),
+                    "system_ms": (cpu1[1] - cpu0[1]) / (v1 - v0)}
         finally:
             if source is not None:
                 source.close()
@@ -216,26 +251,32 @@ def main() -> None:
 
     sizes = [int(s) for s in args.sizes.split(",")]
     by_params = {}
-    print(f"{'params':>11} {'run':>4} {'idlegrad GB/s':>14} {'ceiling GB/s':>13} {'ratio':>6}",
-          flush=True)
+    print(f"{'params':>11} {'run':>4} {'idlegrad GB/s':>14} {'ceiling GB/s':>13} {'ratio':>6} "
+          f"{'CPU ms/step user+sys':>21} {'(ceiling)':>13}", flush=True)
     for params in sizes:
-        ours, ceiling = [], []
+        runs = []
         for i in range(args.runs):
             order = ["idlegrad", "ceiling"] if i % 2 == 0 else ["ceiling", "idlegrad"]
             got = {k: (measure_idlegrad if k == "idlegrad" else measure_ceiling)(args, params)
                    for k in order}
-            ours.append(got["idlegrad"])
-            ceiling.append(got["ceiling"])
-            print(f"{params:>11} {i + 1:>4} {got['idlegrad']:>14.2f} {got['ceiling']:>13.2f} "
-                  f"{got['idlegrad'] / got['ceiling']:>6.2f}", flush=True)
-        ratios = [a / b for a, b in zip(ours, ceiling)]
-        by_params[str(params)] = {"gbps": statistics.median(ours),
-                                  "ceiling_gbps": statistics.median(ceiling),
-                                  "ratio": statistics.median(ratios), "runs_ratio": ratios}
-    print("\nmedians")
+            ours, bare = got["idlegrad"], got["ceiling"]
+            runs.append({"gbps": ours["gbps"], "ceiling_gbps": bare["gbps"],
+                         "ratio": ours["gbps"] / bare["gbps"],
+                         "user_ms": ours["user_ms"], "system_ms": ours["system_ms"],
+                         "ceiling_user_ms": bare["user_ms"],
+                         "ceiling_system_ms": bare["system_ms"]})
+            r = runs[-1]
+            print(f"{params:>11} {i + 1:>4} {r['gbps']:>14.2f} {r['ceiling_gbps']:>13.2f} "
+                  f"{r['ratio']:>6.2f} {r['user_ms']:>10.0f}+{r['system_ms']:<10.0f} "
+                  f"({r['ceiling_user_ms']:.0f}+{r['ceiling_system_ms']:.0f})", flush=True)
+        by_params[str(params)] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        by_params[str(params)]["runs_ratio"] = [r["ratio"] for r in runs]
+    print("\nmedians (CPU: both processes, all threads, per step)")
     for p, r in by_params.items():
         print(f"{int(p):>11,} params: idlegrad {r['gbps']:.2f} GB/s, ceiling "
-              f"{r['ceiling_gbps']:.2f} GB/s, ratio {r['ratio']:.2f}")
+              f"{r['ceiling_gbps']:.2f} GB/s, ratio {r['ratio']:.2f}; CPU ms per step user "
+              f"{r['user_ms']:.0f} + system {r['system_ms']:.0f} (ceiling "
+              f"{r['ceiling_user_ms']:.0f} + {r['ceiling_system_ms']:.0f})")
     if args.json:
         top = by_params[str(max(sizes))]
         print(json.dumps({"ratio": top["ratio"], "gbps": top["gbps"],
