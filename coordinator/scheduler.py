@@ -439,11 +439,13 @@ class Scheduler:
         if self._disputed_pair(first, second) is not None:
             self.stats["replicas_disagreed"] += 1
 
-    def copies_settled(self, first: int, second: int, correct: list[int],
-                       now: float) -> list[Action]:
+    def copies_settled(self, first: int, second: int, correct: list[int], now: float,
+                       kept: Optional[int] = None) -> list[Action]:
         """A disagreement decided: `correct` holds those of the two found right (by the
         coordinator's own computation). The first of them is used; with none (or when it could
-        not be settled), both are computed again, by whoever takes them next."""
+        not be settled), both are computed again, by whoever takes them next, except `kept`,
+        one neither proven right nor wrong (its copy's sender was banned), which stays held for
+        the next copy to agree with."""
         pair = self._disputed_pair(first, second)
         if pair is None:
             return []
@@ -455,11 +457,13 @@ class Scheduler:
             return self._arrive(self.slots[use], now)
         held = round_.opinions[row]
         for slot_id in (first, second):
+            if slot_id == kept:
+                continue
             held.remove(slot_id)
             slot = self.slots[slot_id]
             slot.held_from = None
             self._requeue(slot)
-        self.stats["replicas_refused"] += 2
+            self.stats["replicas_refused"] += 1
         return self._compare_next(round_, row) + self._fill(now)
 
     def _answered(self, worker_id: str, slot: Slot) -> bool:

@@ -108,6 +108,7 @@ class Coordinator:
     HANDSHAKE_S = 5.0  # a connection that has not finished its handshake by then is dropped
     EVENTS_KEPT = 1000
     EVENTS_PER_STATUS = 200
+    DISPUTES_QUEUED = 8
 
     def __init__(self, config: CoordinatorConfig):
         self.config = config
@@ -166,6 +167,10 @@ class Coordinator:
         # copies that disagree (one at a time), and what to do with it once done.
         self._verifying: Optional[asyncio.Future] = None
         self._then = None  # async (future) -> None
+        # Disagreements waiting for the settle in progress: a received batch is handled before
+        # the loop sees a settle finish, so most disagreements meet a busy one. Bounded, so that
+        # hostile workers cannot make the coordinator compute more than one slot at a time.
+        self._disputes: deque[CompareCopies] = deque()
         self.routes: dict[str, bytes] = {}  # worker id -> routing id
         self.key_of: dict[str, bytes] = {}  # worker id -> the CURVE public key that holds it
         self.peers: dict[bytes, str] = {}  # routing id -> worker id
@@ -702,6 +707,8 @@ class Coordinator:
         task, then = self._verifying, self._then
         self._verifying = self._then = None
         await then(task)
+        while self._disputes and self._verifying is None:
+            await self._start_settle(self._disputes.popleft())
 
     async def _settle_suspect(self, task: asyncio.Future, worker_id: str, msg: proto.Result,
                               grad: list[torch.Tensor], scale: float, identity: str) -> None:
@@ -746,20 +753,55 @@ class Coordinator:
         self.scheduler.copies_disagreed(first, second)
         detail = (f"copies of slots {first} ({worker_a}) and {second} ({worker_b}) in round "
                   f"{action.round} differ by {off / max(size, 1e-12):.3g} of their size")
+        if await self._refuse_banned(first, second, detail):
+            return
+        if self._verifying is None:
+            self._event("replicas_disagreed", f"{detail}: computing it here to settle it")
+        elif len(self._disputes) < self.DISPUTES_QUEUED:
+            self._event("replicas_disagreed", f"{detail}: to be computed here")
+            self._disputes.append(action)
+            return
+        else:
+            self._event("replicas_disagreed", f"{detail}: too many waiting to be computed here")
+        await self._start_settle(action)
+
+    async def _start_settle(self, action: CompareCopies) -> None:
+        first, second = action.slots
+        if await self._refuse_banned(first, second, f"copies of slots {first} and {second} in "
+                                                    f"round {action.round} disagree"):
+            return  # (banned while it waited)
         computing = None
         if self._verifying is None:
             computing = self._compute_here(first)
-        if computing is None:  # busy settling another, or the model is gone: both recomputed
+        if computing is None:  # too many waiting, or the model is gone: both computed again
             self.counters["replicas_unsettled"] += 1
-            self._event("replicas_disagreed", f"{detail}: both computed again (no settle now)")
+            self._event("replicas_unsettled", f"copies of slots {first} and {second} in round "
+                                              f"{action.round} disagree: both computed again")
             await self._drop_copies(first, second, [])
             return
-        self._event("replicas_disagreed", f"{detail}: computing it here to settle it")
 
         async def then(task: asyncio.Future) -> None:
             await self._settle_copies(task, first, second)
 
         self._verifying, self._then = computing, then
+
+    async def _refuse_banned(self, first: int, second: int, detail: str) -> bool:
+        """A disagreement where a sender has been banned meanwhile: its copy is refused without
+        computing the slot here; the other copy stays held for the next one to agree with."""
+        banned = [s for s in (first, second)
+                  if s in self._grads and self.trust.is_banned(self._grads[s][2][1])]
+        if not banned:
+            return False
+        self.counters["replicas_of_banned"] += len(banned)
+        kept = [s for s in (first, second) if s not in banned]
+        names = " and ".join(self._grads[s][2][0] for s in banned)
+        self._event("replicas_disagreed", f"{detail}: {names} is banned: its copy refused, not "
+                                          "computed here")
+        for slot in banned:
+            self._grads.pop(slot, None)
+        await self._perform(self.scheduler.copies_settled(
+            first, second, [], time.monotonic(), kept=kept[0] if kept else None))
+        return True
 
     async def _settle_copies(self, task: asyncio.Future, first: int, second: int) -> None:
         now = time.monotonic()
@@ -771,6 +813,7 @@ class Coordinator:
             await self._drop_copies(first, second, [])
             return
         if first not in self._grads or second not in self._grads:  # (not while its row waits)
+            await self._drop_copies(first, second, [])
             return
         size = finite_norm(reference)
         correct = [s for s in (first, second) if matches(distance(self._grads[s][0], [reference]),

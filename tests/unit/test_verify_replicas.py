@@ -167,3 +167,50 @@ def test_verification_needs_replicas(redundancy, sync):
     with pytest.raises(ValueError):
         Scheduler(SchedulerConfig(batch_size=4, redundancy=parse_redundancy(redundancy),
                                   verify_replicas=True, sync=sync), Sampler(40, None))
+
+
+def test_distance_reads_chunks_cut_anywhere():
+    import torch
+
+    from idlegrad.common.tensors import distance
+
+    a = torch.randn(1000, dtype=torch.float32)
+    b = torch.randn(1000, dtype=torch.float32)
+    expected = float(torch.linalg.vector_norm(a.double() - b.double()))
+    cut_a = [a[:10], a[10:10], a[10:700], a[700:]]
+    cut_b = [b[:333], b[333:]]
+    assert distance(cut_a, cut_b, block=64) == pytest.approx(expected, rel=1e-6)
+    assert distance([a], [a]) == 0.0
+    with pytest.raises(ValueError):
+        distance([a], [b[:999]])
+
+
+def test_verify_replicas_is_refused_in_one_line_where_it_cannot_work():
+    from idlegrad.common.errors import ConfigError
+    from idlegrad.coordinator.trust import check_verify_replicas
+
+    check_verify_replicas(parse_redundancy("replicate:2"), False, "float32")
+    for redundancy, sync, dtype, says in [("none", False, "float32", "replicate:R"),
+                                          ("replicate:2", True, "float32", "--sync"),
+                                          ("replicate:3", False, "bfloat16", "float32")]:
+        with pytest.raises(ConfigError) as info:
+            check_verify_replicas(parse_redundancy(redundancy), sync, dtype)
+        assert says in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_copy_kept_from_a_refused_pair_waits_for_the_next_copy():
+    s = verified()
+    (a,) = start(s, "a")
+    (b,) = start(s, "b")
+    s.result("a", a.slot, 0.1, 1.0)
+    s.result("b", b.slot, 0.1, 1.0)
+    s.copies_disagreed(a.slot, b.slot)
+    s.leave("b", 1.5)  # banned, say: its copy is refused, a's is neither right nor wrong
+    actions = s.copies_settled(a.slot, b.slot, [], 2.0, kept=a.slot)
+    assert s.slots[a.slot].held_from == "a" and s.slots[b.slot].held_from is None
+    assert not of(Assign, actions)  # a answered the row: it may not take b's copy
+    (c,) = start(s, "c", now=3.0)
+    assert c.slot == b.slot
+    _, actions = s.result("c", c.slot, 0.1, 4.0)
+    assert of(CompareCopies, actions)[0].slots == (a.slot, b.slot)
+    assert of(Decoded, s.copies_agreed(a.slot, b.slot, 4.0))
