@@ -23,6 +23,13 @@ free worker. A worker that keeps missing its predictions holds fewer slots at on
 `size_factor`). `sync`: one round at a time, code none, one partition per ready worker and one
 slot per worker: synchronous SGD, the baseline.
 
+Verified replicas (`verify_replicas`, issue 9): with replicate:R a row arrives only once two
+copies of it, from different workers, agree. The first copy's result is held (the server keeps it)
+and its replicas go on; the second yields `CompareCopies`, and the server's verdict comes back
+through `copies_agreed`, or `copies_disagreed` and then `copies_settled` (with what the
+coordinator's own computation found right). The sender of a held copy never takes a copy of the
+same row, so two copies always come from two workers.
+
 Scale (issue 8): no call walks the whole fleet. `tick` takes from heaps of due times (a worker's
 silence, a pause's grace, a slot's deadline, the moment a worker's slot may turn late) only the
 entries that are due, checks each against the live record (stale entries are dropped), and

@@ -214,3 +214,19 @@ def test_a_copy_kept_from_a_refused_pair_waits_for_the_next_copy():
     _, actions = s.result("c", c.slot, 0.1, 4.0)
     assert of(CompareCopies, actions)[0].slots == (a.slot, b.slot)
     assert of(Decoded, s.copies_agreed(a.slot, b.slot, 4.0))
+
+
+def test_a_copy_past_its_deadline_is_handed_out_again_and_its_first_answer_is_held():
+    s = verified(min_deadline_s=10.0)
+    (a,) = start(s, "a")
+    (b,) = start(s, "b")
+    for w in "ab":
+        s.seen(w, 11.0)
+    s.tick(11.0)  # both copies are late: requeued, their holders may still answer
+    assert s.stats["deadline_requeues"] == 2
+    s.result("a", a.slot, 0.1, 11.5)  # a's answer is held while its slot waits in the queue
+    (c,) = start(s, "c", now=12.0)
+    assert c.slot == b.slot  # not a's slot, which has its answer, nor a new round
+    _, actions = s.result("c", c.slot, 0.1, 13.0)
+    assert CancelSlots("b", [b.slot]) in actions  # the slot has its answer: b's copy is not needed
+    assert of(CompareCopies, actions)[0].workers == ("a", "c")
