@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="each round's code: none, replicate:R (R copies of each partition), "
                         "cyclic:S (gradient coding: any S slots may straggle) or adaptive "
                         "(chosen per round from measured task times) (default: none)")
+    c.add_argument("--verify-replicas", action="store_true",
+                   help="with --redundancy replicate:R, use a slot's result only once two "
+                        "copies from different workers agree; if they differ, the coordinator "
+                        "computes it too, and a copy that does not match is an offence (catches "
+                        "wrong results of honest size, like flipped signs; a row then waits for "
+                        "two copies instead of the first)")
     c.add_argument("--sync", action="store_true",
                    help="synchronous SGD, the baseline: one round at a time, code none, one "
                         "partition per ready worker, wait for all")
@@ -256,7 +262,7 @@ def _run_coordinator(args) -> int:
     from ..coordinator.outer import OuterConfig
     from ..coordinator.server import Coordinator, CoordinatorConfig
     from ..coordinator.target import Target
-    from ..coordinator.trust import TrustConfig
+    from ..coordinator.trust import TrustConfig, check_verify_replicas
 
     metrics = args.metrics
     if metrics is None and args.checkpoint_dir:
@@ -264,6 +270,8 @@ def _run_coordinator(args) -> int:
     check_redundancy(parse_task(args.task, args.local_slot_s, max_steps=args.local_max_steps,
                                 link_factor=args.local_link_factor),
                      parse_redundancy(args.redundancy), args.sync)
+    if args.verify_replicas:
+        check_verify_replicas(parse_redundancy(args.redundancy), args.sync, args.result_dtype)
     config = CoordinatorConfig(
         job=args.job, job_args=parse_job_args(args.job_arg), bind=args.bind,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -278,7 +286,7 @@ def _run_coordinator(args) -> int:
         trust=_trust_config(TrustConfig, args.reject_norm, args.ban_after), task=args.task,
         outer=OuterConfig(args.outer_lr, args.outer_momentum), local_slot_s=args.local_slot_s,
         local_max_steps=args.local_max_steps, local_link_factor=args.local_link_factor,
-        result_dtype=args.result_dtype)
+        result_dtype=args.result_dtype, verify_replicas=args.verify_replicas)
     coordinator = Coordinator(config)
     reason = coordinator.run()
     logging.getLogger("idlegrad.coordinator").info(

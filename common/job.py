@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -345,3 +346,55 @@ def coded_gradient(job: Job, model: FlatModel, params: torch.Tensor, train: Data
             loss = job.loss(model.module, gather(train, piece))
             (loss * (len(piece) * coefficient)).backward()
     return model.grads.detach().clone()
+
+
+@dataclass
+class LocalChange:
+    change: torch.Tensor  # coefficient * samples * (start - end), on the model's device
+    loss_sum: float  # the inner steps' per-sample losses, summed
+    samples: int
+
+
+def local_change(job: Job, model: FlatModel, initial: torch.Tensor, train: Dataset, seed: int,
+                 part, coefficient: float, steps: int, device: torch.device | str = "cpu",
+                 micro_batch: Callable[[], int] = lambda: 256,
+                 between: Optional[Callable[[], None]] = None,
+                 observe: Optional[Callable[[int, float], None]] = None) -> LocalChange:
+    """A local slot's result: `steps` inner steps of the job's optimizer, built afresh, over the
+    samples of `part` = (epoch, offset, count), from `initial`; what a worker returns for the slot
+    (worker/engine.py) and what the coordinator computes to settle a disputed one. One
+    implementation for both sides, so that an honest worker and the coordinator agree.
+
+    Each step is cut into micro-batches of `micro_batch()` samples (the worker sizes them from its
+    speed); `between()` runs before each (the worker's cancel and pause checks: it may raise), and
+    `observe(samples, seconds)` after each. `model` is overwritten: it ends at the last step.
+    """
+    device = torch.device(device)
+    model.load(initial)
+    model.module.train()
+    optimizer = job.build_optimizer(model.module.parameters())
+    epoch, offset, count = part
+    indices = part_indices(seed, len(train), epoch, offset, count)
+    steps = max(1, min(steps, count)) if count else 0
+    loss_sum, samples = 0.0, 0
+    for step in range(steps):
+        lo, hi = count * step // steps, count * (step + 1) // steps
+        model.grads.zero_()
+        position = lo
+        while position < hi:
+            if between is not None:
+                between()
+            chunk = indices[position:min(hi, position + max(1, micro_batch()))]
+            t0 = time.perf_counter()
+            batch = batch_to(gather(train, chunk), device)
+            loss = job.loss(model.module, batch)
+            (loss * (len(chunk) / (hi - lo))).backward()  # the step's mean loss
+            loss_sum += float(loss.detach()) * len(chunk)
+            samples += len(chunk)
+            position += len(chunk)
+            if observe is not None:
+                observe(len(chunk), time.perf_counter() - t0)
+        optimizer.step()
+    change = initial.to(model.params.device, copy=True).sub_(model.params)
+    change.mul_(coefficient * samples)
+    return LocalChange(change, loss_sum, samples)

@@ -109,6 +109,32 @@ def sum_of_squares(tensor: torch.Tensor) -> float:
     return float(torch.dot(tensor, tensor))
 
 
+def distance(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor],
+             block: int = 1 << 18) -> float:
+    """The L2 distance between two flat tensors, each given as its chunks (the frames it arrived
+    in, cut anywhere): one pass over both, a block at a time, so that no copy of either is made
+    (only a block-sized difference, which stays in cache). Blocks are summed in float64.
+
+    Raises ValueError when the two do not hold the same number of elements."""
+    total = 0.0
+    ia = ib = 0  # the chunk of each being read
+    oa = ob = 0  # the offset in it
+    while True:
+        while ia < len(a) and oa >= a[ia].numel():
+            ia, oa = ia + 1, 0
+        while ib < len(b) and ob >= b[ib].numel():
+            ib, ob = ib + 1, 0
+        if ia == len(a) or ib == len(b):
+            break
+        n = min(a[ia].numel() - oa, b[ib].numel() - ob, block)
+        diff = a[ia].detach()[oa:oa + n] - b[ib].detach()[ob:ob + n].to(a[ia].device)
+        total += sum_of_squares(diff)
+        oa, ob = oa + n, ob + n
+    if ia != len(a) or ib != len(b):
+        raise ValueError("tensors of different sizes")
+    return math.sqrt(total) if math.isfinite(total) else total
+
+
 class BufferPool:
     """Flat buffers of one size and dtype, reused once ZeroMQ is done sending them.
 

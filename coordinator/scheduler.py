@@ -23,6 +23,13 @@ free worker. A worker that keeps missing its predictions holds fewer slots at on
 `size_factor`). `sync`: one round at a time, code none, one partition per ready worker and one
 slot per worker: synchronous SGD, the baseline.
 
+Verified replicas (`verify_replicas`, issue 9): with replicate:R a row arrives only once two
+copies of it, from different workers, agree. The first copy's result is held (the server keeps it)
+and its replicas go on; the second yields `CompareCopies`, and the server's verdict comes back
+through `copies_agreed`, or `copies_disagreed` and then `copies_settled` (with what the
+coordinator's own computation found right). The sender of a held copy never takes a copy of the
+same row, so two copies always come from two workers.
+
 Scale (issue 8): no call walks the whole fleet. `tick` takes from heaps of due times (a worker's
 silence, a pause's grace, a slot's deadline, the moment a worker's slot may turn late) only the
 entries that are due, checks each against the live record (stale entries are dropped), and
@@ -72,6 +79,8 @@ class SchedulerConfig:
     adaptive_max_level: int = 2  # adaptive: replicate up to R, cyclic up to S
     adaptive_every: int = 8  # adaptive: choose again after this many new observations
     adaptive_sample: int = 64  # adaptive: time records of at most this many workers (hungry first)
+    # A row arrives only once two copies of it agree (CompareCopies); needs replicate:R, R >= 2
+    verify_replicas: bool = False
 
 
 # actions ----------------------------------------------------------------------------------------
@@ -106,6 +115,16 @@ class Decoded:
 
 
 @dataclass(frozen=True)
+class CompareCopies:
+    """Two copies of one row of a verified round have arrived, from different workers: compare
+    their stored results, then call `copies_agreed`, or `copies_disagreed` and `copies_settled`."""
+
+    round: int
+    slots: tuple[int, int]  # in arrival order
+    workers: tuple[str, str]  # their senders
+
+
+@dataclass(frozen=True)
 class Evicted:
     worker: str
     reason: str
@@ -119,7 +138,7 @@ class Drained:
     worker: str
 
 
-Action = Union[Assign, CancelSlots, Decoded, Evicted, Drained]
+Action = Union[Assign, CancelSlots, Decoded, Evicted, Drained, CompareCopies]
 
 
 # state ----------------------------------------------------------------------------------------
@@ -196,6 +215,8 @@ class Slot:
     started: dict[str, float] = field(default_factory=dict)  # holder -> when it was assigned
     with_model: set[str] = field(default_factory=set)  # holders it was sent to with the model
     index: int = 0  # its row in the round's code
+    held_from: Optional[str] = None  # verified rounds: its result arrived from this worker and
+    # is held until a second copy of its row agrees (or a settle decides)
 
 
 @dataclass
@@ -208,6 +229,10 @@ class Round:
     arrived: set[int] = field(default_factory=set)  # code rows that arrived
     covered: set[int] = field(default_factory=set)  # partitions some arrived row covers
     copies: dict[tuple, list[int]] = field(default_factory=dict)  # row -> slots computing it
+    # verified rounds: row -> its slots whose results are held, in arrival order; and the rows
+    # whose first two held copies are being compared (or settled)
+    opinions: dict[tuple, list[int]] = field(default_factory=dict)
+    disputed: set[tuple] = field(default_factory=set)
 
     @property
     def samples(self) -> int:
@@ -217,6 +242,9 @@ class Round:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, sampler: Sampler, version: int = 0,
                  next_id: int = 1):
+        if config.verify_replicas and (config.sync or config.redundancy.kind != "replicate"
+                                       or config.redundancy.level < 2):
+            raise ValueError("verify_replicas needs replicate:R with R >= 2, and no sync")
         self.config = config
         self.sampler = sampler
         self.version = version
@@ -337,10 +365,17 @@ class Scheduler:
             worker.size_factor = min(1.0, worker.size_factor * 1.5)
         self._update_hunger(worker)
         self._watch_late(worker, now)
-        actions: list[Action] = []
-        if slot.arrived or slot.dead:
+        if slot.arrived or slot.dead or slot.held_from is not None:
             self.stats["results_duplicate"] += 1
             return False, self._fill(now)
+        if self.config.verify_replicas:
+            return True, self._hold(slot, worker_id, now)
+        self.stats["results_used"] += 1
+        return True, self._arrive(slot, now)
+
+    def _arrive(self, slot: Slot, now: float) -> list[Action]:
+        """`slot`'s result is used: its row has arrived; the round decodes, or more is handed out."""
+        actions: list[Action] = []
         slot.arrived = True
         actions += self._cancel_holders(slot)
         round_ = self.rounds[slot.round]
@@ -356,12 +391,94 @@ class Scheduler:
         weights = None
         if len(round_.covered) == round_.code.partitions:
             weights = coding.decode(round_.code, round_.arrived)
-        self.stats["results_used"] += 1
         if weights is not None:
             # No new round yet: it must be planned at the version this round's step creates, so
             # the fill waits for `applied` (else even synchronous rounds would run one step stale).
-            return True, actions + self._close_round(round_, weights, now)
-        return True, actions + self._fill(now)
+            return actions + self._close_round(round_, weights, now)
+        return actions + self._fill(now)
+
+    # verified rounds (verify_replicas) ------------------------------------------------------
+
+    def _hold(self, slot: Slot, worker_id: str, now: float) -> list[Action]:
+        """A copy's result arrived: keep it until a copy from another worker is compared with it.
+        The row's other copies keep computing (they are the second opinion); only this slot's
+        other holders (a deadline handed it out twice) are cancelled: it has its answer."""
+        slot.held_from = worker_id
+        actions = self._cancel_holders(slot)
+        round_ = self.rounds[slot.round]
+        row = tuple(slot.row)
+        round_.opinions.setdefault(row, []).append(slot.id)
+        self.stats["replicas_held"] += 1
+        return actions + self._compare_next(round_, row) + self._fill(now)
+
+    def _compare_next(self, round_: Round, row: tuple) -> list[Action]:
+        held = round_.opinions.get(row, [])
+        if row in round_.disputed or len(held) < 2:
+            return []
+        round_.disputed.add(row)
+        first, second = self.slots[held[0]], self.slots[held[1]]
+        return [CompareCopies(round_.id, (first.id, second.id),
+                              (first.held_from, second.held_from))]
+
+    def _disputed_pair(self, first: int, second: int) -> Optional[tuple[Round, tuple]]:
+        """The round and row of a `CompareCopies` still awaiting its verdict, else None."""
+        a, b = self.slots.get(first), self.slots.get(second)
+        if a is None or b is None or a.round != b.round or a.round not in self.rounds:
+            return None
+        round_, row = self.rounds[a.round], tuple(a.row)
+        if row not in round_.disputed or round_.opinions.get(row, [])[:2] != [first, second]:
+            return None
+        return round_, row
+
+    def copies_agreed(self, first: int, second: int, now: float) -> list[Action]:
+        """The two compared copies agree: the row arrives (the first copy is used)."""
+        pair = self._disputed_pair(first, second)
+        if pair is None:
+            return []
+        round_, row = pair
+        round_.disputed.discard(row)
+        self.stats["replicas_agreed"] += 1
+        self.stats["results_used"] += 1
+        return self._arrive(self.slots[first], now)
+
+    def copies_disagreed(self, first: int, second: int) -> None:
+        """The two compared copies differ: the row waits for `copies_settled`."""
+        if self._disputed_pair(first, second) is not None:
+            self.stats["replicas_disagreed"] += 1
+
+    def copies_settled(self, first: int, second: int, correct: list[int], now: float,
+                       kept: Optional[int] = None) -> list[Action]:
+        """A disagreement decided: `correct` holds those of the two found right (by the
+        coordinator's own computation). The first of them is used; with none (or when it could
+        not be settled), both are computed again, by whoever takes them next, except `kept`,
+        one neither proven right nor wrong (its copy's sender was banned), which stays held for
+        the next copy to agree with."""
+        pair = self._disputed_pair(first, second)
+        if pair is None:
+            return []
+        round_, row = pair
+        round_.disputed.discard(row)
+        use = next((s for s in (first, second) if s in correct), None)
+        if use is not None:
+            self.stats["results_used"] += 1
+            return self._arrive(self.slots[use], now)
+        held = round_.opinions[row]
+        for slot_id in (first, second):
+            if slot_id == kept:
+                continue
+            held.remove(slot_id)
+            slot = self.slots[slot_id]
+            slot.held_from = None
+            self._requeue(slot)
+            self.stats["replicas_refused"] += 1
+        return self._compare_next(round_, row) + self._fill(now)
+
+    def _answered(self, worker_id: str, slot: Slot) -> bool:
+        """Whether `worker_id`'s result for a copy of `slot`'s row is held: a second opinion must
+        come from someone else."""
+        round_ = self.rounds.get(slot.round)
+        held = round_.opinions.get(tuple(slot.row)) if round_ is not None else None
+        return bool(held) and any(self.slots[s].held_from == worker_id for s in held)
 
     def failed(self, worker_id: str, slot_id: int, now: float) -> list[Action]:
         """A worker's answer that could not be used (bad gradient): the slot goes back."""
@@ -813,6 +930,12 @@ class Scheduler:
             slot = self.slots.get(slot_id)
             if slot is None or slot.arrived or slot.dead:
                 continue  # its round closed while it waited, or a copy of it arrived
+            if slot.held_from is not None:  # answered by a holder it was requeued from
+                slot.queued = False
+                continue
+            if self.config.verify_replicas and self._answered(worker.id, slot):
+                skipped.append(slot_id)
+                continue
             if mine and (worker.id in slot.holders or (slot.round, tuple(slot.row)) in rows
                     or (slot.round in rounds and (
                         self.config.sync or self.rounds[slot.round].code.tolerance > 0))):

@@ -33,18 +33,20 @@ from ..common.aio import on_reload_signal, on_stop_signals
 from ..common.errors import (CheckpointError, ConfigError, GradientRejected, JobError,
                              ProtocolError)
 from ..common.job import (BuiltJob, FlatModel, build, coded_gradient, evaluate, load_job,
-                          reference_gradient_norm)
-from ..common.tensors import TORCH_DTYPES, BufferPool, blob_chunks, finite_norm, to_blob
+                          local_change, reference_gradient_norm)
+from ..common.tensors import (TORCH_DTYPES, BufferPool, blob_chunks, distance, finite_norm,
+                              to_blob)
 from . import checkpoint
 from . import local, outer
 from .aggregator import Aggregator, StalenessRule
 from .ledger import LedgerWriter
 from .outer import OuterConfig
 from .sampler import Sampler
-from .scheduler import Assign, CancelSlots, Decoded, Drained, Evicted, Scheduler, SchedulerConfig
+from .scheduler import (Assign, CancelSlots, CompareCopies, Decoded, Drained, Evicted, Scheduler,
+                        SchedulerConfig)
 from .status import CURVE_POINTS, build_snapshot
 from .target import Target
-from .trust import TrustConfig, TrustPolicy
+from .trust import TrustConfig, TrustPolicy, check_verify_replicas, matches
 
 log = logging.getLogger("idlegrad.coordinator")
 
@@ -99,12 +101,14 @@ class CoordinatorConfig:
     local_max_steps: int = 500  # local:auto: at most this many inner steps per slot
     local_link_factor: float = local.TaskMode.link_factor  # local:auto: compute / link seconds
     result_dtype: str = "float32"  # results on the wire: float32 or bfloat16 (workers round)
+    verify_replicas: bool = False  # a replicated row counts once two copies of it agree
 
 
 class Coordinator:
     HANDSHAKE_S = 5.0  # a connection that has not finished its handshake by then is dropped
     EVENTS_KEPT = 1000
     EVENTS_PER_STATUS = 200
+    DISPUTES_QUEUED = 8
 
     def __init__(self, config: CoordinatorConfig):
         self.config = config
@@ -117,6 +121,8 @@ class Coordinator:
                                           link_factor=config.local_link_factor)
         redundancy = coding.parse_redundancy(config.redundancy)
         local.check_redundancy(self.task_mode, redundancy, config.sync)
+        if config.verify_replicas:
+            check_verify_replicas(redundancy, config.sync, config.result_dtype)
         self.built: BuiltJob = build(job, seed=config.seed)
         self.model: FlatModel = self.built.model
         if self.task_mode.local:  # the job's optimizer runs on the workers, the outer one here
@@ -139,7 +145,8 @@ class Coordinator:
                             pause_grace_s=config.pause_grace_s,
                             redundancy=redundancy,
                             sync=config.sync, max_batch=config.max_batch,
-                            speculate=config.speculate and not config.sync),
+                            speculate=config.speculate and not config.sync,
+                            verify_replicas=config.verify_replicas),
             self.sampler, version=version, next_id=next_id)
         self._result_dtype = (self.model.dtype if config.result_dtype == "float32"
                               else TORCH_DTYPES[config.result_dtype])
@@ -156,14 +163,21 @@ class Coordinator:
         self.trust = TrustPolicy(config.trust, reference=reference)
         self.identity_names: dict[str, str] = {}  # trust identity -> the worker id it last used
         self._check_model: Optional[FlatModel] = None  # scratch model for third computations
-        self._verifying: Optional[asyncio.Future] = None  # the suspected result being settled
-        self._suspect: Optional[tuple] = None  # (worker, result, gradient, scale, identity)
+        # The coordinator's own computation of a slot, settling a suspected result or two
+        # copies that disagree (one at a time), and what to do with it once done.
+        self._verifying: Optional[asyncio.Future] = None
+        self._then = None  # async (future) -> None
+        # Disagreements waiting for the settle in progress: a received batch is handled before
+        # the loop sees a settle finish, so most disagreements meet a busy one. Bounded, so that
+        # hostile workers cannot make the coordinator compute more than one slot at a time.
+        self._disputes: deque[CompareCopies] = deque()
         self.routes: dict[str, bytes] = {}  # worker id -> routing id
         self.key_of: dict[str, bytes] = {}  # worker id -> the CURVE public key that holds it
         self.peers: dict[bytes, str] = {}  # routing id -> worker id
         # arrived slot gradients of open rounds, as views of the frames they came in
-        # (and their norms, measured on arrival: they bound the round's sum)
-        self._grads: dict[int, tuple[list[torch.Tensor], float]] = {}
+        # (and their norms, measured on arrival: they bound the round's sum; and their senders'
+        # worker ids and trust identities, which a disagreement between copies needs)
+        self._grads: dict[int, tuple[list[torch.Tensor], float, tuple[str, str]]] = {}
         self._acks_due: dict[str, int] = {}  # worker id -> the slot of the result being taken
         # version -> (model, its blob, trackers of the zero-copy sends of it)
         self._snapshots: dict[int, tuple[torch.Tensor, proto.Blob, list]] = {}
@@ -649,7 +663,24 @@ class Coordinator:
             self.counters["suspects_requeued"] += 1
             await self._perform(self.scheduler.failed(worker_id, msg.slot, time.monotonic()))
             return False
-        slot = self.scheduler.slots[msg.slot]
+        computing = self._compute_here(msg.slot)
+        if computing is None:  # no copy of that model is left: cannot settle it; back to the pool
+            await self._perform(self.scheduler.failed(worker_id, msg.slot, time.monotonic()))
+            return False
+        self._event("suspected", f"{verdict.detail} from {worker_id} for slot {msg.slot}: "
+                                 "computing it here to settle it", worker=worker_id)
+
+        async def then(task: asyncio.Future) -> None:
+            await self._settle_suspect(task, worker_id, msg, grad, scale, identity)
+
+        self._verifying, self._then = computing, then
+        return False  # not yet: `_settle_suspect` uses it once it is found honest
+
+    def _compute_here(self, slot_id: int) -> Optional[asyncio.Future]:
+        """Start computing slot `slot_id` here, in a thread, exactly as a worker does (a coded
+        gradient, or a local slot's change), on the model version its round was planned at.
+        None when that model is no longer kept."""
+        slot = self.scheduler.slots[slot_id]
         round_ = self.scheduler.rounds[slot.round]
         parts = [round_.parts[j] for j, _ in slot.row]
         coefficients = [c for _, c in slot.row]
@@ -658,22 +689,29 @@ class Coordinator:
             params = snap[0]
         elif round_.version == self.aggregator.version:
             params = self.model.params.detach().clone()
-        else:  # no copy of that model is left: cannot settle it; back to the pool
-            await self._perform(self.scheduler.failed(worker_id, msg.slot, time.monotonic()))
-            return False
+        else:
+            return None
         if self._check_model is None:
             self._check_model = FlatModel(self.built.job.build_model())
-        self._event("suspected", f"{verdict.detail} from {worker_id} for slot {msg.slot}: "
-                                 "computing it here to settle it", worker=worker_id)
-        self._suspect = (worker_id, msg, grad, scale, identity)
-        self._verifying = asyncio.ensure_future(asyncio.to_thread(
-            coded_gradient, self.built.job, self._check_model, params, self.built.train,
-            self.config.seed, parts, coefficients))
-        return False  # not yet: `_settle` uses it once it is found honest
+        job, train, seed = self.built.job, self.built.train, self.config.seed
+        if self.task_mode.local:
+            (part,), (coefficient,) = parts, coefficients
+            steps = local.inner_steps(part[2], job.batch_size)  # as `_task_kind` sends it
+            return asyncio.ensure_future(asyncio.to_thread(
+                lambda: local_change(job, self._check_model, params, train, seed, part,
+                                     coefficient, steps).change))
+        return asyncio.ensure_future(asyncio.to_thread(
+            coded_gradient, job, self._check_model, params, train, seed, parts, coefficients))
 
     async def _settle(self) -> None:
-        worker_id, msg, grad, scale, identity = self._suspect
-        task, self._verifying, self._suspect = self._verifying, None, None
+        task, then = self._verifying, self._then
+        self._verifying = self._then = None
+        await then(task)
+        while self._disputes and self._verifying is None:
+            await self._start_settle(self._disputes.popleft())
+
+    async def _settle_suspect(self, task: asyncio.Future, worker_id: str, msg: proto.Result,
+                              grad: list[torch.Tensor], scale: float, identity: str) -> None:
         now = time.monotonic()
         try:
             reference = task.result()
@@ -681,9 +719,9 @@ class Coordinator:
             log.warning("could not compute slot %d to settle it: %s", msg.slot, exc)
             await self._perform(self.scheduler.failed(worker_id, msg.slot, now))
             return
-        distance = float(torch.linalg.vector_norm(torch.cat(grad).double() - reference.double()))
-        size = float(torch.linalg.vector_norm(reference.double()))
-        if distance <= 1e-3 * max(size, 1e-12):
+        off = distance(grad, [reference])
+        size = finite_norm(reference)
+        if matches(off, size):
             self.counters["suspects_honest"] += 1
             self.trust.accept(float(size), scale)
             self._event("verified", f"slot {msg.slot} from {worker_id}: computed here, it matches "
@@ -693,8 +731,120 @@ class Coordinator:
         self.counters["suspects_wrong"] += 1
         banned = self.trust.confirmed(identity, now)
         await self._offence(worker_id, msg.slot, "norm",
-                            f"gradient {distance / max(size, 1e-12):.3g}x off the slot's true one "
+                            f"gradient {off / max(size, 1e-12):.3g}x off the slot's true one "
                             f"(computed here)", banned)
+
+    # verified replicas ------------------------------------------------------------------------
+
+    async def _compare_copies(self, action: CompareCopies) -> None:
+        """Two copies of a row, from two workers: used if they agree; if not, the coordinator
+        computes the slot itself (one settle at a time), and each copy that does not match it is
+        an offence of its sender."""
+        first, second = action.slots
+        (grad_a, norm_a, (worker_a, identity_a)) = self._grads[first]
+        (grad_b, norm_b, (worker_b, identity_b)) = self._grads[second]
+        off = distance(grad_a, grad_b)
+        size = max(norm_a, norm_b)
+        # One identity under two worker ids would agree with itself: a third opinion decides.
+        if matches(off, size) and identity_a != identity_b:
+            await self._perform(self.scheduler.copies_agreed(first, second, time.monotonic()))
+            self._grads.pop(second, None)  # not used: the first copy is
+            return
+        self.scheduler.copies_disagreed(first, second)
+        detail = (f"copies of slots {first} ({worker_a}) and {second} ({worker_b}) in round "
+                  f"{action.round} differ by {off / max(size, 1e-12):.3g} of their size")
+        if await self._refuse_banned(first, second, detail):
+            return
+        if self._verifying is None:
+            self._event("replicas_disagreed", f"{detail}: computing it here to settle it")
+        elif len(self._disputes) < self.DISPUTES_QUEUED:
+            self._event("replicas_disagreed", f"{detail}: to be computed here")
+            self._disputes.append(action)
+            return
+        else:
+            self._event("replicas_disagreed", f"{detail}: too many waiting to be computed here")
+        await self._start_settle(action)
+
+    async def _start_settle(self, action: CompareCopies) -> None:
+        first, second = action.slots
+        if await self._refuse_banned(first, second, f"copies of slots {first} and {second} in "
+                                                    f"round {action.round} disagree"):
+            return  # (banned while it waited)
+        computing = None
+        if self._verifying is None:
+            computing = self._compute_here(first)
+        if computing is None:  # too many waiting, or the model is gone: both computed again
+            self.counters["replicas_unsettled"] += 1
+            self._event("replicas_unsettled", f"copies of slots {first} and {second} in round "
+                                              f"{action.round} disagree: both computed again")
+            await self._drop_copies(first, second, [])
+            return
+
+        async def then(task: asyncio.Future) -> None:
+            await self._settle_copies(task, first, second)
+
+        self._verifying, self._then = computing, then
+
+    async def _refuse_banned(self, first: int, second: int, detail: str) -> bool:
+        """A disagreement where a sender has been banned meanwhile: its copy is refused without
+        computing the slot here; the other copy stays held for the next one to agree with."""
+        banned = [s for s in (first, second)
+                  if s in self._grads and self.trust.is_banned(self._grads[s][2][1])]
+        if not banned:
+            return False
+        self.counters["replicas_of_banned"] += len(banned)
+        kept = [s for s in (first, second) if s not in banned]
+        names = " and ".join(self._grads[s][2][0] for s in banned)
+        self._event("replicas_disagreed", f"{detail}: {names} is banned: its copy refused, not "
+                                          "computed here")
+        for slot in banned:
+            self._grads.pop(slot, None)
+        await self._perform(self.scheduler.copies_settled(
+            first, second, [], time.monotonic(), kept=kept[0] if kept else None))
+        return True
+
+    async def _settle_copies(self, task: asyncio.Future, first: int, second: int) -> None:
+        now = time.monotonic()
+        try:
+            reference = task.result()
+        except Exception as exc:  # the job's code failed here: nobody is blamed
+            log.warning("could not compute slot %d to settle its copies: %s", first, exc)
+            self.counters["replicas_unsettled"] += 1
+            await self._drop_copies(first, second, [])
+            return
+        if first not in self._grads or second not in self._grads:  # (not while its row waits)
+            await self._drop_copies(first, second, [])
+            return
+        size = finite_norm(reference)
+        correct = [s for s in (first, second) if matches(distance(self._grads[s][0], [reference]),
+                                                         size)]
+        wrong = [s for s in (first, second) if s not in correct]
+        senders = [self._grads[s][2] for s in wrong]
+        for slot in correct:
+            worker_id = self._grads[slot][2][0]
+            self._event("verified", f"slot {slot} from {worker_id}: computed here, it matches; "
+                                    f"{'used' if slot == correct[0] else 'agrees'}",
+                        worker=worker_id)
+        banned = []
+        for slot, (worker_id, identity) in zip(wrong, senders):
+            self.counters["gradients_rejected"] += 1
+            self.counters["rejected_replica"] += 1
+            if self.trust.confirmed(identity, now, "replica"):
+                banned.append((worker_id, identity))
+            self._event("rejected", f"result for slot {slot} from {worker_id}: differs from the "
+                                    "slot computed here (its copy disagreed)", worker=worker_id,
+                        level=logging.WARNING)
+        await self._drop_copies(first, second, correct)
+        for worker_id, identity in banned:
+            await self._ban(worker_id, identity)
+
+    async def _drop_copies(self, first: int, second: int, correct: list[int]) -> None:
+        """Hand a settled disagreement to the scheduler; results not used are let go."""
+        for slot in (first, second):
+            if slot not in correct[:1]:
+                self._grads.pop(slot, None)
+        await self._perform(self.scheduler.copies_settled(first, second, correct,
+                                                          time.monotonic()))
 
     async def _offence(self, worker_id: str, slot: int, reason: str, detail: str,
                        banned: bool) -> None:
@@ -706,8 +856,9 @@ class Coordinator:
         if banned:
             await self._ban(worker_id)
 
-    async def _ban(self, worker_id: str) -> None:
-        identity = self._identity(worker_id)
+    async def _ban(self, worker_id: str, identity: Optional[str] = None) -> None:
+        """`identity`: the banned one, where the worker may have left (its key forgotten)."""
+        identity = identity if identity is not None else self._identity(worker_id)
         offender = self.trust.offenders[identity]
         self.counters["workers_banned"] += 1
         self._event("banned", f"{worker_id} banned after {offender.total} offences "
@@ -821,7 +972,7 @@ class Coordinator:
         accepted, actions = self.scheduler.result(worker_id, msg.slot, msg.compute_s, now,
                                                   msg.waited_s)
         if accepted:
-            self._grads[msg.slot] = (grad, norm)
+            self._grads[msg.slot] = (grad, norm, (worker_id, self._identity(worker_id)))
             if msg.samples and math.isfinite(msg.loss):
                 self.train_loss = msg.loss if self.train_loss is None else (
                     0.9 * self.train_loss + 0.1 * msg.loss)
@@ -933,6 +1084,8 @@ class Coordinator:
                     await self._send(route, proto.Cancel(slots=action.slots))
             elif isinstance(action, Decoded):
                 await self._perform(self._apply(action))
+            elif isinstance(action, CompareCopies):
+                await self._compare_copies(action)
             elif isinstance(action, Drained):
                 route = self.routes.get(action.worker)
                 self._event("drained", f"{action.worker} drained; sending it home",
@@ -1072,6 +1225,9 @@ class Coordinator:
             "staleness_rule": staleness.kind, "max_staleness": staleness.max_staleness,
             "rounds_too_stale": self.counters["rounds_too_stale"],
             "rounds_rejected": self.counters["rounds_rejected"],
+            "verify_replicas": self.scheduler.config.verify_replicas,
+            "replicas_agreed": stats["replicas_agreed"],
+            "replicas_disagreed": stats["replicas_disagreed"],
         }
         return build_snapshot(self.scheduler, time.monotonic(), base, curve=self.curve,
                               events=self.events, cursor=cursor, last_event=self._event_id,

@@ -26,6 +26,32 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..common.coding import Redundancy
+from ..common.errors import ConfigError
+
+# Copies of one slot, and a copy against the coordinator's own computation, agree when their L2
+# distance is within this fraction of their size: workers on other hardware (or with other
+# micro-batches) round differently, so not bitwise; a sign flip is 2, a wrong sample far over.
+MATCH_TOLERANCE = 1e-3
+
+
+def matches(distance: float, size: float) -> bool:
+    return distance <= MATCH_TOLERANCE * max(size, 1e-12)
+
+
+def check_verify_replicas(redundancy: Redundancy, sync: bool, result_dtype: str) -> None:
+    """Refuse, with one line, a --verify-replicas that cannot work."""
+    if redundancy.kind != "replicate" or redundancy.level < 2:
+        raise ConfigError(f"--verify-replicas compares the copies of a replicated slot: it needs "
+                          f"--redundancy replicate:R with R >= 2, not {redundancy}")
+    if sync:
+        raise ConfigError("--verify-replicas cannot be used with --sync (its rounds have no "
+                          "copies to compare)")
+    if result_dtype != "float32":
+        raise ConfigError(f"--verify-replicas needs --result-dtype float32: {result_dtype} "
+                          "results carry each worker's own rounding error (fed back from its "
+                          "earlier results), so honest copies would not agree")
+
 
 @dataclass(frozen=True)
 class TrustConfig:
@@ -109,10 +135,12 @@ class TrustPolicy:
             self._scales.add(scale)
         self.accepted += 1
 
-    def confirmed(self, identity: str, now: float) -> bool:
-        """A suspected outlier proved wrong: an offence. True if it bans."""
+    def confirmed(self, identity: str, now: float, reason: str = "norm") -> bool:
+        """A result proved wrong by the coordinator's own computation (a suspected outlier norm,
+        or a replica that disagreed with its copy: `reason` "replica"): an offence. True if it
+        bans."""
         self.refused += 1
-        return self.offence(identity, "norm", now)
+        return self.offence(identity, reason, now)
 
     def offence(self, identity: str, reason: str, now: float) -> bool:
         """Record an offence that is not a gradient's (a malformed result, say); True if it bans."""

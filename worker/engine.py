@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..common.job import BuiltJob, batch_to, gather
+from ..common.job import BuiltJob, batch_to, gather, local_change
 from ..common.tensors import BufferPool
 from ..common.permutation import part_indices
 
@@ -148,43 +148,30 @@ class Engine:
         on an older model, and would be lost whenever the fleet changes."""
         start = time.perf_counter()
         paused_s = 0.0
-        model = self.built.model
         initial = work.params if isinstance(work.params, torch.Tensor) else torch.cat(list(work.params))
         self._loaded = None  # the inner steps move the model away from any params object
-        model.load(initial)
-        model.module.train()
-        optimizer = self.built.job.build_optimizer(model.module.parameters())
-        (epoch, offset, count), = work.parts
+
+        def between() -> None:  # cancel and pause stay prompt within an inner step
+            nonlocal paused_s
+            if cancel.is_set():
+                raise Cancelled()
+            if running is not None and not running.is_set():
+                paused_s += self._wait(running, cancel)
+
+        (part,) = work.parts
         (coefficient,) = work.coefficients
-        indices = part_indices(self.seed, len(self.built.train), epoch, offset, count)
-        steps = max(1, min(work.steps, count)) if count else 0
-        loss_sum, samples = 0.0, 0
-        for step in range(steps):
-            lo, hi = count * step // steps, count * (step + 1) // steps
-            model.grads.zero_()
-            position = lo
-            while position < hi:  # one inner step, in micro-batches: cancel and pause stay prompt
-                if cancel.is_set():
-                    raise Cancelled()
-                if running is not None and not running.is_set():
-                    paused_s += self._wait(running, cancel)
-                chunk = indices[position:min(hi, position + self.micro_batch)]
-                t0 = time.perf_counter()
-                batch = batch_to(gather(self.built.train, chunk), self.device)
-                loss = self.built.job.loss(model.module, batch)
-                (loss * (len(chunk) / (hi - lo))).backward()  # the step's mean loss
-                loss_sum += float(loss.detach()) * len(chunk)
-                samples += len(chunk)
-                position += len(chunk)
-                self._observe(len(chunk), time.perf_counter() - t0)
-            optimizer.step()
+        result = local_change(self.built.job, self.built.model, initial, self.built.train,
+                              self.seed, part, coefficient, work.steps, self.device,
+                              micro_batch=lambda: self.micro_batch, between=between,
+                              observe=self._observe)
         injected = self._injected_delay(time.perf_counter() - start - paused_s)
         if injected > 0:
             paused_s += self._sleep(injected, cancel, running)
-        change = initial.to(model.params.device, copy=True).sub_(model.params)
-        change.mul_(coefficient * samples)
-        return Outcome(work.slot, work.version, change.to("cpu"), samples,
-                       loss_sum / samples if samples else 0.0,
+        change = result.change.to("cpu")
+        if self.poison is not None:
+            change = poisoned(change, *self.poison)
+        return Outcome(work.slot, work.version, change, result.samples,
+                       result.loss_sum / result.samples if result.samples else 0.0,
                        max(0.0, time.perf_counter() - start - paused_s))
 
     INJECT_STEP_S = 0.05  # injected delays sleep in steps this small: cancel and pause stay prompt

@@ -12,7 +12,8 @@ import torch
 from idlegrad.common import protocol as proto
 from idlegrad.common.coding import Redundancy, parse_redundancy
 from idlegrad.common.errors import ConfigError, ProtocolError
-from idlegrad.common.job import FlatModel, build, gather, load_job
+from idlegrad.common.job import FlatModel, build, gather, load_job, local_change
+from idlegrad.common.tensors import distance, finite_norm
 from idlegrad.common.permutation import part_indices
 from idlegrad.coordinator import outer
 from idlegrad.coordinator.aggregator import Aggregator, StalenessRule
@@ -20,6 +21,7 @@ from idlegrad.coordinator.local import (
     TaskMode, check_redundancy, inner_steps, parse_task)
 from idlegrad.coordinator.sampler import Sampler
 from idlegrad.coordinator.scheduler import Assign, Scheduler, SchedulerConfig
+from idlegrad.coordinator.trust import matches
 from idlegrad.worker.engine import Cancelled, Engine, Work
 
 
@@ -228,6 +230,25 @@ def test_local_slot_is_h_steps_of_the_jobs_optimizer(digits_built, micro_batch):
     again = engine.compute(Work(8, 3, params, [part], [1.0], kind="local", steps=5),
                            threading.Event())
     assert torch.equal(again.gradient, out.gradient)  # fresh inner state: replicas agree
+
+
+@pytest.mark.parametrize("micro_batch", [3, 64])
+def test_the_coordinators_local_change_matches_a_workers(digits_built, micro_batch):
+    """The coordinator settles a disputed local slot with common.job.local_change: an honest
+    worker's result (other micro-batches, so other rounding) matches it, a sign flip does not."""
+    engine = Engine(digits_built, seed=5, device=torch.device("cpu"))
+    engine.micro_batch = micro_batch
+    engine._observe = lambda *a: None
+    params = digits_built.model.params.clone()
+    part = [2, 8, 40]
+    worker = engine.compute(Work(1, 0, params, [part], [1.0], kind="local", steps=5),
+                            threading.Event()).gradient
+    scratch = FlatModel(digits_built.job.build_model())
+    here = local_change(digits_built.job, scratch, params, digits_built.train, 5, part, 1.0,
+                        5).change
+    size = finite_norm(here)
+    assert matches(distance([worker], [here]), size)
+    assert not matches(distance([-worker], [here]), size)
 
 
 def test_local_slot_cancel(digits_built):
