@@ -14,6 +14,7 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 from textual.widget import Widget
 from textual.widgets import Button, DataTable, Footer, Input, Label, Static
@@ -190,7 +191,11 @@ class MonitorApp(App):
 
     def refresh_view(self) -> None:
         snap = self.snapshot
-        self.query_one("#header", Static).update(view.header(snap))
+        try:
+            header = self.query_one("#header", Static)
+        except NoMatches:  # a fetch that ends while the app closes finds its widgets gone
+            return
+        header.update(view.header(snap))
         sort_note = f"sort: {self.sort}" + (f"  filter: {self.filter_text!r}" if self.filter_text else "")
         self.query_one("#connection", Static).update(f"{self.connection}   [dim]{sort_note}[/]")
         self.query_one("#chart", Chart).show(snap)

@@ -236,3 +236,16 @@ def test_watch_ends_the_app_with_its_message():
                 await pilot.pause(0.02)
         assert app.end_message == "finished"
     asyncio.run(go())
+
+
+def test_a_snapshot_that_arrives_after_the_app_closed_is_dropped():
+    """A fetch runs in a thread; one that ends while the app closes finds no widgets to show it
+    in, and must not crash the app on its way out."""
+    async def go():
+        app = MonitorApp(FakeSource(snap(FLEET)), interval=10)
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+        app.apply(snap(FLEET))  # its widgets are gone now
+        assert app.snapshot is not None
+
+    asyncio.run(go())
