@@ -79,13 +79,19 @@ def test_a_disagreement_settled_uses_the_copy_that_matches():
     assert set(decoded.weights) == {y.slot, p.slot}
 
 
-def test_a_disagreement_with_no_copy_right_sends_both_back_to_the_pool():
-    s = verified()
+def disputed(s: Scheduler):
+    """Workers a and b each answer a copy of one row, and the copies disagree."""
     (a,) = start(s, "a")
     (b,) = start(s, "b")
     s.result("a", a.slot, 0.1, 1.0)
     s.result("b", b.slot, 0.1, 1.0)
     s.copies_disagreed(a.slot, b.slot)
+    return a, b
+
+
+def test_a_disagreement_with_no_copy_right_sends_both_back_to_the_pool():
+    s = verified()
+    a, b = disputed(s)
     actions = s.copies_settled(a.slot, b.slot, [], 2.0)
     assert not of(Decoded, actions)
     assert s.stats["replicas_refused"] == 2
@@ -200,11 +206,7 @@ def test_verify_replicas_is_refused_in_one_line_where_it_cannot_work():
 
 def test_a_copy_kept_from_a_refused_pair_waits_for_the_next_copy():
     s = verified()
-    (a,) = start(s, "a")
-    (b,) = start(s, "b")
-    s.result("a", a.slot, 0.1, 1.0)
-    s.result("b", b.slot, 0.1, 1.0)
-    s.copies_disagreed(a.slot, b.slot)
+    a, b = disputed(s)
     s.leave("b", 1.5)  # banned, say: its copy is refused, a's is neither right nor wrong
     actions = s.copies_settled(a.slot, b.slot, [], 2.0, kept=a.slot)
     assert s.slots[a.slot].held_from == "a" and s.slots[b.slot].held_from is None
