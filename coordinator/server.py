@@ -741,6 +741,10 @@ class Coordinator:
         computes the slot itself (one settle at a time), and each copy that does not match it is
         an offence of its sender."""
         first, second = action.slots
+        if first not in self._grads or second not in self._grads:  # defensive: never seen
+            self.counters["replicas_unsettled"] += 1
+            await self._drop_copies(first, second, [])
+            return
         (grad_a, norm_a, (worker_a, identity_a)) = self._grads[first]
         (grad_b, norm_b, (worker_b, identity_b)) = self._grads[second]
         off = distance(grad_a, grad_b)
