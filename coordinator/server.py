@@ -868,6 +868,8 @@ class Coordinator:
         self._event("banned", f"{worker_id} banned after {offender.total} offences "
                               f"({', '.join(f'{k} x{v}' for k, v in offender.reasons.items())})",
                     worker=worker_id, level=logging.WARNING)
+        if self._identity(worker_id) != identity:
+            return  # the id is someone else's now (the banned one left; another key took it)
         route = self.routes.get(worker_id)
         if route is not None:
             await self._send(route, proto.Reject(
@@ -1068,6 +1070,11 @@ class Coordinator:
     async def _perform(self, actions: list) -> None:
         for action in actions:
             if isinstance(action, Assign):
+                record = self.scheduler.workers.get(action.worker)
+                if record is None or action.slot not in record.assigned:
+                    # Withdrawn by an action before it in the same list (verified copies that
+                    # agreed closed its row, or its round): its model may be gone too.
+                    continue
                 route = self.routes[action.worker]
                 model = self._model_blob(action.version) if action.send_model else None
                 if self.ledger is not None:

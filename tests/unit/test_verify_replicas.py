@@ -232,3 +232,53 @@ def test_a_copy_past_its_deadline_is_handed_out_again_and_its_first_answer_is_he
     _, actions = s.result("c", c.slot, 0.1, 13.0)
     assert CancelSlots("b", [b.slot]) in actions  # the slot has its answer: b's copy is not needed
     assert of(CompareCopies, actions)[0].workers == ("a", "c")
+
+
+def test_copies_that_agree_withdraw_the_tasks_handed_out_with_them():
+    """The second copy's arrival yields the comparison and, after it, the fill that hands out
+    more slots; the comparison agreeing closes the round (and releases its model) before those
+    tasks are sent. They are dropped, not sent for a slot and a model that are gone (this
+    crashed the coordinator: "no snapshot of version 0")."""
+    import asyncio
+    import time
+    import types
+
+    import torch
+
+    from idlegrad.coordinator.server import Coordinator, CoordinatorConfig
+
+    coordinator = Coordinator(CoordinatorConfig(
+        job="synthetic", job_args={"params": 2000, "samples": 256}, redundancy="replicate:3",
+        verify_replicas=True, open_rounds=1, speculate=False, heartbeat_s=1000))
+    sent = []
+
+    async def send(route, msg, track=False):
+        sent.append((route.decode(), type(msg).__name__, getattr(msg, "version", None)))
+
+    coordinator._send = send
+    s = coordinator.scheduler
+
+    async def go():
+        for w in ("e", "a", "b"):
+            coordinator.routes[w] = w.encode()
+            await coordinator._perform(s.join(w, {}, time.monotonic()))
+            if w == "e":  # paused while the round is dealt: its third copy waits
+                s.seen("e", time.monotonic(), "paused")
+            await coordinator._perform(s.ready(w, 1, time.monotonic()))
+        held = {w: next(iter(s.workers[w].assigned)) for w in ("a", "b")}
+        g = torch.randn(coordinator.model.numel) * 1e-3
+
+        def result(slot):
+            return types.SimpleNamespace(slot=slot, compute_s=0.1, waited_s=0.0, samples=1,
+                                         loss=1.0)
+
+        await coordinator._use_result("a", result(held["a"]), [g.clone()], float(g.norm()),
+                                      time.monotonic())
+        s.seen("e", time.monotonic(), "idle")  # hungry again: the next fill hands it the copy
+        await coordinator._use_result("b", result(held["b"]), [g.clone()], float(g.norm()),
+                                      time.monotonic())
+
+    asyncio.run(go())
+    assert coordinator.aggregator.version == 1
+    tasks_to_e = [version for route, kind, version in sent if route == "e" and kind == "Task"]
+    assert tasks_to_e == [1], sent  # only the next round's task, at the new version
