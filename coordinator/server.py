@@ -568,6 +568,9 @@ class Coordinator:
         if final:
             record["final"] = True
             record["reason"] = self.stop_reason
+            # the run's tallies, for after the status endpoint is gone
+            record["counters"] = dict(self.counters)
+            record["scheduler"] = dict(self.scheduler.stats)
         self._metrics_file.write(json.dumps(record) + "\n")
 
     # messages -------------------------------------------------------------------------------

@@ -25,12 +25,13 @@ def run_clean(cluster, epochs: int) -> dict:
     assert status.follow(coordinator) == 0
     for w in workers:
         assert w.wait(timeout=30) == 0
-    redundancy = status.last["redundancy"]
-    assert redundancy["verify_replicas"] and redundancy["replicas_agreed"] > 0
-    assert redundancy["replicas_disagreed"] == 0, redundancy  # honest copies agree
-    assert not status.last["trust"]["offenders"]
+    assert status.last["redundancy"]["verify_replicas"]
+    final = final_metrics(ckpt / "metrics.jsonl")  # its tallies are the whole run's
+    assert final["scheduler"].get("replicas_agreed", 0) > 0, final["scheduler"]
+    assert final["scheduler"].get("replicas_disagreed", 0) == 0, final["scheduler"]  # honest
+    assert not final["counters"].get("gradients_rejected"), final["counters"]
     status.close()
-    return final_metrics(ckpt / "metrics.jsonl")
+    return final
 
 
 def test_a_worker_flipping_signs_is_caught_by_its_replicas_and_banned(cluster, digits_train_size):
@@ -56,8 +57,8 @@ def test_a_worker_flipping_signs_is_caught_by_its_replicas_and_banned(cluster, d
     print(f"accuracy: clean {clean:.4f}, with a sign-flipping worker "
           f"{final['metrics']['accuracy']:.4f}; redundancy {last['redundancy']}; "
           f"counters {last['counters']}")
-    assert last["redundancy"]["replicas_disagreed"] >= 3
-    assert last["counters"]["rejected_replica"] >= 3
+    assert final["scheduler"].get("replicas_disagreed", 0) >= 3, final["scheduler"]
+    assert final["counters"].get("rejected_replica", 0) >= 3, final["counters"]
     assert final["metrics"]["accuracy"] >= clean - ACCURACY_SLACK, (clean, final["metrics"])
     assert set(last["trust"]["offenders"]) == {"evil"}, last["trust"]  # no honest one refused
     for w in workers:
@@ -78,14 +79,16 @@ def test_local_tasks_with_verified_replicas_reach_the_target_and_ban_a_sign_flip
     print(f"local: {final['metrics']}; redundancy {last['redundancy']}; "
           f"trust {last['trust']}; counters {last['counters']}")
     assert final["reason"] == "target" and final["metrics"]["accuracy"] >= 0.9
-    assert last["redundancy"]["replicas_agreed"] > 0
+    # the final record, not the last status seen: a short run can end between two polls
+    assert final["scheduler"].get("replicas_agreed", 0) > 0, final["scheduler"]
     # the flipper's changes were refused whenever they were compared; no honest one ever was
     assert set(last["trust"]["offenders"]) <= {"evil"}, last["trust"]
-    if last["redundancy"]["replicas_disagreed"] >= 2:
-        assert "evil" in last["trust"]["banned"]
     for w in workers:
         assert w.wait(timeout=30) == 0
     evil.wait(timeout=30)
+    if final["counters"].get("rejected_replica", 0) >= 2:  # --ban-after 2
+        assert final["counters"]["workers_banned"] == 1, final["counters"]
+        assert "banned" in evil.output()
     cluster.assert_no_tracebacks()
 
 
