@@ -409,12 +409,16 @@ class Scheduler:
         row = tuple(slot.row)
         round_.opinions.setdefault(row, []).append(slot.id)
         self.stats["replicas_held"] += 1
-        return actions + self._compare_next(round_, row) + self._fill(now)
+        return actions + self._compare_or_fill(round_, row, now)
 
-    def _compare_next(self, round_: Round, row: tuple) -> list[Action]:
+    def _compare_or_fill(self, round_: Round, row: tuple, now: float) -> list[Action]:
+        """Compare the row's first two held copies, else hand out more work. Not both: the
+        verdict may close the round (and release its model) before the caller gets to slots
+        handed out here, so the fill waits for the verdict (`copies_agreed`, `copies_disagreed`,
+        `copies_settled`)."""
         held = round_.opinions.get(row, [])
         if row in round_.disputed or len(held) < 2:
-            return []
+            return self._fill(now)
         round_.disputed.add(row)
         first, second = self.slots[held[0]], self.slots[held[1]]
         return [CompareCopies(round_.id, (first.id, second.id),
@@ -441,10 +445,12 @@ class Scheduler:
         self.stats["results_used"] += 1
         return self._arrive(self.slots[first], now)
 
-    def copies_disagreed(self, first: int, second: int) -> None:
-        """The two compared copies differ: the row waits for `copies_settled`."""
+    def copies_disagreed(self, first: int, second: int, now: float) -> list[Action]:
+        """The two compared copies differ: the row waits for `copies_settled`; the workers
+        meanwhile take other work."""
         if self._disputed_pair(first, second) is not None:
             self.stats["replicas_disagreed"] += 1
+        return self._fill(now)
 
     def copies_settled(self, first: int, second: int, correct: list[int], now: float,
                        kept: Optional[int] = None) -> list[Action]:
@@ -471,7 +477,7 @@ class Scheduler:
             slot.held_from = None
             self._requeue(slot)
             self.stats["replicas_refused"] += 1
-        return self._compare_next(round_, row) + self._fill(now)
+        return self._compare_or_fill(round_, row, now)
 
     def _answered(self, worker_id: str, slot: Slot) -> bool:
         """Whether `worker_id`'s result for a copy of `slot`'s row is held: a second opinion must

@@ -757,7 +757,7 @@ class Coordinator:
             await self._perform(self.scheduler.copies_agreed(first, second, time.monotonic()))
             self._grads.pop(second, None)  # not used: the first copy is
             return
-        self.scheduler.copies_disagreed(first, second)
+        await self._perform(self.scheduler.copies_disagreed(first, second, time.monotonic()))
         detail = (f"copies of slots {first} ({worker_a}) and {second} ({worker_b}) in round "
                   f"{action.round} differ by {off / max(size, 1e-12):.3g} of their size")
         if await self._refuse_banned(first, second, detail):
@@ -1073,11 +1073,6 @@ class Coordinator:
     async def _perform(self, actions: list) -> None:
         for action in actions:
             if isinstance(action, Assign):
-                record = self.scheduler.workers.get(action.worker)
-                if record is None or action.slot not in record.assigned:
-                    # Withdrawn by an action before it in the same list (verified copies that
-                    # agreed closed its row, or its round): its model may be gone too.
-                    continue
                 route = self.routes[action.worker]
                 model = self._model_blob(action.version) if action.send_model else None
                 if self.ledger is not None:

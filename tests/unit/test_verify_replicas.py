@@ -68,7 +68,7 @@ def test_a_disagreement_settled_uses_the_copy_that_matches():
     s.result(x.worker, x.slot, 0.1, 1.0)
     _, actions = s.result(y.worker, y.slot, 0.1, 1.0)
     (compare,) = of(CompareCopies, actions)
-    s.copies_disagreed(x.slot, y.slot)
+    s.copies_disagreed(x.slot, y.slot, 1.0)
     assert s.stats["replicas_disagreed"] == 1
     actions = s.copies_settled(x.slot, y.slot, [y.slot], 2.0)  # the second copy was right
     assert not of(Decoded, actions)  # the other row has not arrived yet
@@ -85,7 +85,7 @@ def disputed(s: Scheduler):
     (b,) = start(s, "b")
     s.result("a", a.slot, 0.1, 1.0)
     s.result("b", b.slot, 0.1, 1.0)
-    s.copies_disagreed(a.slot, b.slot)
+    s.copies_disagreed(a.slot, b.slot, 1.0)
     return a, b
 
 
@@ -155,7 +155,7 @@ def test_three_copies_the_third_waits_while_the_first_two_are_settled():
     a, b, c = start(s, "a")[0], start(s, "b")[0], start(s, "c")[0]
     s.result("a", a.slot, 0.1, 1.0)
     s.result("b", b.slot, 0.1, 1.0)
-    s.copies_disagreed(a.slot, b.slot)
+    s.copies_disagreed(a.slot, b.slot, 1.0)
     _, actions = s.result("c", c.slot, 0.1, 1.5)  # held: the pair is being settled
     assert not of(CompareCopies, actions)
     actions = s.copies_settled(a.slot, b.slot, [], 2.0)
@@ -282,3 +282,15 @@ def test_copies_that_agree_withdraw_the_tasks_handed_out_with_them():
     assert coordinator.aggregator.version == 1
     tasks_to_e = [version for route, kind, version in sent if route == "e" and kind == "Task"]
     assert tasks_to_e == [1], sent  # only the next round's task, at the new version
+
+
+def test_a_comparison_goes_out_alone_and_the_fill_waits_for_its_verdict():
+    """Slots handed out with the comparison could be withdrawn by its verdict (the round closing)
+    before the caller sent them: the second copy yields the comparison and nothing else."""
+    s = verified("replicate:3")
+    a, b = start(s, "a")[0], start(s, "b")[0]
+    s.result("a", a.slot, 0.1, 1.0)
+    s.join("c", {}, 1.2)
+    s.ready("c", 1, 1.2)
+    _, actions = s.result("b", b.slot, 0.1, 1.5)
+    assert [type(x) for x in actions] == [CompareCopies], actions
