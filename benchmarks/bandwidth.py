@@ -33,7 +33,7 @@ mode) and, with `--json`, one JSON object last:
     nice -n 19 python benchmarks/bandwidth.py --runs 3 --plot bandwidth.png --json
 
 Every process it starts is stopped and reaped by PID (idlegrad.cli.processes.stop, through
-stragglers.Run), also on Ctrl-C and on failure; every wait is bounded.
+harness.Run), also on Ctrl-C and on failure; every wait is bounded.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -49,7 +48,8 @@ from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from stragglers import Run, curve, fmt, med, read_metrics  # noqa: E402  (one harness, not two)
+from harness import (Run, curve, fmt, med, read_metrics, side_by_side,  # noqa: E402
+                     stopped_on_interrupt)
 
 from idlegrad.common.errors import ConfigError  # noqa: E402
 from idlegrad.coordinator.local import parse_task  # noqa: E402
@@ -261,30 +261,24 @@ def main():
         except ConfigError as exc:
             parser.error(str(exc))
 
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, on_term)
-
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="idlegrad-bandwidth-"))
     base.mkdir(parents=True, exist_ok=True)
     print(f"logs and metrics under {base}", flush=True)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     print(f"{'run':>3} {'mode':<11} {'reached':>7} {'t_target_s':>10} {'KiB/sample':>10} "
           f"{'final_acc':>9} {'samples':>8} {'wall_s':>7}  notes", flush=True)
-    try:
-        for i in range(args.runs):
-            order = modes if i % 2 == 0 else list(reversed(modes))
-            for mode in order:
-                r = run_mode(mode, args, base / f"run{i + 1}" / mode.replace(":", ""))
-                runs[mode].append(r)
-                kib = r["bytes_per_sample"] / 1024 if r["bytes_per_sample"] is not None else None
-                print(f"{i + 1:>3} {mode:<11} {str(r['reached']):>7} "
-                      f"{fmt(r['time_to_target_s'], '.1f'):>10} {fmt(kib, '.1f'):>10} "
-                      f"{fmt(r['final_accuracy'], '.3f'):>9} {fmt(r['final_samples'], '.0f'):>8} "
-                      f"{fmt(r['wall_s'], '.0f'):>7}  {r['notes']}", flush=True)
-    except KeyboardInterrupt:
-        print("interrupted: every process started was stopped", file=sys.stderr)
-        sys.exit(130)
+
+    def measure(mode: str, i: int) -> dict:
+        return run_mode(mode, args, base / f"run{i + 1}" / mode.replace(":", ""))
+
+    with stopped_on_interrupt():
+        for i, mode, r in side_by_side(modes, args.runs, measure):
+            runs[mode].append(r)
+            kib = r["bytes_per_sample"] / 1024 if r["bytes_per_sample"] is not None else None
+            print(f"{i + 1:>3} {mode:<11} {str(r['reached']):>7} "
+                  f"{fmt(r['time_to_target_s'], '.1f'):>10} {fmt(kib, '.1f'):>10} "
+                  f"{fmt(r['final_accuracy'], '.3f'):>9} {fmt(r['final_samples'], '.0f'):>8} "
+                  f"{fmt(r['wall_s'], '.0f'):>7}  {r['notes']}", flush=True)
     summary = aggregate(runs)
     print_table(summary, args.runs, modes)
     if args.plot:

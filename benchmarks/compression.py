@@ -12,7 +12,7 @@ gives medians, and the paired difference of each run's final test accuracy.
 With `--json` the last line is {"float32": {"accuracy": ..., "bytes_per_sample": ..., "wall_s":
 ...}, "bfloat16": {...}, "accuracy_change": ..., "bytes_ratio": ...} (medians; the change is
 bfloat16 minus float32, paired by run). Every process it starts is stopped and reaped by PID
-(stragglers.Run), also on failure; every wait is bounded.
+(harness.Run), also on failure; every wait is bounded.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from stragglers import Run, read_metrics  # noqa: E402
+from harness import Run, medians, paired_runs, read_metrics, stopped_on_interrupt  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 
@@ -75,15 +75,18 @@ def main() -> None:
     results: dict[str, list[dict]] = {d: [] for d in DTYPES}
     print(f"{'run':>4} {'results':>9} {'accuracy':>9} {'bytes/sample':>13} {'wall s':>7}",
           flush=True)
-    with tempfile.TemporaryDirectory(prefix="idlegrad-compression-") as tmp:
-        for i in range(args.runs):
-            for dtype in (DTYPES if i % 2 == 0 else DTYPES[::-1]):
-                r = train(dtype, args, Path(tmp) / f"{dtype}-{i}")
+    with tempfile.TemporaryDirectory(prefix="idlegrad-compression-") as tmp, \
+            stopped_on_interrupt():
+        def measure(dtype: str, i: int) -> dict:
+            return train(dtype, args, Path(tmp) / f"{dtype}-{i}")
+
+        for i, got in paired_runs(DTYPES, args.runs, measure):
+            for dtype in DTYPES:
+                r = got[dtype]
                 results[dtype].append(r)
                 print(f"{i + 1:>4} {dtype:>9} {r['accuracy']:>9.4f} {r['bytes_per_sample']:>13.0f} "
                       f"{r['wall_s']:>7.1f}", flush=True)
-    summary = {d: {k: statistics.median(r[k] for r in results[d])
-                   for k in ("accuracy", "bytes_per_sample", "wall_s")} for d in DTYPES}
+    summary = {d: medians(results[d], ("accuracy", "bytes_per_sample", "wall_s")) for d in DTYPES}
     change = statistics.median(b["accuracy"] - f["accuracy"]
                                for f, b in zip(results["float32"], results["bfloat16"]))
     ratio = summary["bfloat16"]["bytes_per_sample"] / summary["float32"]["bytes_per_sample"]

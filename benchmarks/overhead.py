@@ -31,7 +31,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ import time
 import zmq
 
 HERE = os.path.abspath(__file__)
+sys.path.insert(0, os.path.dirname(HERE))
+from harness import Run, medians, paired_runs, stopped_on_interrupt, windowed_output  # noqa: E402
 PARAMS = 100
 SLOT = 8  # samples per slot
 PARTITIONS = 8  # a round is a batch of PARTITIONS x SLOT samples
@@ -170,24 +171,11 @@ def run_swarm(address: str, args, workers: int, server_pid: int) -> dict:
          "--warmup", str(args.warmup), "--window", str(args.window)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     cpu = {}
-    try:
-        lines = []
-        for line in swarm_proc.stdout:  # ends when the swarm exits (its own loop is bounded)
-            line = line.strip()
-            if line in ("open", "closed"):
-                cpu[line] = thread_cpu(server_pid)
-            else:
-                lines.append(line)
-        swarm_proc.wait(timeout=args.warmup + args.window + 120)
-        if swarm_proc.returncode != 0:
-            raise RuntimeError(f"swarm failed: {swarm_proc.stderr.read()[-2000:]}")
-    finally:
-        if swarm_proc.poll() is None:
-            swarm_proc.kill()
-            swarm_proc.wait(timeout=10)
-        swarm_proc.stdout.close()
-        swarm_proc.stderr.close()
-    result = json.loads(lines[-1])
+
+    def on_mark(mark: str) -> None:
+        cpu[mark] = thread_cpu(server_pid)
+
+    result = windowed_output(swarm_proc, on_mark, timeout=args.warmup + args.window + 120)
     if "open" in cpu and "closed" in cpu and result["slots"]:
         result["main_us_per_slot"] = (cpu["closed"][0] - cpu["open"][0]) / result["slots"] * 1e6
         result["others_us_per_slot"] = (cpu["closed"][1] - cpu["open"][1]) / result["slots"] * 1e6
@@ -195,28 +183,19 @@ def run_swarm(address: str, args, workers: int, server_pid: int) -> dict:
 
 
 def measure(kind: str, args, workers: int) -> dict:
-    from idlegrad.cli.processes import free_port, spawn, stop
+    from idlegrad.cli.processes import free_port
 
     address = f"tcp://127.0.0.1:{free_port()}"
-    with tempfile.TemporaryDirectory(prefix="idlegrad-overhead-") as tmp:
-        log = open(os.path.join(tmp, "server.log"), "w")
+    with tempfile.TemporaryDirectory(prefix="idlegrad-overhead-") as tmp, Run(tmp) as run:
         if kind == "idlegrad":
-            server = spawn(["coordinator", "--bind", address, "--job", "synthetic",
-                            "--job-arg", f"params={PARAMS}",
-                            "--job-arg", f"batch_size={SLOT * PARTITIONS}",
-                            "--partitions", str(PARTITIONS),
-                            "--epochs", "100000", "--heartbeat", "60", "--eval-every", "3600",
-                            "--threads", "1", "--log-level", "warning"], log=log)
+            server = run.spawn_idlegrad("coordinator", [
+                "coordinator", "--bind", address, "--job", "synthetic",
+                "--job-arg", f"params={PARAMS}", "--job-arg", f"batch_size={SLOT * PARTITIONS}",
+                "--partitions", str(PARTITIONS), "--epochs", "100000", "--heartbeat", "60",
+                "--eval-every", "3600", "--threads", "1", "--log-level", "warning"])
         else:
-            server = subprocess.Popen([sys.executable, HERE, "--bare", address], stdout=log,
-                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True)
-        try:
-            result = run_swarm(address, args, workers, server.pid)
-        finally:
-            stop([server], grace=5.0)
-            log.close()
-    return result
+            server = run.spawn_python("bare", [HERE, "--bare", address])
+        return run_swarm(address, args, workers, server.pid)
 
 
 def main() -> None:
@@ -240,24 +219,25 @@ def main() -> None:
     by_workers = {}
     print(f"{'workers':>8} {'run':>4} {'idlegrad/s':>11} {'ceiling/s':>10} {'ratio':>6} "
           f"{'us/slot main (ceiling)':>23} {'other threads':>14}", flush=True)
-    for n in counts:
-        runs = []
-        for i in range(args.runs):
-            order = ["idlegrad", "ceiling"] if i % 2 == 0 else ["ceiling", "idlegrad"]
-            got = {kind: measure(kind, args, n) for kind in order}
-            ours, bare = got["idlegrad"], got["ceiling"]
-            runs.append({"slots_per_s": ours["slots_per_s"], "ceiling_per_s": bare["slots_per_s"],
-                         "ratio": ours["slots_per_s"] / max(1e-9, bare["slots_per_s"]),
-                         "main_us_per_slot": ours.get("main_us_per_slot", math.nan),
-                         "others_us_per_slot": ours.get("others_us_per_slot", math.nan),
-                         "ceiling_main_us_per_slot": bare.get("main_us_per_slot", math.nan)})
-            r = runs[-1]
-            print(f"{n:>8} {i + 1:>4} {r['slots_per_s']:>11.0f} {r['ceiling_per_s']:>10.0f} "
-                  f"{r['ratio']:>6.2f} {r['main_us_per_slot']:>12.1f} "
-                  f"({r['ceiling_main_us_per_slot']:>6.1f})   {r['others_us_per_slot']:>12.1f}",
-                  flush=True)
-        by_workers[str(n)] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-        by_workers[str(n)]["runs_ratio"] = [r["ratio"] for r in runs]
+    with stopped_on_interrupt():
+        for n in counts:
+            runs = []
+            for i, got in paired_runs(["idlegrad", "ceiling"], args.runs,
+                                      lambda kind, i: measure(kind, args, n)):
+                ours, bare = got["idlegrad"], got["ceiling"]
+                runs.append({"slots_per_s": ours["slots_per_s"],
+                             "ceiling_per_s": bare["slots_per_s"],
+                             "ratio": ours["slots_per_s"] / max(1e-9, bare["slots_per_s"]),
+                             "main_us_per_slot": ours.get("main_us_per_slot", math.nan),
+                             "others_us_per_slot": ours.get("others_us_per_slot", math.nan),
+                             "ceiling_main_us_per_slot": bare.get("main_us_per_slot", math.nan)})
+                r = runs[-1]
+                print(f"{n:>8} {i + 1:>4} {r['slots_per_s']:>11.0f} {r['ceiling_per_s']:>10.0f} "
+                      f"{r['ratio']:>6.2f} {r['main_us_per_slot']:>12.1f} "
+                      f"({r['ceiling_main_us_per_slot']:>6.1f})   "
+                      f"{r['others_us_per_slot']:>12.1f}", flush=True)
+            by_workers[str(n)] = medians(runs)
+            by_workers[str(n)]["runs_ratio"] = [r["ratio"] for r in runs]
     print("\nmedians")
     for n, r in by_workers.items():
         print(f"{n:>8} workers: idlegrad {r['slots_per_s']:.0f} slots/s, ceiling "

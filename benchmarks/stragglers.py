@@ -51,13 +51,15 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from harness import (Run, curve, fmt, med, read_metrics, side_by_side,  # noqa: E402
+                     stopped_on_interrupt)
 
 IDLEGRAD_MODES = ["sync", "none", "replicate:2", "cyclic:1", "adaptive", "none-clean",
                   "adaptive-clean"]
@@ -150,48 +152,6 @@ def ddp_rank(args) -> None:
 
 
 # idlegrad processes ------------------------------------------------------------------------------
-
-
-class Run:
-    """The processes of one mode's run; `close` stops and reaps every one by PID."""
-
-    def __init__(self, directory: Path):
-        self.dir = directory
-        self.procs: list[subprocess.Popen] = []
-        self.logs: list = []
-        self.env = dict(os.environ, XDG_CONFIG_HOME=str(directory / "xdg-config"))
-
-    def spawn_idlegrad(self, name: str, args: list[str]) -> subprocess.Popen:
-        from idlegrad.cli.processes import spawn
-
-        log = open(self.dir / f"{name}-{len(self.procs)}.log", "w")
-        self.logs.append(log)
-        proc = spawn([str(a) for a in args], log=log, env=self.env)
-        self.procs.append(proc)
-        return proc
-
-    def spawn_python(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(self.dir / f"{name}.log", "w")
-        self.logs.append(log)
-        proc = subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    def close(self) -> None:
-        from idlegrad.cli.processes import stop
-
-        try:
-            for proc in self.procs:  # a SIGSTOPped process would ignore SIGTERM
-                if proc.poll() is None:
-                    try:
-                        os.kill(proc.pid, signal.SIGCONT)
-                    except ProcessLookupError:
-                        pass
-            stop(self.procs, grace=5.0)
-        finally:
-            for log in self.logs:
-                log.close()
 
 
 def coordinator_args(mode: str, args, address: str, ckpt: Path) -> list[str]:
@@ -338,19 +298,6 @@ def run_ddp(args, directory: Path) -> dict:
     return result
 
 
-def read_metrics(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    with open(path) as fh:
-        for line in fh:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return out
-
-
 def summarize(records: list[dict], target: float) -> dict:
     for r in records:
         acc = (r.get("metrics") or {}).get("accuracy")
@@ -365,21 +312,7 @@ def summarize(records: list[dict], target: float) -> dict:
             "accuracy": (last.get("metrics") or {}).get("accuracy")}
 
 
-def curve(records: list[dict]) -> list[tuple[float, float]]:
-    return [(float(r["elapsed"]), float(r["metrics"]["accuracy"])) for r in records
-            if (r.get("metrics") or {}).get("accuracy") is not None]
-
-
 # report -----------------------------------------------------------------------------------------
-
-
-def med(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
-def fmt(v, spec=".2f", none="-"):
-    return none if v is None else format(v, spec)
 
 
 def aggregate(runs: dict[str, list[dict]]) -> dict:
@@ -493,34 +426,28 @@ def main():
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}")
 
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, on_term)
-
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="idlegrad-stragglers-"))
     base.mkdir(parents=True, exist_ok=True)
     print(f"logs and metrics under {base}", flush=True)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     print(f"{'run':>3} {'mode':<15} {'reached':>7} {'t_target_s':>10} {'samples/s':>9} "
           f"{'rounds':>7} {'wasted':>7}  notes", flush=True)
-    try:
-        for i in range(args.runs):
-            order = modes if i % 2 == 0 else list(reversed(modes))
-            for mode in order:
-                directory = base / f"run{i + 1}" / mode.replace(":", "")
-                r = run_ddp(args, directory) if mode == "ddp" else run_idlegrad(mode, args, directory)
-                runs[mode].append(r)
-                extra = f"codes {r['codes']}" if r.get("codes") else ""
-                if r.get("predicted_s_per_sample"):
-                    extra += " predicted us/sample " + ", ".join(
-                        f"{k} {v * 1e6:.0f}" for k, v in r["predicted_s_per_sample"].items())
-                print(f"{i + 1:>3} {mode:<15} {str(r['reached']):>7} "
-                      f"{fmt(r['time_to_target_s']):>10} {fmt(r['samples_per_s'], '.0f'):>9} "
-                      f"{fmt(r['rounds_decoded'], '.0f'):>7} {fmt(r['slots_wasted'], '.0f'):>7}  "
-                      f"{r['notes']} {extra}", flush=True)
-    except KeyboardInterrupt:
-        print("interrupted: every process started was stopped", file=sys.stderr)
-        sys.exit(130)
+
+    def measure(mode: str, i: int) -> dict:
+        directory = base / f"run{i + 1}" / mode.replace(":", "")
+        return run_ddp(args, directory) if mode == "ddp" else run_idlegrad(mode, args, directory)
+
+    with stopped_on_interrupt():
+        for i, mode, r in side_by_side(modes, args.runs, measure):
+            runs[mode].append(r)
+            extra = f"codes {r['codes']}" if r.get("codes") else ""
+            if r.get("predicted_s_per_sample"):
+                extra += " predicted us/sample " + ", ".join(
+                    f"{k} {v * 1e6:.0f}" for k, v in r["predicted_s_per_sample"].items())
+            print(f"{i + 1:>3} {mode:<15} {str(r['reached']):>7} "
+                  f"{fmt(r['time_to_target_s']):>10} {fmt(r['samples_per_s'], '.0f'):>9} "
+                  f"{fmt(r['rounds_decoded'], '.0f'):>7} {fmt(r['slots_wasted'], '.0f'):>7}  "
+                  f"{r['notes']} {extra}", flush=True)
     summary = aggregate(runs)
     print_table(summary, args.runs)
     if args.plot:

@@ -27,15 +27,17 @@ With `--json` its last line is {"ratio": ..., "gbps": ..., "ceiling_gbps": ..., 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
 HERE = os.path.abspath(__file__)
+sys.path.insert(0, os.path.dirname(HERE))
+from harness import Run, medians, paired_runs, stopped_on_interrupt, windowed_output  # noqa: E402
 FRAME = 16 * 1024 * 1024
 
 
@@ -139,65 +141,46 @@ def cpu_ms(pids: list[int]) -> tuple[float, float]:
 
 
 def measure_ceiling(args, params: int) -> dict:
-    from idlegrad.cli.processes import free_port, stop
+    from idlegrad.cli.processes import free_port
 
     address = f"tcp://127.0.0.1:{free_port()}"
-    server = subprocess.Popen([sys.executable, HERE, "--bare-coordinator", address,
-                               "--params", str(params)], stdin=subprocess.DEVNULL,
-                              start_new_session=True)
-    worker = None
-    try:
+    with tempfile.TemporaryDirectory(prefix="idlegrad-transfer-") as tmp, Run(tmp) as run:
+        server = run.spawn_python("bare-coordinator", [HERE, "--bare-coordinator", address,
+                                                       "--params", params])
         worker = subprocess.Popen([sys.executable, HERE, "--bare-worker", address, "--params",
                                    str(params), "--warmup", str(args.warmup), "--window",
                                    str(args.window)], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, start_new_session=True)
-        cpu, lines = {}, []
-        for line in worker.stdout:  # ends when the bare worker exits (its loop is bounded)
-            line = line.strip()
-            if line in ("open", "closed"):
-                cpu[line] = cpu_ms([server.pid, worker.pid])
-            else:
-                lines.append(line)
-        if worker.wait(timeout=args.warmup + args.window + 120) != 0:
-            raise RuntimeError(worker.stderr.read()[-2000:])
-        result = json.loads(lines[-1])
-        steps = max(1, result["exchanges"])
-        return {"gbps": result["gbps"],
-                "user_ms": (cpu["closed"][0] - cpu["open"][0]) / steps,
-                "system_ms": (cpu["closed"][1] - cpu["open"][1]) / steps}
-    finally:
-        if worker is not None:
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait(timeout=10)
-            worker.stdout.close()
-            worker.stderr.close()
-        stop([server], grace=5.0)
+        cpu = {}
+
+        def on_mark(mark: str) -> None:
+            cpu[mark] = cpu_ms([server.pid, worker.pid])
+
+        result = windowed_output(worker, on_mark, timeout=args.warmup + args.window + 120)
+    steps = max(1, result["exchanges"])
+    return {"gbps": result["gbps"],
+            "user_ms": (cpu["closed"][0] - cpu["open"][0]) / steps,
+            "system_ms": (cpu["closed"][1] - cpu["open"][1]) / steps}
 
 
 def measure_idlegrad(args, params: int) -> dict:
-    from idlegrad.cli.processes import free_port, spawn, stop, wait_for_hellos
+    from idlegrad.cli.processes import free_port, wait_for_hellos
     from idlegrad.monitor.source import ZmqStatusSource
 
     address = f"tcp://127.0.0.1:{free_port()}"
     job = ["--job", f"{HERE}:make_job"]  # its arguments travel to the worker in WELCOME
-    with tempfile.TemporaryDirectory(prefix="idlegrad-transfer-") as tmp:
-        logs = [open(os.path.join(tmp, n), "w") for n in ("worker.log", "coordinator.log")]
-        procs = []
-        source = None
-        try:
-            procs.append(spawn(["worker", "--coordinator", address, "--id", "w1", *job,
-                                "--threads", "1", "--device", "cpu", "--no-idle-policy",
-                                # the bare pair runs at normal priority: so does this worker
-                                "--no-low-priority", "--connect-timeout", "120",
-                                "--log-level", "warning"], log=logs[0]))
-            wait_for_hellos(address, ["w1"], procs, timeout=120)
-            procs.append(spawn(["coordinator", "--bind", address, *job, "--job-arg",
-                                f"params={params}", "--epochs", "100000",
-                                "--eval-every", "3600", "--heartbeat", "5", "--threads", "1",
-                                "--log-level", "warning"], log=logs[1]))
-            source = ZmqStatusSource(address)
-
+    with tempfile.TemporaryDirectory(prefix="idlegrad-transfer-") as tmp, Run(tmp) as run:
+        worker = run.spawn_idlegrad("worker", [
+            "worker", "--coordinator", address, "--id", "w1", *job, "--threads", "1",
+            "--device", "cpu", "--no-idle-policy",
+            # the bare pair runs at normal priority: so does this worker
+            "--no-low-priority", "--connect-timeout", "120", "--log-level", "warning"])
+        wait_for_hellos(address, ["w1"], [worker], timeout=120)
+        run.spawn_idlegrad("coordinator", [
+            "coordinator", "--bind", address, *job, "--job-arg", f"params={params}",
+            "--epochs", "100000", "--eval-every", "3600", "--heartbeat", "5", "--threads", "1",
+            "--log-level", "warning"])
+        with contextlib.closing(ZmqStatusSource(address)) as source:
             def version() -> tuple[float, int]:
                 for _ in range(50):
                     snap = source.fetch(timeout=2.0)
@@ -210,23 +193,17 @@ def measure_idlegrad(args, params: int) -> dict:
                 time.sleep(0.2)
                 t0, v0 = version()
             time.sleep(args.warmup)
-            pids = [p.pid for p in procs]
+            pids = [p.pid for p in run.procs]
             t0, v0 = version()
             cpu0 = cpu_ms(pids)
             time.sleep(args.window)
             t1, v1 = version()
             cpu1 = cpu_ms(pids)
-            if v1 <= v0:
-                raise RuntimeError(f"no progress in {args.window}s; see {tmp}")
-            return {"gbps": (v1 - v0) * params * 4 / (t1 - t0) / 1e9,
-                    "user_ms": (cpu1[0] - cpu0[0]) / (v1 - v0),
-                    "system_ms": (cpu1[1] - cpu0[1]) / (v1 - v0)}
-        finally:
-            if source is not None:
-                source.close()
-            stop(procs, grace=5.0)
-            for log in logs:
-                log.close()
+        if v1 <= v0:
+            raise RuntimeError(f"no progress in {args.window}s")
+        return {"gbps": (v1 - v0) * params * 4 / (t1 - t0) / 1e9,
+                "user_ms": (cpu1[0] - cpu0[0]) / (v1 - v0),
+                "system_ms": (cpu1[1] - cpu0[1]) / (v1 - v0)}
 
 
 def main() -> None:
@@ -253,24 +230,24 @@ def main() -> None:
     by_params = {}
     print(f"{'params':>11} {'run':>4} {'idlegrad GB/s':>14} {'ceiling GB/s':>13} {'ratio':>6} "
           f"{'CPU ms/step user+sys':>21} {'(ceiling)':>13}", flush=True)
-    for params in sizes:
-        runs = []
-        for i in range(args.runs):
-            order = ["idlegrad", "ceiling"] if i % 2 == 0 else ["ceiling", "idlegrad"]
-            got = {k: (measure_idlegrad if k == "idlegrad" else measure_ceiling)(args, params)
-                   for k in order}
-            ours, bare = got["idlegrad"], got["ceiling"]
-            runs.append({"gbps": ours["gbps"], "ceiling_gbps": bare["gbps"],
-                         "ratio": ours["gbps"] / bare["gbps"],
-                         "user_ms": ours["user_ms"], "system_ms": ours["system_ms"],
-                         "ceiling_user_ms": bare["user_ms"],
-                         "ceiling_system_ms": bare["system_ms"]})
-            r = runs[-1]
-            print(f"{params:>11} {i + 1:>4} {r['gbps']:>14.2f} {r['ceiling_gbps']:>13.2f} "
-                  f"{r['ratio']:>6.2f} {r['user_ms']:>10.0f}+{r['system_ms']:<10.0f} "
-                  f"({r['ceiling_user_ms']:.0f}+{r['ceiling_system_ms']:.0f})", flush=True)
-        by_params[str(params)] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-        by_params[str(params)]["runs_ratio"] = [r["ratio"] for r in runs]
+    measures = {"idlegrad": measure_idlegrad, "ceiling": measure_ceiling}
+    with stopped_on_interrupt():
+        for params in sizes:
+            runs = []
+            for i, got in paired_runs(list(measures), args.runs,
+                                      lambda kind, i: measures[kind](args, params)):
+                ours, bare = got["idlegrad"], got["ceiling"]
+                runs.append({"gbps": ours["gbps"], "ceiling_gbps": bare["gbps"],
+                             "ratio": ours["gbps"] / bare["gbps"],
+                             "user_ms": ours["user_ms"], "system_ms": ours["system_ms"],
+                             "ceiling_user_ms": bare["user_ms"],
+                             "ceiling_system_ms": bare["system_ms"]})
+                r = runs[-1]
+                print(f"{params:>11} {i + 1:>4} {r['gbps']:>14.2f} {r['ceiling_gbps']:>13.2f} "
+                      f"{r['ratio']:>6.2f} {r['user_ms']:>10.0f}+{r['system_ms']:<10.0f} "
+                      f"({r['ceiling_user_ms']:.0f}+{r['ceiling_system_ms']:.0f})", flush=True)
+            by_params[str(params)] = medians(runs)
+            by_params[str(params)]["runs_ratio"] = [r["ratio"] for r in runs]
     print("\nmedians (CPU: both processes, all threads, per step)")
     for p, r in by_params.items():
         print(f"{int(p):>11,} params: idlegrad {r['gbps']:.2f} GB/s, ceiling "

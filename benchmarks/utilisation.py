@@ -16,11 +16,16 @@ With `--json` its last line is {"fraction": {"0.05": ..., "0.2": ..., "1.0": ...
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import Run, stopped_on_interrupt  # noqa: E402
 
 PARAMS = 1_000_000
 
@@ -46,27 +51,23 @@ def seconds_per_sample() -> float:
 
 
 def measure(slot_s: float, s_per_sample: float, args) -> dict:
-    from idlegrad.cli.processes import free_port, spawn, stop, wait_for_hellos
+    from idlegrad.cli.processes import free_port, wait_for_hellos
     from idlegrad.monitor.source import ZmqStatusSource
 
     batch = max(1, round(slot_s / s_per_sample))
     address = f"tcp://127.0.0.1:{free_port()}"
-    with tempfile.TemporaryDirectory(prefix="idlegrad-utilisation-") as tmp:
-        logs = [open(os.path.join(tmp, n), "w") for n in ("worker.log", "coordinator.log")]
-        procs, source = [], None
-        try:
-            procs.append(spawn(["worker", "--coordinator", address, "--id", "w1",
-                                "--job", "synthetic", "--threads", "1", "--device", "cpu",
-                                "--no-idle-policy", "--no-low-priority",
-                                "--connect-timeout", "60", "--log-level", "warning"], log=logs[0]))
-            wait_for_hellos(address, ["w1"], procs, timeout=120)
-            procs.append(spawn(["coordinator", "--bind", address, "--job", "synthetic",
-                                "--job-arg", f"params={PARAMS}", "--job-arg",
-                                f"batch_size={batch}", "--epochs", "100000", "--eval-every",
-                                "3600", "--heartbeat", "2", "--threads", "1",
-                                "--log-level", "warning"], log=logs[1]))
-            source = ZmqStatusSource(address)
-
+    with tempfile.TemporaryDirectory(prefix="idlegrad-utilisation-") as tmp, Run(tmp) as run:
+        worker = run.spawn_idlegrad("worker", [
+            "worker", "--coordinator", address, "--id", "w1", "--job", "synthetic",
+            "--threads", "1", "--device", "cpu", "--no-idle-policy", "--no-low-priority",
+            "--connect-timeout", "60", "--log-level", "warning"])
+        wait_for_hellos(address, ["w1"], [worker], timeout=120)
+        run.spawn_idlegrad("coordinator", [
+            "coordinator", "--bind", address, "--job", "synthetic", "--job-arg",
+            f"params={PARAMS}", "--job-arg", f"batch_size={batch}", "--epochs", "100000",
+            "--eval-every", "3600", "--heartbeat", "2", "--threads", "1", "--log-level",
+            "warning"])
+        with contextlib.closing(ZmqStatusSource(address)) as source:
             def sample() -> tuple[float, float, int]:
                 for _ in range(50):
                     snap = source.fetch(timeout=2.0)
@@ -84,16 +85,10 @@ def measure(slot_s: float, s_per_sample: float, args) -> dict:
             t0, c0, d0 = sample()
             time.sleep(max(args.window, 10 * slot_s))
             t1, c1, d1 = sample()
-            if d1 <= d0:
-                raise RuntimeError(f"no slot finished in the window; see {tmp}")
-            return {"fraction": (c1 - c0) / (t1 - t0), "batch": batch,
-                    "slot_s": (c1 - c0) / (d1 - d0), "slots": d1 - d0}
-        finally:
-            if source is not None:
-                source.close()
-            stop(procs, grace=5.0)
-            for log in logs:
-                log.close()
+    if d1 <= d0:
+        raise RuntimeError("no slot finished in the window")
+    return {"fraction": (c1 - c0) / (t1 - t0), "batch": batch,
+            "slot_s": (c1 - c0) / (d1 - d0), "slots": d1 - d0}
 
 
 def main() -> None:
@@ -110,12 +105,13 @@ def main() -> None:
     print(f"{'slot_s':>7} {'run':>4} {'batch':>6} {'measured_slot_s':>16} {'fraction':>9}",
           flush=True)
     runs: dict[str, list[float]] = {}
-    for slot_s in [float(s) for s in args.slots.split(",")]:
-        for i in range(args.runs):
-            r = measure(slot_s, s_per_sample, args)
-            runs.setdefault(str(slot_s), []).append(r["fraction"])
-            print(f"{slot_s:>7g} {i + 1:>4} {r['batch']:>6} {r['slot_s']:>16.3f} "
-                  f"{r['fraction']:>9.3f}", flush=True)
+    with stopped_on_interrupt():
+        for slot_s in [float(s) for s in args.slots.split(",")]:
+            for i in range(args.runs):
+                r = measure(slot_s, s_per_sample, args)
+                runs.setdefault(str(slot_s), []).append(r["fraction"])
+                print(f"{slot_s:>7g} {i + 1:>4} {r['batch']:>6} {r['slot_s']:>16.3f} "
+                      f"{r['fraction']:>9.3f}", flush=True)
     medians = {k: statistics.median(v) for k, v in runs.items()}
     print("\nmedian compute fraction: " + ", ".join(f"{k} s slots {v:.3f}"
                                                     for k, v in medians.items()))
