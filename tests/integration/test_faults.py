@@ -27,21 +27,28 @@ def computing(snap: dict) -> set[str]:
     return {w["id"] for w in snap["workers"] if w["done"] > 0}
 
 
+def two_workers_mid_training(cluster, names: list[str], epochs: int, total: int, ckpt):
+    """Slow digits with two workers, caught once both return results and the model has stepped a
+    few times, with most of the `total` samples still to go: the moment to break something.
+    Returns the coordinator, the workers, the status feed and that snapshot."""
+    coordinator, workers = cluster.start_together(
+        [*SLOW_DIGITS, "--epochs", str(epochs), "--checkpoint-dir", str(ckpt)], names)
+    status = cluster.status()
+    before = status.wait_for(
+        lambda s: computing(s) == set(names) and s["version"] >= 20,
+        "both workers returning results", alive=[coordinator, *workers])
+    assert before["state"] == "training" and before["samples"] < total, \
+        "training was over before the fault: the test cannot tell anything"
+    return coordinator, workers, status, before
+
+
 def test_worker_kill9_mid_training_loses_and_duplicates_nothing(cluster, digits_train_size):
     epochs = 30  # long enough to outlast the eviction (3 heartbeats of 0.5 s) on a fast machine
     total = epochs * digits_train_size
     ckpt = cluster.dir / "ckpt"
-    coordinator, (survivor, victim) = cluster.start_together(
-        [*SLOW_DIGITS, "--epochs", str(epochs), "--checkpoint-dir", str(ckpt)],
-        ["survivor", "victim"])
-    status = cluster.status()
-
-    before = status.wait_for(
-        lambda s: computing(s) == {"survivor", "victim"} and s["version"] >= 20,
-        "both workers returning results", alive=[coordinator, survivor, victim])
+    coordinator, (survivor, victim), status, before = two_workers_mid_training(
+        cluster, ["survivor", "victim"], epochs, total, ckpt)
     victim.kill9()
-    assert before["state"] == "training" and before["samples"] < total, \
-        "training was over before the kill: the test cannot tell anything"
 
     # The silent worker is evicted after 3 missed heartbeats, and what it held goes back.
     status.wait_for(lambda s: status.events_of("leave", "victim"), "eviction of the killed worker",
@@ -120,17 +127,10 @@ def test_worker_stopped_past_eviction_rejoins_and_its_late_work_is_not_applied_t
     epochs = 25
     total = epochs * digits_train_size
     ckpt = cluster.dir / "ckpt"
-    coordinator, (steady, sleeper) = cluster.start_together(
-        [*SLOW_DIGITS, "--epochs", str(epochs), "--checkpoint-dir", str(ckpt)],
-        ["steady", "sleeper"])
-    status = cluster.status()
-
-    before = status.wait_for(
-        lambda s: computing(s) == {"steady", "sleeper"} and s["version"] >= 20,
-        "both workers returning results", alive=[coordinator, steady, sleeper])
+    coordinator, (steady, sleeper), status, _ = two_workers_mid_training(
+        cluster, ["steady", "sleeper"], epochs, total, ckpt)
     os.kill(sleeper.pid, signal.SIGSTOP)  # a laptop lid closed mid-task
     try:
-        assert before["state"] == "training" and before["samples"] < total
         status.wait_for(lambda s: status.events_of("leave", "sleeper"),
                         "eviction of the stopped worker", alive=[coordinator])
     finally:

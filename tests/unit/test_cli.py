@@ -3,41 +3,12 @@ Every case here fails before any socket is opened."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
-from idlegrad.cli.main import EXIT_USAGE, build_parser, main
+from idlegrad.cli.main import EXIT_USAGE, build_parser
 from idlegrad.common.errors import ConfigError
 from idlegrad.coordinator.target import Target
-
-
-@pytest.fixture(autouse=True)
-def keep_logging():
-    """main() configures the root logger; leave it as it was for the other tests."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
-def run(capsys, argv) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:  # argparse leaves through SystemExit
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(err: str) -> str:
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert "error" in lines[0]
-    return lines[0]
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -55,62 +26,62 @@ def assert_one_line_error(err: str) -> str:
     (["worker", "--credits", "0"], "positive"),
     (["demo", "--workers", "-2"], "-2"),
 ])
-def test_usage_errors(capsys, argv, needle):
-    code, out, err = run(capsys, argv)
-    assert code == EXIT_USAGE == 2
-    assert needle in assert_one_line_error(err)
-    assert out == ""
+def test_usage_errors(run_cli, argv, needle):
+    result = run_cli(argv)
+    assert result.code == EXIT_USAGE == 2
+    assert needle in result.one_line_error()
+    assert result.out == ""
 
 
 @pytest.mark.parametrize("target", ["accuracy", "accuracy=high", "=0.5", "acc<0.5", "loss<=nan",
                                     "accuracy=inf"])
-def test_bad_target(capsys, target):
-    code, out, err = run(capsys, ["coordinator", "--job", "digits", "--target", target])
-    assert code == 2
-    line = assert_one_line_error(err)
+def test_bad_target(run_cli, target):
+    result = run_cli(["coordinator", "--job", "digits", "--target", target])
+    assert result.code == 2
+    line = result.one_line_error()
     assert line.startswith("idlegrad coordinator: error:") and "target" in line
 
 
-def test_unknown_job(capsys):
-    code, out, err = run(capsys, ["coordinator", "--job", "no_such_job_anywhere"])
-    assert code == 2
-    assert "unknown job" in assert_one_line_error(err)
+def test_unknown_job(run_cli):
+    result = run_cli(["coordinator", "--job", "no_such_job_anywhere"])
+    assert result.code == 2
+    assert "unknown job" in result.one_line_error()
 
 
-def test_job_file_missing(capsys, tmp_path, monkeypatch):
+def test_job_file_missing(run_cli, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, out, err = run(capsys, ["coordinator", "--job", "nope.py:x"])
-    assert code == 2
-    assert "does not exist" in assert_one_line_error(err)
+    result = run_cli(["coordinator", "--job", "nope.py:x"])
+    assert result.code == 2
+    assert "does not exist" in result.one_line_error()
 
 
-def test_bad_job_arg(capsys):
-    code, out, err = run(capsys, ["coordinator", "--job", "digits", "--job-arg", "oops"])
-    assert code == 2
-    assert "name=value" in assert_one_line_error(err)
-    code, out, err = run(capsys, ["coordinator", "--job", "digits", "--job-arg", "nonsense=1"])
-    assert code == 2
-    assert "does not take" in assert_one_line_error(err)
+def test_bad_job_arg(run_cli):
+    result = run_cli(["coordinator", "--job", "digits", "--job-arg", "oops"])
+    assert result.code == 2
+    assert "name=value" in result.one_line_error()
+    result = run_cli(["coordinator", "--job", "digits", "--job-arg", "nonsense=1"])
+    assert result.code == 2
+    assert "does not take" in result.one_line_error()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
-def test_worker_cuda_without_cuda(capsys):
+def test_worker_cuda_without_cuda(run_cli):
     # --no-low-priority: the worker would otherwise nice this very process (pytest) to 19
-    code, out, err = run(capsys, ["worker", "--device", "cuda", "--no-low-priority"])
-    assert code != 0
-    assert "cuda" in assert_one_line_error(err).lower()
+    result = run_cli(["worker", "--device", "cuda", "--no-low-priority"])
+    assert result.code != 0
+    assert "cuda" in result.one_line_error().lower()
 
 
-def test_worker_unknown_device(capsys):
-    code, out, err = run(capsys, ["worker", "--device", "toaster"])
-    assert code == 2
-    assert "toaster" in assert_one_line_error(err)
+def test_worker_unknown_device(run_cli):
+    result = run_cli(["worker", "--device", "toaster"])
+    assert result.code == 2
+    assert "toaster" in result.one_line_error()
 
 
-def test_version_and_help(capsys):
-    code, out, err = run(capsys, ["--version"])
+def test_version_and_help(run_cli):
+    code, out, _ = run_cli(["--version"])
     assert code == 0 and out.startswith("idlegrad ")
-    code, out, err = run(capsys, ["coordinator", "--help"])
+    code, out, _ = run_cli(["coordinator", "--help"])
     assert code == 0 and "--checkpoint-dir" in out
 
 

@@ -318,6 +318,17 @@ def make_engine(built):
     return Engine(built, seed=SEED, device=torch.device("cpu"))
 
 
+def fixed_micro_batch_engine(built, micro_batch: int, monkeypatch, loss=None):
+    """An engine that computes in micro-batches of `micro_batch` samples (its adaptation to the
+    measured speed is off), with `loss` in place of the job's own where given."""
+    if loss is not None:
+        built = dataclasses.replace(built, job=dataclasses.replace(built.job, loss=loss))
+    engine = make_engine(built)
+    engine.micro_batch = micro_batch
+    monkeypatch.setattr(engine, "_observe", lambda *a: None)
+    return engine
+
+
 def random_params(built, seed):
     g = torch.Generator().manual_seed(seed)
     return 0.3 * torch.randn(built.model.numel, generator=g)
@@ -360,9 +371,7 @@ def test_engine_result_is_owned_and_repeatable(digits_built):
 def test_micro_batching_gives_the_same_gradient(digits_built, monkeypatch):
     parts, coefficients = [[0, 3, 50], [1, 0, 11]], [1.0, 3.0]
     params = random_params(digits_built, 3)
-    whole = make_engine(digits_built)
-    whole.micro_batch = 4096
-    monkeypatch.setattr(whole, "_observe", lambda *a: None)
+    whole = fixed_micro_batch_engine(digits_built, 4096, monkeypatch)
     big = whole.compute(Work(1, 0, params, parts, coefficients), threading.Event())
 
     calls = []
@@ -372,11 +381,7 @@ def test_micro_batching_gives_the_same_gradient(digits_built, monkeypatch):
         calls.append(len(batch[1]))
         return loss(model, batch)
 
-    small_built = dataclasses.replace(digits_built, job=dataclasses.replace(digits_built.job,
-                                                                            loss=counting_loss))
-    small = make_engine(small_built)
-    small.micro_batch = 3
-    monkeypatch.setattr(small, "_observe", lambda *a: None)
+    small = fixed_micro_batch_engine(digits_built, 3, monkeypatch, loss=counting_loss)
     out = small.compute(Work(1, 0, params, parts, coefficients), threading.Event())
     assert calls == [3] * 16 + [2] + [3] * 3 + [2]  # really in micro-batches of 3
     assert torch.allclose(out.gradient, big.gradient, atol=1e-5, rtol=1e-5)
@@ -419,11 +424,7 @@ def test_cancel_between_micro_batches(digits_built, monkeypatch):
             cancel.set()
         return loss(model, batch)
 
-    built = dataclasses.replace(digits_built, job=dataclasses.replace(digits_built.job,
-                                                                      loss=cancelling_loss))
-    engine = make_engine(built)
-    engine.micro_batch = 4
-    monkeypatch.setattr(engine, "_observe", lambda *a: None)
+    engine = fixed_micro_batch_engine(digits_built, 4, monkeypatch, loss=cancelling_loss)
     with pytest.raises(Cancelled):
         engine.compute(Work(1, 0, random_params(digits_built, 5), [[0, 0, 40]], [1.0]), cancel)
     assert len(calls) == 2  # stopped at the next micro-batch, not at the end

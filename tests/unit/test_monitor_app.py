@@ -65,6 +65,14 @@ async def settle(pilot, app, fetches=1):
     await pilot.pause(0.05)
 
 
+async def wait_for_command(pilot, source):
+    """A confirmed command reaches the source from a thread: give it up to a second."""
+    for _ in range(50):
+        if source.calls:
+            break
+        await pilot.pause(0.02)
+
+
 def test_fake_is_a_status_source():
     assert isinstance(FakeSource(), StatusSource)
 
@@ -124,10 +132,7 @@ def test_pause_confirmed_sends_pause_and_declined_sends_nothing():
             assert source.calls == [] and not isinstance(app.screen, Confirm)
             await pilot.press("p")
             await pilot.press("y")
-            for _ in range(50):
-                if source.calls:
-                    break
-                await pilot.pause(0.02)
+            await wait_for_command(pilot, source)
             assert source.calls == [("pause", None)]
     asyncio.run(go())
 
@@ -140,10 +145,7 @@ def test_resume_when_paused():
             await settle(pilot, app)
             await pilot.press("p")
             await pilot.click("#yes")
-            for _ in range(50):
-                if source.calls:
-                    break
-                await pilot.pause(0.02)
+            await wait_for_command(pilot, source)
             assert source.calls == [("resume", None)]
     asyncio.run(go())
 
@@ -159,10 +161,7 @@ def test_drain_sends_the_selected_worker():
             await pilot.press("d")
             assert isinstance(app.screen, Confirm) and "w2" in app.screen.question
             await pilot.press("y")
-            for _ in range(50):
-                if source.calls:
-                    break
-                await pilot.pause(0.02)
+            await wait_for_command(pilot, source)
             assert source.calls == [("drain", "w2")]
     asyncio.run(go())
 

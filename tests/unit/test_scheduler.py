@@ -525,6 +525,30 @@ class Harness:
             self.result(*busy[0])
         raise AssertionError("training did not finish")
 
+    def play(self, credits: list[int], script, max_open_rounds: int):
+        """The workers join with these credits, the script runs, then training is driven to its
+        end; at no point are more than `max_open_rounds` rounds open (0: no limit)."""
+        for w, c in zip(WORKERS, credits):
+            self.join(w, c)
+        for op, w, k in script:
+            self.step(op, w, k)
+            if max_open_rounds:
+                assert len(self.s.rounds) <= max_open_rounds
+        self.finish()
+
+    def applied_once_each(self, n: int) -> list[Decoded]:
+        """Asserts that training ended with every one of the n samples applied exactly once and
+        the tallies matching what happened; returns the rounds applied (decoded, not replanned)."""
+        s = self.s
+        assert s.finished and s.rounds == {}
+        applied = [d for r, d in self.decoded.items() if r not in self.replanned]
+        offsets = sorted(o for d in applied for (e, off, c) in d.parts for o in range(off, off + c))
+        assert offsets == list(range(n))
+        assert sum(d.samples for d in applied) == n
+        assert s.stats["rounds_decoded"] == len(self.decoded)
+        assert s.stats["results_used"] == sum(self.accepted.values())
+        return applied
+
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 23), batch=st.integers(1, 7), partitions=st.integers(1, 3),
@@ -536,21 +560,9 @@ def test_every_round_decoded_once_and_every_sample_once(n, batch, partitions, op
                                   heartbeat_s=1.0, liveness=3, min_deadline_s=2.5),
                   Sampler(n, epochs=1))
     h = Harness(s)
-    for w, c in zip(WORKERS, credits):
-        h.join(w, c)
-    for op, w, k in script:
-        h.step(op, w, k)
-        if open_rounds:
-            assert len(s.rounds) <= open_rounds
-    h.finish()
-    assert s.finished and s.rounds == {}
-    applied = [d for r, d in h.decoded.items() if r not in h.replanned]
-    offsets = sorted(o for d in applied for (e, off, c) in d.parts for o in range(off, off + c))
-    assert offsets == list(range(n))
+    h.play(credits, script, max_open_rounds=open_rounds)
+    applied = h.applied_once_each(n)
     assert all(e == 0 for d in applied for (e, _, _) in d.parts)
-    assert sum(d.samples for d in applied) == n
-    assert s.stats["rounds_decoded"] == len(h.decoded)
-    assert s.stats["results_used"] == sum(h.accepted.values())
 
 
 # a worker paused by its owner (issue 4) ----------------------------------------------------------
@@ -902,21 +914,8 @@ def test_coded_rounds_applied_once_and_every_sample_once(n, batch, partitions, o
                                   sync=sync),
                   Sampler(n, epochs=1))
     h = CodedHarness(s)
-    for w, c in zip(WORKERS, credits):
-        h.join(w, c)
-    for op, w, k in script:
-        h.step(op, w, k)
-        limit = 1 if sync else open_rounds
-        if limit:
-            assert len(s.rounds) <= limit
-    h.finish()
-    assert s.finished and s.rounds == {}
-    applied = [d for r, d in h.decoded.items() if r not in h.replanned]
-    offsets = sorted(o for d in applied for (e, off, c) in d.parts for o in range(off, off + c))
-    assert offsets == list(range(n))
-    assert sum(d.samples for d in applied) == n
-    assert s.stats["rounds_decoded"] == len(h.decoded)
-    assert s.stats["results_used"] == sum(h.accepted.values())
+    h.play(credits, script, max_open_rounds=1 if sync else open_rounds)
+    h.applied_once_each(n)
     assert all(v <= 1 for v in h.accepted.values())
 
 

@@ -3,7 +3,6 @@ rendered from packaging/ templates; the systemd unit passes `systemd-analyze ver
 
 from __future__ import annotations
 
-import logging
 import os
 import plistlib
 import shutil
@@ -12,7 +11,6 @@ import sys
 
 import pytest
 
-from idlegrad.cli.main import main
 from idlegrad.worker import service
 
 
@@ -20,24 +18,10 @@ from idlegrad.worker import service
 def isolated(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
-def run(capsys, argv):
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def printed(capsys, *argv) -> tuple[str, str]:
-    code, out, err = run(capsys, ["worker", "install", "--print", *argv])
+def printed(run_cli, *argv) -> tuple[str, str]:
+    code, out, err = run_cli(["worker", "install", "--print", *argv])
     assert code == 0, err
     first, _, body = out.partition("\n")
     assert first.startswith("# ")
@@ -53,9 +37,9 @@ def directives(unit: str) -> dict[str, list[str]]:
     return out
 
 
-def test_systemd_user_unit(capsys, tmp_path):
-    path, unit = printed(capsys, "--format", "systemd", "--coordinator", "tcp://10.0.0.5:5555",
-                         "--memory-max", "2048", "--max-cores", "2", "--cpu-max", "30")
+def test_systemd_user_unit(run_cli, tmp_path):
+    path, unit = printed(run_cli, "--format", "systemd", "--coordinator", "tcp://10.0.0.5:5555",
+                          "--memory-max", "2048", "--max-cores", "2", "--cpu-max", "30")
     assert path == str(tmp_path / "xdg" / "systemd" / "user" / "idlegrad-worker.service")
     assert not os.path.exists(path), "--print wrote the file"
     d = directives(unit)
@@ -70,9 +54,10 @@ def test_systemd_user_unit(capsys, tmp_path):
     assert d["CPUQuota"] == [f"{cores * 100}%"]
 
 
-def test_systemd_system_unit_and_quoting(capsys):
-    path, unit = printed(capsys, "--format", "systemd", "--system", "--state-log", "/var/x y/50%.log",
-                         "--connect-timeout", "5", "--no-low-priority", "--battery", "run")
+def test_systemd_system_unit_and_quoting(run_cli):
+    path, unit = printed(run_cli, "--format", "systemd", "--system", "--state-log",
+                          "/var/x y/50%.log", "--connect-timeout", "5", "--no-low-priority",
+                          "--battery", "run")
     assert path == "/etc/systemd/system/idlegrad-worker.service"
     d = directives(unit)
     assert d["DynamicUser"] == ["yes"] and d["WantedBy"] == ["multi-user.target"]
@@ -84,9 +69,9 @@ def test_systemd_system_unit_and_quoting(capsys):
     assert "MemoryMax" not in d  # no ceiling given
 
 
-def test_launchd_agent(capsys, tmp_path):
-    path, text = printed(capsys, "--format", "launchd", "--coordinator", "tcp://h:5555",
-                         "--hours", "22:00-07:00", "--job", "a&b.py:make")
+def test_launchd_agent(run_cli, tmp_path):
+    path, text = printed(run_cli, "--format", "launchd", "--coordinator", "tcp://h:5555",
+                          "--hours", "22:00-07:00", "--job", "a&b.py:make")
     assert path == str(tmp_path / "home" / "Library" / "LaunchAgents" / "org.idlegrad.worker.plist")
     plist = plistlib.loads(text.encode())
     assert plist["Label"] == "org.idlegrad.worker"
@@ -98,25 +83,24 @@ def test_launchd_agent(capsys, tmp_path):
     assert plist["KeepAlive"] == {"SuccessfulExit": False}
 
 
-def test_install_validates_settings_first(capsys, tmp_path):
-    code, out, err = run(capsys, ["worker", "install", "--format", "systemd",
-                                  "--resume-after", "x"])
+def test_install_validates_settings_first(run_cli, tmp_path):
+    code, out, err = run_cli(["worker", "install", "--format", "systemd", "--resume-after", "x"])
     assert code == 2 and "idle.resume_after" in err and out == ""
     assert not (tmp_path / "xdg" / "systemd").exists()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="systemd paths")
-def test_install_without_a_service_manager_writes_the_unit_and_says_so(capsys, tmp_path,
+def test_install_without_a_service_manager_writes_the_unit_and_says_so(run_cli, tmp_path,
                                                                         monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no systemctl
-    code, out, err = run(capsys, ["worker", "install", "--coordinator", "tcp://h:1"])
+    result = run_cli(["worker", "install", "--coordinator", "tcp://h:1"])
     path = tmp_path / "xdg" / "systemd" / "user" / "idlegrad-worker.service"
-    assert code == 1 and path.exists()
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and "systemctl" in lines[0] and str(path) in lines[0]
-    code, out, err = run(capsys, ["worker", "uninstall"])
+    assert result.code == 1 and path.exists()
+    line = result.one_line_error()
+    assert "systemctl" in line and str(path) in line
+    code, out, err = run_cli(["worker", "uninstall"])
     assert code == 0 and not path.exists() and "removed" in out
-    code, out, err = run(capsys, ["worker", "service-status"])
+    code, out, err = run_cli(["worker", "service-status"])
     assert code == 3 and "not installed" in out
 
 
@@ -136,9 +120,9 @@ def test_templates_are_package_data():
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
-def test_systemd_analyze_verify_accepts_the_unit(capsys, tmp_path):
-    _, unit = printed(capsys, "--format", "systemd", "--coordinator", "tcp://10.0.0.5:5555",
-                      "--memory-max", "512", "--max-cores", "50%", "--state-log", "/tmp/a b.log")
+def test_systemd_analyze_verify_accepts_the_unit(run_cli, tmp_path):
+    _, unit = printed(run_cli, "--format", "systemd", "--coordinator", "tcp://10.0.0.5:5555",
+                       "--memory-max", "512", "--max-cores", "50%", "--state-log", "/tmp/a b.log")
     target = tmp_path / "idlegrad-worker.service"
     target.write_text(unit)
     done = subprocess.run(["systemd-analyze", "verify", str(target)], capture_output=True,

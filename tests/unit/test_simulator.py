@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 
 import numpy as np
 import pytest
 
-from idlegrad.cli.main import main
 from idlegrad.common.errors import ConfigError
 from idlegrad.coordinator import simulator as sim
 
@@ -194,28 +192,10 @@ def test_fleet_and_trace_files(tmp_path):
 # the command --------------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def keep_logging():
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
-def run(capsys, argv):
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_simulate_command_prints_the_table_and_the_json_line(capsys, tmp_path):
-    code, out, err = run(capsys, ["simulate", "--workers", "12", "--duration", "120",
-                                  "--churn", "exp:60:20", "--modes", "none,replicate:2",
-                                  "--json", "--plot", str(tmp_path / "sim.png")])
+def test_simulate_command_prints_the_table_and_the_json_line(run_cli, tmp_path):
+    code, out, err = run_cli(["simulate", "--workers", "12", "--duration", "120",
+                              "--churn", "exp:60:20", "--modes", "none,replicate:2",
+                              "--json", "--plot", str(tmp_path / "sim.png")])
     assert code == 0, err
     last = json.loads(out.strip().splitlines()[-1])
     assert last["workers"] == 12
@@ -236,8 +216,7 @@ def test_simulate_command_prints_the_table_and_the_json_line(capsys, tmp_path):
     (["--target", "accuracy=0.9"], "--target needs --job"),
     (["--workers", "0"], "positive"),
 ])
-def test_simulate_bad_input_is_one_line(capsys, argv, needle):
-    code, out, err = run(capsys, ["simulate", "--duration", "10", *argv])
-    assert code != 0
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+def test_simulate_bad_input_is_one_line(run_cli, argv, needle):
+    result = run_cli(["simulate", "--duration", "10", *argv])
+    assert result.code != 0
+    assert needle in result.one_line_error(), result.err

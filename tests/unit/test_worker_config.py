@@ -3,24 +3,13 @@ naming the key, --print-config round trip."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
-from idlegrad.cli.main import EXIT_USAGE, build_parser, main
+from idlegrad.cli.main import EXIT_USAGE, build_parser
 from idlegrad.cli.worker_cli import settings_of
 from idlegrad.common.errors import ConfigError
 from idlegrad.worker import config
 from idlegrad.worker.config import Settings, from_toml_text, resolve_cores
-
-
-@pytest.fixture(autouse=True)
-def keep_logging():
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
 
 
 @pytest.fixture(autouse=True)
@@ -93,20 +82,11 @@ def test_bad_file_values_name_the_key(text, needle):
     assert needle in message and message.startswith("worker.toml: ") and "\n" not in message
 
 
-def run(capsys, argv):
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_flags_override_the_file(tmp_path, capsys):
+def test_flags_override_the_file(tmp_path, run_cli):
     path = tmp_path / "w.toml"
     path.write_text(FULL)
-    code, out, err = run(capsys, ["worker", "--config", str(path), "--credits", "5",
-                                  "--cpu-max", "30", "--hours", "any", "--print-config"])
+    code, out, err = run_cli(["worker", "--config", str(path), "--credits", "5",
+                              "--cpu-max", "30", "--hours", "any", "--print-config"])
     assert code == 0, err
     printed = from_toml_text(out, "printed")
     assert printed.credits == 5 and printed.cpu_others_max_pct == 30 and printed.hours == ()
@@ -114,10 +94,10 @@ def test_flags_override_the_file(tmp_path, capsys):
     assert "from " + str(path) in out
 
 
-def test_default_file_is_read(tmp_path, capsys):
+def test_default_file_is_read(tmp_path, run_cli):
     (tmp_path / "xdg" / "idlegrad").mkdir(parents=True)
     (tmp_path / "xdg" / "idlegrad" / "worker.toml").write_text("credits = 7\n")
-    code, out, _ = run(capsys, ["worker", "--print-config"])
+    code, out, _ = run_cli(["worker", "--print-config"])
     assert code == 0 and "credits = 7" in out
 
 
@@ -130,17 +110,16 @@ def test_default_file_is_read(tmp_path, capsys):
     (["worker", "--config", "/nonexistent/w.toml"], "no such file"),
     (["worker", "install", "--print", "--memory-max", "-5"], "--memory-max"),
 ])
-def test_bad_flags_are_one_line(capsys, argv, needle):
-    code, out, err = run(capsys, argv)
-    assert code == EXIT_USAGE
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
+def test_bad_flags_are_one_line(run_cli, argv, needle):
+    result = run_cli(argv)
+    assert result.code == EXIT_USAGE
+    assert needle in result.one_line_error(), result.err
 
 
-def test_bad_file_is_one_line(tmp_path, capsys):
+def test_bad_file_is_one_line(tmp_path, run_cli):
     path = tmp_path / "w.toml"
     path.write_text("[idle]\nresume_after = 'never'\n")
-    code, _, err = run(capsys, ["worker", "--config", str(path)])
+    code, _, err = run_cli(["worker", "--config", str(path)])
     assert code == EXIT_USAGE
     assert err.strip().count("\n") == 0 and "idle.resume_after" in err
 
