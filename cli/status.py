@@ -9,12 +9,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..common.security import client_keys
+from ..common.security import check_address, client_keys
 from ..monitor import view
 from ..monitor.source import ZmqStatusSource
 
 
 def run_status(args) -> int:
+    check_address(args.coordinator, "--coordinator")
     keys = client_keys(args.coordinator_key, args.secret_key)
     with ZmqStatusSource(args.coordinator, keys=keys) as source:
         snap = source.fetch(timeout=args.timeout)
@@ -32,7 +33,7 @@ def run_status(args) -> int:
     for line in view.rounds_lines(snap)[:3]:
         summary.add_row("rounds", line)
     console.print(summary)
-    workers = Table(title="workers")
+    workers = Table(title=f"workers: {view.workers_count(snap)}")
     for _, title in view.COLUMNS:
         workers.add_column(title, justify="left" if title in ("worker", "host", "device", "state")
                            else "right")

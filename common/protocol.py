@@ -31,6 +31,13 @@ MAX_BLOB_FRAMES = 1024  # 16 GiB per blob at most
 MAX_STR = 4096
 MAX_LIST = 65536
 MAX_DEPTH = 32  # containers nest at most this deep in a header (msgpack's own limit is far deeper)
+# What a worker says of itself is kept while it stays and shown in every status snapshot: short.
+MAX_WORKER_ID = 128  # a host name (at most 64 on Linux) and a pid fit
+MAX_NAME = 256  # host, device, instance, each version string
+MAX_VERSIONS = 16
+# Seconds a worker reports (compute, wait): past this a report is not a measurement. The
+# scheduler averages them, and sums of squares of absurd values overflow.
+MAX_REPORTED_S = 1e6
 # ZMQ_MAXMSGSIZE for every socket: the peer is disconnected by ZeroMQ itself past this.
 SOCKET_MAX_MSG_BYTES = max(MAX_FRAME_BYTES, MAX_HEADER_BYTES) + 4096
 
@@ -498,6 +505,14 @@ def _semantic_checks(msg: Message) -> None:
         raise ProtocolError("schema", f"heartbeat.state {msg.state[:20]!r} unknown")
     elif isinstance(msg, Hello):
         non_negative("cores", "threads", "memory_mb")
+        if not 1 <= len(msg.worker_id) <= MAX_WORKER_ID:
+            raise ProtocolError("schema", f"hello.worker_id must be 1 to {MAX_WORKER_ID} characters")
+        for name in ("host", "device", "instance"):
+            if len(getattr(msg, name) or "") > MAX_NAME:
+                raise ProtocolError("schema", f"hello.{name} over {MAX_NAME} characters")
+        if len(msg.versions) > MAX_VERSIONS or any(
+                len(k) > MAX_NAME or len(v) > MAX_NAME for k, v in msg.versions.items()):
+            raise ProtocolError("schema", f"hello.versions: at most {MAX_VERSIONS} short entries")
     elif isinstance(msg, Welcome) and msg.result_dtype not in Welcome.RESULT_DTYPES:
         raise ProtocolError("schema", f"welcome.result_dtype {msg.result_dtype[:20]!r} unknown")
     elif isinstance(msg, Ready):
@@ -506,6 +521,8 @@ def _semantic_checks(msg: Message) -> None:
             raise ProtocolError("schema", "ready.credits over 1024")
     elif isinstance(msg, Result):
         non_negative("slot", "version", "samples", "compute_s", "waited_s")
+        if msg.compute_s > MAX_REPORTED_S or msg.waited_s > MAX_REPORTED_S:
+            raise ProtocolError("schema", f"result seconds over {MAX_REPORTED_S:g}")
     elif isinstance(msg, Task):
         non_negative("slot", "round", "version", "deadline_s", "steps")
         if len(msg.parts) != len(msg.coefficients) or not msg.parts:
@@ -524,3 +541,5 @@ def _semantic_checks(msg: Message) -> None:
             raise ProtocolError("schema", f"control.action {msg.action[:20]!r} unknown")
         if msg.action == "drain" and not msg.worker:
             raise ProtocolError("schema", "control.worker is required to drain")
+        if msg.worker is not None and len(msg.worker) > MAX_WORKER_ID:
+            raise ProtocolError("schema", f"control.worker over {MAX_WORKER_ID} characters")

@@ -1,12 +1,14 @@
 """The status snapshot a monitor gets: a pure function of the scheduler and the coordinator's state.
 
 No sockets, no clock: `now` (scheduler time, monotonic seconds) is an argument, so the cost and
-the content are unit-tested with a scheduler of any size. Bounded whatever the run's length: the
-curve and the events are ring buffers, and at most `events_limit` events go out per snapshot.
+the content are unit-tested with a scheduler of any size. Bounded whatever the run's length and
+the fleet's size: the curve and the events are ring buffers, at most `events_limit` events and
+`WORKERS_PER_STATUS` worker rows go out per snapshot.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from typing import Any, Iterable, Optional, Sequence
 
@@ -14,6 +16,11 @@ from .scheduler import Scheduler, WorkerRecord
 
 CURVE_POINTS = 300  # evaluations kept for the monitor's chart
 EVENTS_PER_STATUS = 200
+# Worker rows per snapshot, in the order they joined (`workers_total` counts them all): a
+# monitor shows a screenful, and a snapshot must decode within the protocol's 1 MiB header
+# limit however large the fleet and however long what its workers call themselves.
+WORKERS_PER_STATUS = 1000
+NAME_CHARS = 64  # of a row's host and device
 
 
 def worker_state(w: WorkerRecord) -> str:
@@ -29,7 +36,8 @@ def worker_state(w: WorkerRecord) -> str:
 def worker_row(w: WorkerRecord, now: float) -> dict:
     info = w.info
     return {
-        "id": w.id, "host": info.get("host", ""), "device": info.get("device", ""),
+        "id": w.id, "host": str(info.get("host", ""))[:NAME_CHARS],
+        "device": str(info.get("device", ""))[:NAME_CHARS],
         "cores": info.get("cores", 0), "threads": info.get("threads", 0), "state": worker_state(w),
         "credits": w.capacity, "assigned": len(w.assigned), "done": w.done, "samples": w.samples,
         "cancelled": w.cancelled, "missed": w.missed, "failed": w.failed,
@@ -83,7 +91,9 @@ def build_snapshot(scheduler: Scheduler, now: float, base: dict[str, Any],
     if scheduler.paused and snap.get("state") == "training":
         snap["state"] = "paused"
     snap["paused"] = scheduler.paused
-    snap["workers"] = [worker_row(w, now) for w in scheduler.workers.values()]
+    snap["workers"] = [worker_row(w, now) for w in
+                       itertools.islice(scheduler.workers.values(), WORKERS_PER_STATUS)]
+    snap["workers_total"] = len(scheduler.workers)
     snap["rounds"] = rounds_summary(scheduler)
     snap["redundancy"] = dict(redundancy or {})
     snap["curve"] = list(curve)

@@ -163,11 +163,13 @@ class TrustPolicy:
     def summary(self) -> dict:
         """For the status snapshot."""
         median = self.median()
+        banned = self.banned()
         return {
             "norm_factor": self.config.norm_factor, "ban_after": self.config.ban_after,
             "median_norm": None if median is None else float(f"{median:.4g}"),
             "accepted": self.accepted, "refused": self.refused, "suspected": self.suspected,
-            "banned": self.banned(),
+            # bans are for good: a snapshot names a hundred of them and counts them all
+            "banned": banned[:100], "banned_count": len(banned),
             "offenders": {i: {"offences": o.total, "reasons": dict(o.reasons),
                               "banned": o.banned_at is not None}
                           for i, o in sorted(self.offenders.items())[:100]},

@@ -175,6 +175,16 @@ def sort_key(key: str):
     return of
 
 
+def workers_count(snap: dict) -> str:
+    """How many workers the coordinator holds; a large fleet's snapshot lists only the first
+    ones (coordinator/status.py), and says so."""
+    shown = len(snap.get("workers") or [])
+    total = snap.get("workers_total", shown)
+    if isinstance(total, int) and total > shown:
+        return f"{number(total)} ({number(shown)} listed)"
+    return str(shown)
+
+
 def worker_rows(snap: Optional[dict], sort: str = "id", filter_text: str = "") -> list[WorkerRow]:
     workers = [w for w in (snap or {}).get("workers") or [] if isinstance(w, dict)]
     if filter_text.strip():
@@ -360,13 +370,15 @@ def summary_rows(snap: dict) -> list[tuple[str, str]]:
         ("target", str(snap.get("target") or "-")),
         ("ETA", f"{duration(seconds)} ({why})" if seconds is not None else "-"),
         ("elapsed", duration(snap.get("elapsed_s"))),
-        ("workers", str(len(snap.get("workers") or []))),
+        ("workers", workers_count(snap)),
     ]
     trust = snap.get("trust")
     if isinstance(trust, dict) and (trust.get("refused") or trust.get("banned")):
         banned = [str(b) for b in trust.get("banned") or []]
+        count = trust.get("banned_count", len(banned))
+        more = f" and {number(count - 5)} more" if isinstance(count, int) and count > 5 else ""
         rows.append(("gradients refused", f"{number(trust.get('refused'))}"
-                     + (f"; banned: {', '.join(banned[:5])}" if banned else "")))
+                     + (f"; banned: {', '.join(banned[:5])}{more}" if banned else "")))
     if snap.get("task") not in (None, "gradient"):
         rows.append(("task", str(snap["task"])))
     if snap.get("bytes_per_sample") is not None:  # wire bytes, both ways, per sample applied

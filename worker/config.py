@@ -17,6 +17,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
 from ..common.errors import ConfigError
+from ..common.protocol import MAX_WORKER_ID
+from ..common.security import check_address
 from .idle import RULES, PolicyConfig, parse_hours
 
 if sys.version_info >= (3, 11):
@@ -221,10 +223,17 @@ def _check(name: str, value: Any, where: str) -> Any:
     n = lambda **kw: _number(value, where, name, **kw)  # noqa: E731
     if name == "coordinator":
         value = _string(value, where, name, optional=False)
-        if "://" not in value:
-            raise _fail(where, name, f"{value!r} is not a ZeroMQ address like tcp://host:5555")
+        try:
+            return check_address(value, repr(value))
+        except ConfigError as exc:
+            raise _fail(where, name, str(exc).removeprefix(f"{value!r} ")) from None
+    if name == "id":
+        value = _string(value, where, name)
+        if value is not None and len(value) > MAX_WORKER_ID:
+            raise _fail(where, name, f"at most {MAX_WORKER_ID} characters (the coordinator "
+                                     f"refuses longer ids), got {len(value)}")
         return value
-    if name in ("job", "id", "state_log", "coordinator_key", "secret_key"):
+    if name in ("job", "state_log", "coordinator_key", "secret_key"):
         return _string(value, where, name)
     if name == "device":
         value = _string(value, where, name, optional=False)

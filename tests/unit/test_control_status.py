@@ -245,3 +245,26 @@ def test_snapshot_of_1000_workers_is_cheap():
     assert len(frames[0]) < proto.MAX_HEADER_BYTES
     print(f"snapshot of 1000 workers: {best * 1000:.2f} ms, {len(frames[0])} bytes")
     assert best < 0.020
+
+
+def test_snapshot_of_a_fleet_past_the_row_limit_with_the_longest_names_still_decodes():
+    """Every monitor refuses a header over 1 MiB: a large fleet, or workers that name themselves
+    at the protocol's limits, must not make the status unreadable."""
+    from idlegrad.common.protocol import MAX_NAME, MAX_WORKER_ID
+    from idlegrad.coordinator.status import WORKERS_PER_STATUS
+
+    n = WORKERS_PER_STATUS + 500
+    s = make(batch=8)
+    for i in range(n):
+        worker_id = f"{i:06d}".ljust(MAX_WORKER_ID, "w")
+        s.join(worker_id, {"host": "h" * MAX_NAME, "device": "d" * MAX_NAME, "cores": 4,
+                           "threads": 2}, 0.0)
+    events = deque(({"id": i, "time": 0.0, "kind": "join", "worker": "w" * MAX_WORKER_ID,
+                     "text": "x" * 400} for i in range(1, 201)), maxlen=1000)
+    snap = build_snapshot(s, 1.0, {"job": "x", "state": "training"}, events=events)
+    assert len(snap["workers"]) == WORKERS_PER_STATUS and snap["workers_total"] == n
+    assert snap["workers"][0]["id"].startswith("000000")  # the first to join come first
+    frames = proto.encode(proto.Status(snapshot=snap))
+    print(f"snapshot of {n} workers at the name limits: {len(frames[0])} bytes")
+    assert len(frames[0]) < proto.MAX_HEADER_BYTES * 0.9, len(frames[0])
+    assert proto.decode(frames).snapshot["workers_total"] == n

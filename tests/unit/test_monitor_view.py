@@ -180,6 +180,16 @@ def test_summary_and_json():
     assert len(out["events"]) == 20 and out["workers"] == snap["workers"]
 
 
+def test_summary_counts_every_worker_and_ban_of_a_large_fleet():
+    rows = dict(view.summary_rows(snapshot(workers_total=3)))
+    assert rows["workers"] == "3"  # all of them listed
+    rows = dict(view.summary_rows(snapshot(workers_total=12000)))
+    assert rows["workers"] == "12,000 (3 listed)"
+    trust = {"refused": 400, "banned": [f"w{i}" for i in range(100)], "banned_count": 130}
+    rows = dict(view.summary_rows(snapshot(trust=trust)))
+    assert rows["gradients refused"] == "400; banned: w0, w1, w2, w3, w4 and 125 more"
+
+
 def test_summary_shows_local_task_and_wire_bytes():
     rows = dict(view.summary_rows(snapshot()))
     assert "task" not in rows and "wire" not in rows  # gradient mode, older coordinators

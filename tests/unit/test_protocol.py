@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from idlegrad.common import protocol as proto
 from idlegrad.common.errors import ProtocolError
 from idlegrad.common.protocol import (
-    MAX_BLOB_FRAMES, MAX_DEPTH, MAX_FRAME_BYTES, MAX_HEADER_BYTES, MAX_LIST, MAX_STR, MESSAGE_TYPES,
-    PROTOCOL_VERSION,
+    MAX_BLOB_FRAMES, MAX_DEPTH, MAX_FRAME_BYTES, MAX_HEADER_BYTES, MAX_LIST, MAX_NAME, MAX_REPORTED_S,
+    MAX_STR, MAX_VERSIONS, MAX_WORKER_ID, MESSAGE_TYPES, PROTOCOL_VERSION,
     Ack, Blob, Bye, Cancel, Control, ControlReply, Heartbeat, Hello, Ready, Reject, Result, Shutdown,
     Status, StatusRequest, Task, Welcome, decode, encode)
 from idlegrad.common.tensors import DTYPE_NAMES, from_blob, to_blob
@@ -491,6 +491,32 @@ def test_task_model_blob_checked_too():
 def test_negative_values(template, field):
     frames = [packb({**template, field: -1})] + ([GRAD] if template is RESULT else [])
     assert reason_of(frames) == "schema"
+
+
+@pytest.mark.parametrize("template,field,value", [
+    # seconds past any real task: the scheduler's sums of squares of them overflow
+    (RESULT, "compute_s", 1.7e308), (RESULT, "compute_s", MAX_REPORTED_S * 1.01),
+    (RESULT, "waited_s", 1e155),
+    # what a worker says of itself stays in memory and in every status snapshot
+    (HELLO, "worker_id", ""), (HELLO, "worker_id", "w" * (MAX_WORKER_ID + 1)),
+    (HELLO, "host", "h" * (MAX_NAME + 1)), (HELLO, "device", "d" * (MAX_NAME + 1)),
+    (HELLO, "instance", "i" * (MAX_NAME + 1)),
+    (HELLO, "versions", {f"k{i}": "1" for i in range(MAX_VERSIONS + 1)}),
+    (HELLO, "versions", {"k" * (MAX_NAME + 1): "1"}),
+    (HELLO, "versions", {"torch": "1" * (MAX_NAME + 1)}),
+    ({"v": PROTOCOL_VERSION, "type": "control", "action": "drain"}, "worker",
+     "w" * (MAX_WORKER_ID + 1)),
+], ids=lambda v: repr(v)[:30])
+def test_values_past_their_bounds(template, field, value):
+    frames = [packb({**template, field: value})] + ([GRAD] if template is RESULT else [])
+    assert reason_of(frames) == "schema"
+
+
+def test_values_at_their_bounds_are_fine():
+    assert decode([packb({**RESULT, "compute_s": MAX_REPORTED_S}), GRAD]).compute_s == MAX_REPORTED_S
+    hello = decode([packb({**HELLO, "worker_id": "w" * MAX_WORKER_ID, "host": "h" * MAX_NAME,
+                           "versions": {f"k{i}": "v" * MAX_NAME for i in range(MAX_VERSIONS)}})])
+    assert len(hello.worker_id) == MAX_WORKER_ID and len(hello.versions) == MAX_VERSIONS
 
 
 def test_negative_loss_is_fine():

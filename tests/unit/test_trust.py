@@ -87,7 +87,7 @@ def test_ban_after_repeated_offences_within_the_window():
     assert policy.is_banned("evil") and policy.banned() == ["evil"]
     assert not policy.confirmed("evil", 121.0)  # banned once, not again
     summary = policy.summary()
-    assert summary["banned"] == ["evil"]
+    assert summary["banned"] == ["evil"] and summary["banned_count"] == 1
     assert summary["offenders"]["evil"]["reasons"] == {"norm": 4, "non-finite": 1}
     assert not policy.is_banned("h")
 
@@ -125,3 +125,13 @@ def test_rolling_median_is_the_median_of_the_last_window_values(window, values):
     for i, value in enumerate(values):
         rolling.add(value)
         assert rolling.median() == statistics.median(values[max(0, i + 1 - window):i + 1])
+
+
+def test_the_summary_names_a_hundred_bans_and_counts_them_all():
+    """Bans are for good, and the summary goes out in every status snapshot: it stays small."""
+    policy = TrustPolicy(TrustConfig(norm_factor=10, ban_after=1))
+    for i in range(150):
+        policy.judge(f"evil-{i:03d}", math.nan, 32.0, float(i))
+    summary = policy.summary()
+    assert len(policy.banned()) == 150 and summary["banned_count"] == 150
+    assert summary["banned"] == [f"evil-{i:03d}" for i in range(100)]

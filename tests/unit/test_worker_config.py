@@ -109,6 +109,7 @@ def test_default_file_is_read(tmp_path, run_cli):
     (["worker", "--pause-when-unknown", "cpu,mouse"], "unknown rules"),
     (["worker", "--config", "/nonexistent/w.toml"], "no such file"),
     (["worker", "install", "--print", "--memory-max", "-5"], "--memory-max"),
+    (["worker", "--id", "w" * 129], "at most 128 characters"),
 ])
 def test_bad_flags_are_one_line(run_cli, argv, needle):
     result = run_cli(argv)
