@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import tempfile
 import time
 
@@ -51,6 +52,11 @@ def run_demo(args) -> int:
     coordinator_keys, worker_keys = [], lambda i: []  # noqa: E731
     if getattr(args, "curve", False):
         keys, coordinator_keys, worker_keys = _demo_keys(workdir, args.workers)
+
+    def on_term(signum, frame):  # `kill`, `timeout`, a closing terminal: as Ctrl-C
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
     try:
         coordinator = spawn(
             ["coordinator", "--job", args.job, *job_args, "--bind", address,
@@ -113,6 +119,7 @@ def run_demo(args) -> int:
             fh.close()
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _watch(coordinator, workers, address: str, target: Target, timeout: float, started: float,

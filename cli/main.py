@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from typing import Optional, Sequence
@@ -33,6 +34,8 @@ def _number(kind, minimum, strict: bool):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):  # nan passes no comparison; inf would wait for ever
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
         if value < minimum or (strict and value == minimum):
             raise argparse.ArgumentTypeError(
                 f"{text!r} must be {'positive' if strict else 'at least ' + str(minimum)}")
@@ -313,9 +316,10 @@ def _run_top(args) -> int:
         from ..monitor.app import run
     except ImportError as exc:
         raise ConfigError(f"the terminal UI needs textual ({exc}): pip install 'textual>=0.80'") from None
-    from ..common.security import client_keys
+    from ..common.security import check_address, client_keys
 
-    keys = client_keys(args.coordinator_key, args.secret_key)  # bad files: one line, before the UI
+    check_address(args.coordinator, "--coordinator")  # bad input: one line, before the UI
+    keys = client_keys(args.coordinator_key, args.secret_key)
     return run(args.coordinator, interval=args.interval, keys=keys)
 
 

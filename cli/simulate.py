@@ -145,7 +145,10 @@ def run_simulate(args) -> int:
     from ..coordinator.aggregator import StalenessRule
     from ..coordinator.target import Target
 
-    modes = [sim.check_mode(m) for m in args.modes.split(",") if m.strip()]
+    try:
+        modes = [sim.check_mode(m) for m in args.modes.split(",") if m.strip()]
+    except ConfigError as exc:  # parse_redundancy speaks of --redundancy, the coordinator's flag
+        raise ConfigError(f"--modes: {str(exc).removeprefix('--redundancy ')}") from None
     if not modes:
         raise ConfigError("--modes names no mode")
     if args.bye_fraction > 1:

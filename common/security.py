@@ -38,7 +38,14 @@ def generate(name: str, directory: str = ".") -> tuple[str, str]:
             raise ConfigError(f"{path} exists; remove it first or choose another name")
     try:
         os.makedirs(directory, exist_ok=True)
-        public, secret = zmq.auth.create_certificates(directory, name)
+        # The secret half is readable by its owner alone from the moment it exists; the public
+        # half is meant to be copied around, so it is made as the user's umask says.
+        umask = os.umask(0o077)
+        try:
+            public, secret = zmq.auth.create_certificates(directory, name)
+        finally:
+            os.umask(umask)
+        os.chmod(public, 0o666 & ~umask)
     except OSError as exc:
         raise ConfigError(f"cannot write keys into {directory}: {exc.strerror or exc}") from None
     return public, secret
@@ -106,6 +113,29 @@ def client_keys(coordinator_key: Optional[str], secret_key: Optional[str]) -> Op
         raise ConfigError("--coordinator-key and --secret-key go together: give both or neither")
     public, secret = load_keypair(secret_key)
     return ClientKeys(load_public(coordinator_key, "--coordinator-key"), public, secret)
+
+
+def check_address(address: str, flag: str, bind: bool = False) -> str:
+    """`address` if ZeroMQ can use it, else ConfigError naming `flag` in one line: tcp://HOST:PORT
+    (PORT 1-65535; `*` to bind any free one), ipc://PATH or inproc://NAME. ZeroMQ itself would
+    take port 99999 as 34463, and a connect to no address at all fails only when tried."""
+    example = "tcp://127.0.0.1:5555"
+    transport, sep, rest = str(address).partition("://")
+    if not sep or not rest:
+        raise ConfigError(f"{flag} {address!r} is not a ZeroMQ address like {example}")
+    if transport in ("ipc", "inproc"):
+        return address
+    if transport not in ("tcp", "ws"):
+        raise ConfigError(f"{flag} {address!r}: transport {transport!r} unknown: use tcp://, "
+                          "ipc:// or inproc://")
+    host, colon, port = rest.split("/", 1)[0].rpartition(":")
+    if not colon or not host:
+        raise ConfigError(f"{flag} {address!r} has no host:port, like {example}")
+    if bind and port == "*":
+        return address
+    if not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise ConfigError(f"{flag} {address!r}: port {port!r} is not a number from 1 to 65535")
+    return address
 
 
 def is_loopback(address: str) -> bool:

@@ -113,6 +113,7 @@ class Coordinator:
     def __init__(self, config: CoordinatorConfig):
         self.config = config
         self.keypair, self.allowed_keys = self._check_security(config)
+        self._check_paths(config)
         if config.threads:
             torch.set_num_threads(config.threads)
         job = load_job(config.job, config.job_args)
@@ -202,9 +203,28 @@ class Coordinator:
     # setup ----------------------------------------------------------------------------------
 
     @staticmethod
+    def _check_paths(config: CoordinatorConfig) -> None:
+        """Where the coordinator writes, made ready before anything starts: a path it cannot
+        write is one line now, not a traceback after binding (or checkpoints that never save)."""
+        flag, path = "", ""
+        try:
+            if config.checkpoint_dir:
+                flag, path = "--checkpoint-dir", config.checkpoint_dir
+                os.makedirs(path, exist_ok=True)
+                if not os.access(path, os.W_OK | os.X_OK):
+                    raise PermissionError(13, "Permission denied")
+            for flag, path in (("--metrics", config.metrics_path), ("--ledger", config.ledger_path)):
+                if path:
+                    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                    open(path, "a").close()
+        except OSError as exc:
+            raise ConfigError(f"{flag} {path}: cannot write there: {exc.strerror or exc}") from None
+
+    @staticmethod
     def _check_security(config: CoordinatorConfig) -> tuple[Optional[tuple[bytes, bytes]],
                                                               frozenset[bytes]]:
         """The CURVE key pair and allow-list, or (None, empty) for a plain loopback coordinator."""
+        security.check_address(config.bind, "--bind", bind=True)
         if (config.secret_key is None) != (config.allow_keys is None):
             raise ConfigError("--secret-key and --allow-keys go together: give both or neither")
         if config.secret_key is not None:

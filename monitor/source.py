@@ -60,7 +60,11 @@ class ZmqStatusSource:
             sock.setsockopt(zmq.MAXMSGSIZE, proto.SOCKET_MAX_MSG_BYTES)
             if self.keys is not None:
                 self.keys.apply(sock)
-            sock.connect(self.address)
+            try:
+                sock.connect(self.address)
+            except zmq.ZMQError:
+                sock.close(0)  # an open socket would hold the context's term() forever
+                raise
             self._sock = sock
         return self._sock
 

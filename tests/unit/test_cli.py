@@ -25,6 +25,13 @@ from idlegrad.coordinator.target import Target
     (["coordinator", "--job", "digits", "--no-such-flag"], "unrecognized"),
     (["worker", "--credits", "0"], "positive"),
     (["demo", "--workers", "-2"], "-2"),
+    (["coordinator", "--job", "digits", "--heartbeat", "inf"], "finite"),
+    (["coordinator", "--job", "digits", "--task-timeout", "nan"], "finite"),
+    (["coordinator", "--job", "digits", "--bind", "nonsense"], "not a ZeroMQ address"),
+    (["coordinator", "--job", "digits", "--bind", "tcp://127.0.0.1:99999"], "1 to 65535"),
+    (["status", "--coordinator", "127.0.0.1:5555"], "not a ZeroMQ address"),
+    (["top", "--coordinator", "tcp://127.0.0.1"], "no host:port"),
+    (["worker", "--coordinator", "tcp://127.0.0.1:99999"], "1 to 65535"),
 ])
 def test_usage_errors(run_cli, argv, needle):
     result = run_cli(argv)
@@ -135,3 +142,16 @@ def test_target_reached_and_str():
     assert not loss.reached({"loss": 0.2})
     assert str(acc) == "accuracy>=0.9" and str(loss) == "loss<=0.1"
     assert Target.parse(str(loss)) == loss and Target.parse(str(acc)) == acc
+
+
+@pytest.mark.parametrize("flag,make", [
+    ("--checkpoint-dir", lambda d: d / "a-file"),  # a file where a directory must go
+    ("--checkpoint-dir", lambda d: d / "a-file" / "sub"),
+    ("--metrics", lambda d: d),  # a directory where the file must go
+    ("--ledger", lambda d: d / "a-file" / "ledger.jsonl"),
+])
+def test_paths_the_coordinator_cannot_write_are_one_line(run_cli, tmp_path, flag, make):
+    (tmp_path / "a-file").write_text("x")
+    result = run_cli(["coordinator", "--job", "digits", flag, str(make(tmp_path))])
+    assert result.code == EXIT_USAGE
+    assert f"{flag} " in result.one_line_error() and "cannot write there" in result.err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from idlegrad.common import security
@@ -26,7 +28,13 @@ def test_addresses_beyond_loopback(address):
 
 
 def test_generate_and_load(tmp_path):
-    public_path, secret_path = security.generate("w1", str(tmp_path / "keys"))
+    umask = os.umask(0o022)  # a usual one: the public half readable by others
+    try:
+        public_path, secret_path = security.generate("w1", str(tmp_path / "keys"))
+    finally:
+        os.umask(umask)
+    assert os.stat(secret_path).st_mode & 0o777 == 0o600  # the owner's alone
+    assert os.stat(public_path).st_mode & 0o777 == 0o644
     assert public_path.endswith("w1.key") and secret_path.endswith("w1.key_secret")
     public = security.load_public(public_path)
     assert security.load_keypair(secret_path)[0] == public
@@ -96,3 +104,70 @@ def test_worker_config_takes_key_paths(tmp_path):
     with pytest.raises(ConfigError, match="secret_key"):
         config.from_toml_text("secret_key = 3\n", "worker.toml")
     assert "coordinator_key" in config.to_toml(settings)
+
+
+def test_a_banned_key_still_listed_is_not_heard(tmp_path, monkeypatch):
+    """A ban is of the key: a monitor's commands need no hello, so without this a banned worker
+    whose key is still in --allow-keys could pause training or drain the others."""
+    import asyncio
+
+    import zmq
+
+    from idlegrad.common import protocol as proto
+    from idlegrad.coordinator import server
+
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    security.generate("coordinator", keys)
+    security.generate("evil", allowed)
+    coordinator = Coordinator(CoordinatorConfig(
+        job="digits", secret_key=str(keys / "coordinator.key_secret"), allow_keys=str(allowed)))
+    (evil_key,) = coordinator.allowed_keys
+    sent = []
+
+    async def send(route, msg, track=False):
+        sent.append(msg)
+
+    coordinator._send = send
+    monkeypatch.setattr(server, "_user_id", lambda frame: evil_key)
+
+    def control():
+        frames = [zmq.Frame(f) for f in (b"route", *proto.encode(proto.Control(action="pause")))]
+        asyncio.run(coordinator._handle(frames))
+
+    control()
+    assert coordinator.scheduler.paused and isinstance(sent[-1], proto.ControlReply)
+    asyncio.run(coordinator.control("resume"))
+    identity = "key:" + evil_key.decode()
+    for t in range(3):  # non-finite gradients: an offence each, banned after --ban-after (3)
+        coordinator.trust.judge(identity, float("nan"), 1.0, float(t))
+    assert coordinator.trust.is_banned(identity)
+    sent.clear()
+    control()
+    assert not coordinator.scheduler.paused and sent == []
+    assert coordinator.counters["messages_banned_key"] == 1
+
+
+@pytest.mark.parametrize("address,bind", [
+    ("tcp://127.0.0.1:5555", False), ("tcp://coordinator.example:1", False),
+    ("tcp://[::1]:65535", False), ("tcp://*:5555", True), ("tcp://127.0.0.1:*", True),
+    ("ipc:///tmp/idlegrad.sock", False), ("inproc://x", False),
+])
+def test_addresses_zeromq_can_use(address, bind):
+    assert security.check_address(address, "--bind", bind=bind) == address
+
+
+@pytest.mark.parametrize("address,bind,needle", [
+    ("127.0.0.1:5555", False, "is not a ZeroMQ address"),  # the likely typo
+    ("nonsense", True, "is not a ZeroMQ address"),
+    ("tcp://", False, "is not a ZeroMQ address"),
+    ("tcp://127.0.0.1", False, "no host:port"),
+    ("tcp://:5555", False, "no host:port"),
+    ("tcp://127.0.0.1:99999", True, "from 1 to 65535"),  # ZeroMQ would take 34463
+    ("tcp://127.0.0.1:0", False, "from 1 to 65535"),
+    ("tcp://127.0.0.1:*", False, "from 1 to 65535"),  # connect needs a port
+    ("udp://127.0.0.1:5555", False, "transport 'udp' unknown"),
+])
+def test_addresses_refused_in_one_line(address, bind, needle):
+    with pytest.raises(ConfigError, match=needle) as e:
+        security.check_address(address, "--coordinator", bind=bind)
+    assert str(e.value).startswith("--coordinator ") and "\n" not in str(e.value)

@@ -209,7 +209,7 @@ def test_simulate_command_prints_the_table_and_the_json_line(run_cli, tmp_path):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--modes", "fancy"], "--redundancy"),
+    (["--modes", "fancy"], "--modes: 'fancy'"),  # the flag typed, not the coordinator's
     (["--churn", "exp:1"], "churn"),
     (["--speed", "normal:1:2"], "--speed"),
     (["--fleet", "/nonexistent/fleet.csv"], "cannot read"),
