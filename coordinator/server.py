@@ -630,6 +630,11 @@ class Coordinator:
             await self._send(route, proto.Reject(
                 code="banned", reason="banned by this coordinator for repeated bad gradients"))
             return
+        if key is not None and self.trust.is_banned(self._identity("", key)):
+            # A banned key still in --allow-keys: a monitor's commands (pause, drain) need no
+            # hello, and a ban is of the key, whatever it says next.
+            self.counters["messages_banned_key"] += 1
+            return
         if key is not None and isinstance(msg, proto.Hello):
             owner = self.key_of.get(msg.worker_id)
             if owner is not None and owner != key:
