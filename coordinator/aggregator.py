@@ -87,9 +87,11 @@ class Aggregator:
             raise GradientRejected("a round of no gradients")
         grads = self.model.grads
         for chunks, _ in terms:
-            if any(c.dim() != 1 for c in chunks):
-                raise GradientRejected("a gradient must be flat")
-            numel = sum(c.numel() for c in chunks)
+            numel = 0
+            for chunk in chunks:
+                if chunk.dim() != 1:
+                    raise GradientRejected("a gradient must be flat")
+                numel += chunk.numel()
             if numel != grads.numel():
                 raise GradientRejected(f"gradient of {numel} values, model has {grads.numel()}")
         bound = math.inf
@@ -123,6 +125,14 @@ def _write_sum(out: torch.Tensor, terms: Sequence[tuple[Sequence[torch.Tensor], 
     """Write sum_k coefficient_k / samples * term_k into `out` and return the squared norm of
     the result (inf or nan when a value is not; 0 without `measure`). Block by block, so the
     norm reads what was just written from cache: one pass over memory instead of two."""
+    if out.numel() <= BLOCK and all(len(chunks) == 1 for chunks, _ in terms):
+        # one block, one chunk a term (a small model's gradients): nothing to cut
+        for i, ((chunk,), coefficient) in enumerate(terms):
+            if i == 0:
+                torch.mul(chunk, coefficient / samples, out=out)
+            else:
+                out.add_(chunk, alpha=coefficient / samples)
+        return sum_of_squares(out) if measure else 0.0
     cuts = {0, out.numel(), *(range(BLOCK, out.numel(), BLOCK) if measure else ())}
     pieces = []  # per term: (start offset, chunk) of its consecutive chunks
     for chunks, _ in terms:
