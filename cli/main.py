@@ -246,7 +246,18 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--metric", help="the test metric to plot (default: accuracy, else the first)")
     _add_common(pl)
     pl.set_defaults(func=_run_plot)
+    _name_parsers(parser)
     return parser
+
+
+def _name_parsers(parser: argparse.ArgumentParser) -> None:
+    """Each subcommand's parser in its own namespace (`_parser`), so that an unknown flag is
+    reported by the subcommand it was given to, with that subcommand's --help."""
+    for action in parser._actions:  # argparse keeps subparsers nowhere public
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                child.set_defaults(_parser=child)
+                _name_parsers(child)
 
 
 def _setup_logging(level: str) -> None:
@@ -355,7 +366,9 @@ def _run_demo(args) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     _setup_logging(args.log_level)
     try:
         return args.func(args)

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..common.security import check_address, client_keys
+from ..common.security import KEYS_HINT, check_address, client_keys
 from ..monitor import view
 from ..monitor.source import ZmqStatusSource
 
@@ -21,12 +21,15 @@ def run_status(args) -> int:
         snap = source.fetch(timeout=args.timeout)
     if snap is None:
         print(f"idlegrad status: error: no answer from the coordinator at {args.coordinator} "
-              f"within {args.timeout:g}s (is it running? is the address right?)", file=sys.stderr)
+              f"within {args.timeout:g}s (is it running? is the address right?"
+              f"{KEYS_HINT if keys else ''})", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(view.as_json(snap)), flush=True)
         return 0
-    console = Console()
+    # Piped into a file or a pager a table has no terminal to fit: rich would squeeze twelve
+    # columns into 80 and cut every cell to an ellipsis.
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     summary = Table(title=f"idlegrad coordinator at {args.coordinator}", show_header=False)
     for key, value in view.summary_rows(snap):
         summary.add_row(key, value)
@@ -35,8 +38,10 @@ def run_status(args) -> int:
     console.print(summary)
     workers = Table(title=f"workers: {view.workers_count(snap)}")
     for _, title in view.COLUMNS:
+        # who and in what state stay readable in a narrow terminal; the counts give way first
         workers.add_column(title, justify="left" if title in ("worker", "host", "device", "state")
-                           else "right")
+                           else "right", no_wrap=title in ("worker", "state"),
+                           min_width={"worker": 10, "state": 8}.get(title))
     state_col = [k for k, _ in view.COLUMNS].index("state")
     for row in view.worker_rows(snap, sort="id"):
         cells: list = list(row.cells)

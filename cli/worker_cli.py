@@ -173,17 +173,19 @@ def run_worker(args) -> int:
         sys.stdout.write(config.to_toml(settings, used, config.usable_cores()))
         return 0
     log = logging.getLogger("idlegrad.worker")
+    from ..common.security import client_keys
+
+    keys = client_keys(settings.coordinator_key, settings.secret_key)  # bad files: one line
     if settings.low_priority:
         # Before torch and ZeroMQ start threads: they inherit the priority (see worker/priority.py).
-        from ..worker.priority import current_priority, lower_priority
+        from ..worker.priority import lower_priority
 
         lower_priority()
-        log.info("running at low priority: %s", current_priority())
-    from ..common.security import client_keys
+    from ..common.job import resolve_factory
     from ..worker.daemon import Worker, WorkerConfig
 
-    keys = client_keys(settings.coordinator_key, settings.secret_key)
-
+    if settings.job:
+        resolve_factory(settings.job)  # an unknown job: one line now, not after joining
     worker = Worker(WorkerConfig(
         coordinator=settings.coordinator, job=settings.job,
         threads=settings.threads_for(config.usable_cores()), device=settings.device,
@@ -193,7 +195,11 @@ def run_worker(args) -> int:
         slowdown=settings.slowdown,
         stall=config.parse_stall(settings.stall) if settings.stall else None,
         poison=config.parse_poison(settings.poison) if settings.poison else None, keys=keys,
-        link_mbps=settings.link_mbps))
+        link_mbps=settings.link_mbps))  # an unusable device: one line
+    if settings.low_priority:
+        from ..worker.priority import current_priority
+
+        log.info("running at low priority: %s", current_priority())
     reason = worker.run()
     log.info("stopped (%s) after %d results, %d pauses", reason, worker.results_sent, worker.pauses)
     return 0

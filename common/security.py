@@ -12,11 +12,18 @@ Without keys the coordinator listens on loopback only, unless the operator says 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
 
 from .errors import ConfigError
+
+log = logging.getLogger("idlegrad.security")
+
+# With CURVE a refused handshake looks like silence to the client: the coordinator never answers.
+KEYS_HINT = ("; with keys: is --coordinator-key the coordinator's, and is this side's public key "
+             "in its --allow-keys?")
 
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
@@ -85,9 +92,18 @@ def load_allowed(directory: str) -> frozenset[bytes]:
     if not os.path.isdir(directory):
         raise ConfigError(f"--allow-keys {directory}: no such directory")
     try:
-        return frozenset(zmq.auth.load_certificates(directory))
+        keys = frozenset(zmq.auth.load_certificates(directory))
+        secrets = sorted(n for n in os.listdir(directory) if n.endswith(SECRET_SUFFIX))
     except (OSError, ValueError, KeyError, IndexError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--allow-keys {directory}: unreadable key file ({exc})"[:300]) from None
+    if secrets:
+        log.warning("--allow-keys %s holds secret keys (%s): only the public NAME%s files "
+                    "belong there, and a secret key is not one", directory,
+                    ", ".join(secrets[:3]), PUBLIC_SUFFIX)
+    if not keys:
+        log.warning("--allow-keys %s holds no NAME%s file: no worker or monitor can connect "
+                    "until one is added (then send SIGHUP)", directory, PUBLIC_SUFFIX)
+    return keys
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,10 @@ class Coordinator:
         self._check_paths(config)
         if config.threads:
             torch.set_num_threads(config.threads)
-        job = load_job(config.job, config.job_args)
+        try:
+            job = load_job(config.job, config.job_args)
+        except JobError as exc:
+            raise _naming_job_args(exc, config.job_args) from None
         self.task_mode = local.parse_task(config.task, config.local_slot_s,
                                           max_steps=config.local_max_steps,
                                           link_factor=config.local_link_factor)
@@ -139,7 +142,12 @@ class Coordinator:
         local.check_redundancy(self.task_mode, redundancy, config.sync)
         if config.verify_replicas:
             check_verify_replicas(redundancy, config.sync, config.result_dtype)
-        self.built: BuiltJob = build(job, seed=config.seed)
+        try:
+            self.built: BuiltJob = build(job, seed=config.seed)
+        except JobError as exc:
+            raise _naming_job_args(exc, config.job_args) from None
+        if config.target is not None:
+            self._check_target(config.target)
         self.model: FlatModel = self.built.model
         if self.task_mode.local:  # the job's optimizer runs on the workers, the outer one here
             self.optimizer = outer.build(self.model.module.parameters(), config.outer)
@@ -210,12 +218,25 @@ class Coordinator:
         self.train_loss: Optional[float] = None
         self._rate: deque[tuple[float, int]] = deque(maxlen=512)
         self._bad_logged_at = 0.0
+        self._refused_logged_at = 0.0
         self.stop_reason: Optional[str] = None
         self.started = time.monotonic()
         self._metrics_file = None
         self.ledger: Optional[LedgerWriter] = None
 
     # setup ----------------------------------------------------------------------------------
+
+    def _check_target(self, target: Target) -> None:
+        """A target on a metric the job does not report is one line now, not an error after the
+        first evaluation. The names come from evaluating a few test samples."""
+        few = torch.utils.data.Subset(self.built.test, range(min(8, len(self.built.test))))
+        try:
+            names = evaluate(self.built.job, self.built.model.module, few).keys()
+        except Exception:  # noqa: BLE001 - the job's own code: the first real evaluation will say
+            return
+        if target.metric not in names:
+            raise ConfigError(f"--target {target}: the job reports no metric {target.metric!r}; "
+                              f"its metrics are {', '.join(sorted(names))}")
 
     @staticmethod
     def _check_paths(config: CoordinatorConfig) -> None:
@@ -424,6 +445,12 @@ class Coordinator:
                 allowed = key in coordinator.allowed_keys
                 if not allowed:
                     coordinator.counters["handshakes_refused"] += 1
+                    now = time.monotonic()
+                    if now - coordinator._refused_logged_at > 1.0:  # a line a second at most
+                        coordinator._refused_logged_at = now
+                        coordinator._event("refused", f"a handshake from key {_short(key)}, which "
+                                           "is not in --allow-keys (copy its NAME.key there and "
+                                           "send SIGHUP)", level=logging.WARNING)
                 return allowed
 
         auth = AsyncioAuthenticator(ctx, log=logging.getLogger("idlegrad.coordinator.auth"))
@@ -1281,6 +1308,15 @@ class Coordinator:
         return build_snapshot(self.scheduler, time.monotonic(), base, curve=self.curve,
                               events=self.events, cursor=cursor, last_event=self._event_id,
                               redundancy=redundancy, events_limit=self.EVENTS_PER_STATUS)
+
+
+def _naming_job_args(exc: JobError, job_args: dict) -> JobError:
+    """A job that failed to build says so in its own terms (a torch error about a tensor's size,
+    say); the --job-arg values it was given are usually the cause, so the line names them."""
+    if not job_args:
+        return exc
+    given = " ".join(f"--job-arg {k}={v!r}" for k, v in job_args.items())
+    return JobError(f"{exc} (given {given})")
 
 
 def _user_id(frame) -> Optional[bytes]:

@@ -43,7 +43,7 @@ from ..common import protocol as proto
 from ..common.aio import on_stop_signals
 from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
 from ..common.job import BuiltJob, build, builtin_job_names, load_job
-from ..common.security import ClientKeys
+from ..common.security import KEYS_HINT, ClientKeys
 from ..common.tensors import blob_chunks, to_blob
 from .engine import Cancelled, Engine, Outcome, Work
 from .idle import Decision, IdlePolicy, PolicyConfig, Readings
@@ -169,7 +169,8 @@ class Worker:
                         if time.monotonic() > give_up_at:
                             raise PeerGone(
                                 f"cannot reach the coordinator at {self.config.coordinator} within "
-                                f"{self.config.connect_timeout:g}s (is it running? see --connect-timeout)")
+                                f"{self.config.connect_timeout:g}s (is it running? see "
+                                f"--connect-timeout{KEYS_HINT if self.config.keys else ''})")
                         backoff = min(self.config.max_backoff, backoff * 2) * random.uniform(0.8, 1.2)
                         continue
                     backoff = 0.25

@@ -32,6 +32,8 @@ from idlegrad.coordinator.target import Target
     (["status", "--coordinator", "127.0.0.1:5555"], "not a ZeroMQ address"),
     (["top", "--coordinator", "tcp://127.0.0.1"], "no host:port"),
     (["worker", "--coordinator", "tcp://127.0.0.1:99999"], "1 to 65535"),
+    (["demo", "--bogus"], "idlegrad demo: error: unrecognized arguments: --bogus (see idlegrad demo"),
+    (["worker", "install", "--bogus"], "(see idlegrad worker install --help)"),
 ])
 def test_usage_errors(run_cli, argv, needle):
     result = run_cli(argv)
@@ -62,6 +64,18 @@ def test_job_file_missing(run_cli, tmp_path, monkeypatch):
     assert "does not exist" in result.one_line_error()
 
 
+def test_a_job_arg_of_the_wrong_type_is_named_in_the_error(run_cli):
+    result = run_cli(["coordinator", "--job", "digits", "--job-arg", "hidden=abc"])
+    assert result.code == 2
+    assert "(given --job-arg hidden='abc')" in result.one_line_error()
+
+
+def test_a_target_on_a_metric_the_job_lacks_is_one_line_before_starting(run_cli):
+    result = run_cli(["coordinator", "--job", "digits", "--target", "foo=0.5"])
+    assert result.code == 2
+    assert "its metrics are accuracy, loss" in result.one_line_error()
+
+
 def test_bad_job_arg(run_cli):
     result = run_cli(["coordinator", "--job", "digits", "--job-arg", "oops"])
     assert result.code == 2
@@ -83,6 +97,13 @@ def test_worker_unknown_device(run_cli):
     result = run_cli(["worker", "--device", "toaster"])
     assert result.code == 2
     assert "toaster" in result.one_line_error()
+
+
+def test_worker_unknown_job_is_one_line_before_connecting(run_cli):
+    # --no-low-priority: the worker would otherwise nice this very process (pytest) to 19
+    result = run_cli(["worker", "--job", "nosuch", "--no-low-priority", "--connect-timeout", "60"])
+    assert result.code == 2
+    assert "unknown job 'nosuch'" in result.one_line_error()
 
 
 def test_version_and_help(run_cli):
