@@ -142,8 +142,14 @@ class TrustPolicy:
         self.refused += 1
         return self.offence(identity, reason, now)
 
+    # Identities with offences on record but no ban: without keys a peer can say hello under
+    # any number of ids, and the record of each must not grow the coordinator for ever.
+    MAX_UNBANNED = 10_000
+
     def offence(self, identity: str, reason: str, now: float) -> bool:
         """Record an offence that is not a gradient's (a malformed result, say); True if it bans."""
+        if identity not in self.offenders and len(self.offenders) >= self.MAX_UNBANNED:
+            self._forget_unbanned(now)
         offender = self.offenders.setdefault(identity, Offender())
         offender.total += 1
         offender.reasons[reason] = offender.reasons.get(reason, 0) + 1
@@ -155,6 +161,17 @@ class TrustPolicy:
             offender.banned_at = now
             return True
         return False
+
+    def _forget_unbanned(self, now: float) -> None:
+        """Drop the records no ban can come from any more (every offence forgiven); if that is
+        not enough, the unbanned half whose last offence is oldest. Bans are kept: they hold."""
+        unbanned = [(o.offences[-1] if o.offences else -math.inf, i)
+                    for i, o in self.offenders.items() if o.banned_at is None]
+        forgiven = {i for last, i in unbanned if now - last > self.config.offence_window_s}
+        if len(unbanned) - len(forgiven) >= self.MAX_UNBANNED // 2:
+            forgiven |= {i for _, i in sorted(unbanned)[:len(unbanned) // 2]}
+        for identity in forgiven:
+            del self.offenders[identity]
 
     def _refuse(self, identity: str, reason: str, detail: str, now: float) -> Verdict:
         self.refused += 1

@@ -135,3 +135,20 @@ def test_the_summary_names_a_hundred_bans_and_counts_them_all():
     summary = policy.summary()
     assert len(policy.banned()) == 150 and summary["banned_count"] == 150
     assert summary["banned"] == [f"evil-{i:03d}" for i in range(100)]
+
+
+def test_records_of_offenders_without_a_ban_stay_bounded_and_bans_hold():
+    """Without keys a peer can offend under any number of ids; the records no ban can come from
+    are dropped, oldest first, and a ban is never forgotten."""
+    policy = TrustPolicy(TrustConfig(norm_factor=10, ban_after=2, offence_window_s=60))
+    policy.MAX_UNBANNED = 100
+    policy.offence("banned", "malformed", 0.0)
+    assert policy.offence("banned", "malformed", 1.0)
+    for i in range(1000):
+        policy.offence(f"id-{i}", "malformed", 2.0 + i)
+        assert len(policy.offenders) <= 101
+    assert policy.is_banned("banned")
+    assert "id-999" in policy.offenders and "id-0" not in policy.offenders
+    # a recent offender that was kept still gets banned by its next offence
+    kept = max(i for i in policy.offenders if i != "banned")
+    assert policy.offence(kept, "malformed", 1001.0)
