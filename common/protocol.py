@@ -38,6 +38,10 @@ MAX_VERSIONS = 16
 # Seconds a worker reports (compute, wait): past this a report is not a measurement. The
 # scheduler averages them, and sums of squares of absurd values overflow.
 MAX_REPORTED_S = 1e6
+# A session's heartbeat (seconds) and the beats a peer may miss: a worker takes them from the
+# coordinator's welcome, and a beat of a microsecond would have it send nothing else.
+HEARTBEAT_S_RANGE = (0.01, 86400.0)
+LIVENESS_RANGE = (1, 1000)
 # ZMQ_MAXMSGSIZE for every socket: the peer is disconnected by ZeroMQ itself past this.
 SOCKET_MAX_MSG_BYTES = max(MAX_FRAME_BYTES, MAX_HEADER_BYTES) + 4096
 
@@ -347,7 +351,10 @@ def _base_validator(hint) -> Callable[[Any, str], None]:
 
     def check_scalar(value, where):
         if not ok(value):
-            raise ProtocolError("schema", f"{where} must be {name}, got {type(value).__name__}")
+            got = type(value).__name__
+            if got == name:  # the right type: out of range (a 64-bit int, a finite float)
+                raise ProtocolError("schema", f"{where}: {name} out of range")
+            raise ProtocolError("schema", f"{where} must be {name}, got {got}")
     return check_scalar
 
 
@@ -513,8 +520,13 @@ def _semantic_checks(msg: Message) -> None:
         if len(msg.versions) > MAX_VERSIONS or any(
                 len(k) > MAX_NAME or len(v) > MAX_NAME for k, v in msg.versions.items()):
             raise ProtocolError("schema", f"hello.versions: at most {MAX_VERSIONS} short entries")
-    elif isinstance(msg, Welcome) and msg.result_dtype not in Welcome.RESULT_DTYPES:
-        raise ProtocolError("schema", f"welcome.result_dtype {msg.result_dtype[:20]!r} unknown")
+    elif isinstance(msg, Welcome):
+        if msg.result_dtype not in Welcome.RESULT_DTYPES:
+            raise ProtocolError("schema", f"welcome.result_dtype {msg.result_dtype[:20]!r} unknown")
+        if not (HEARTBEAT_S_RANGE[0] <= msg.heartbeat_s <= HEARTBEAT_S_RANGE[1]
+                and LIVENESS_RANGE[0] <= msg.liveness <= LIVENESS_RANGE[1]):
+            raise ProtocolError("schema", f"welcome.heartbeat_s must be in {HEARTBEAT_S_RANGE} "
+                                          f"and welcome.liveness in {LIVENESS_RANGE}")
     elif isinstance(msg, Ready):
         non_negative("credits")
         if msg.credits > 1024:

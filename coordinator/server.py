@@ -129,6 +129,10 @@ class Coordinator:
         self.config = config
         self.keypair, self.allowed_keys = self._check_security(config)
         self._check_paths(config)
+        low, high = proto.HEARTBEAT_S_RANGE
+        if not low <= config.heartbeat_s <= high:
+            raise ConfigError(f"--heartbeat must be from {low:g} to {high:g} seconds (workers "
+                              f"refuse a welcome outside that), not {config.heartbeat_s:g}")
         if config.threads:
             torch.set_num_threads(config.threads)
         try:

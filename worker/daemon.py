@@ -121,6 +121,7 @@ class Worker:
         # (version, model as views of the frames it came in)
         self._cache: Optional[tuple[int, list[torch.Tensor]]] = None
         self._current: Optional[tuple[Work, threading.Event]] = None
+        self._refused_logged_at = 0.0  # a flood of tasks past our credits: a line a second
         self._began = 0.0  # when the current compute began (time.monotonic())
         self._stop: Optional[str] = None
         self.results_sent = 0
@@ -511,6 +512,17 @@ class Worker:
             self._forget_session()
             raise _Rehello()
         if self._holds(task.slot):  # sent again after a resumed session: we have it
+            return
+        held = len(self._queue) + (self._current is not None)
+        if held >= 2 * self.config.credits + 2:
+            # The coordinator deals at most our credits (a pause or a resume can cross a task in
+            # flight, hence the margin); past that its tasks would only pile up here. It hands
+            # the slot to someone else when its deadline passes.
+            now = time.monotonic()
+            if now - self._refused_logged_at > 1.0:
+                self._refused_logged_at = now
+                log.warning("task %d refused: %d slots held already, for %d credits", task.slot,
+                            held, self.config.credits)
             return
         work = Work(task.slot, task.version, self._cache[1], task.parts, task.coefficients,
                     task.kind, task.steps, arrived=time.monotonic())

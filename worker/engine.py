@@ -71,10 +71,14 @@ class Engine:
         self._random = random.Random()
 
     def check(self, work: Work) -> None:
-        """Raise ValueError for a task this worker cannot compute (parts outside its data)."""
+        """Raise ValueError for a task this worker cannot compute (parts outside its data).
+        Bounds only: it runs on the event loop, and building each part's epoch permutation here
+        let one task of 65,536 parts hold the loop (and its heartbeats) for 20 s."""
         n = len(self.built.train)
-        for part in work.parts:
-            part_indices(self.seed, n, *part)
+        for epoch, offset, count in work.parts:
+            if offset < 0 or count < 0 or offset + count > n:
+                raise ValueError(f"part [{epoch}, {offset}, {count}] outside a data set of "
+                                 f"{n} samples")
 
     PAUSE_POLL_S = 0.25  # while paused, how often the cancel flag is looked at
 
@@ -99,6 +103,12 @@ class Engine:
         loss_sum, samples = 0.0, 0
         n = len(self.built.train)
         for (epoch, offset, count), coefficient in zip(work.parts, work.coefficients):
+            # Between parts too: a part may be empty, and the owner and the coordinator must
+            # not wait for a micro-batch that never comes.
+            if cancel.is_set():
+                raise Cancelled()
+            if running is not None and not running.is_set():
+                paused_s += self._wait(running, cancel)
             indices = part_indices(self.seed, n, epoch, offset, count)
             position = 0
             while position < count:

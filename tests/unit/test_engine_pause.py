@@ -116,3 +116,23 @@ def test_paused_engine_uses_no_cpu(built):
     cancel.set()
     t.join(5)
     assert used < 0.05, f"{used:.3f} CPU seconds in one paused second"
+
+
+def test_a_task_of_many_empty_parts_is_checked_at_once_and_cancelled_between_parts(built):
+    """A hostile or broken coordinator's task of 65,536 parts with a different epoch each (each
+    part an epoch permutation to build) held the worker's event loop in `check` for 20 s, and
+    empty parts never reached the micro-batch loop where cancel and pause are looked at."""
+    engine = engine_for(built)
+    parts = [[epoch, 0, 0] for epoch in range(65_536)]
+    work = Work(1, 0, params_of(built), parts, [1.0] * len(parts))
+    t0 = time.monotonic()
+    engine.check(work)  # bounds only: no permutation is built on the loop
+    assert time.monotonic() - t0 < 0.5
+    with pytest.raises(ValueError, match="outside"):
+        engine.check(Work(1, 0, params_of(built), [[0, 0, len(built.train) + 1]], [1.0]))
+    cancel = threading.Event()
+    cancel.set()
+    t0 = time.monotonic()
+    with pytest.raises(Cancelled):
+        engine.compute(work, cancel)
+    assert time.monotonic() - t0 < 0.5

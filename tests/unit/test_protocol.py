@@ -65,7 +65,7 @@ def sample_messages() -> list[proto.Message]:
         Welcome(job="synthetic", job_args={"params": 5000, "lr": 0.5, "flag": True, "name": "x",
                                            "nested": {"a": [1, 2.5, None]}},
                 fingerprint="abc", seed=7, heartbeat_s=0.5, liveness=3),
-        Welcome(job="digits", job_args={}, fingerprint="", seed=0, heartbeat_s=1, liveness=0),
+        Welcome(job="digits", job_args={}, fingerprint="", seed=0, heartbeat_s=1, liveness=1),
         Task(slot=3, round=1, version=2, parts=[[0, 0, 16], [1, 16, 8]], coefficients=[1.0, -0.5],
              deadline_s=30.0),
         Task(slot=0, round=0, version=0, parts=[[0, 0, 1]], coefficients=[0.0], deadline_s=0.0,
@@ -510,6 +510,18 @@ def test_negative_values(template, field):
 def test_values_past_their_bounds(template, field, value):
     frames = [packb({**template, field: value})] + ([GRAD] if template is RESULT else [])
     assert reason_of(frames) == "schema"
+
+
+@pytest.mark.parametrize("heartbeat_s,liveness", [
+    (1e-6, 3), (-5.0, 3), (0.0, 3), (1e300, 3), (1.0, 0), (1.0, -3), (1.0, 10**9)])
+def test_a_welcome_with_a_session_no_worker_can_keep_is_refused(heartbeat_s, liveness):
+    # a beat of a microsecond had the worker heart-beating at full CPU, deaf to SIGTERM
+    assert reason_of([packb({**WELCOME, "heartbeat_s": heartbeat_s, "liveness": liveness})]) == "schema"
+
+
+def test_a_value_of_the_right_type_out_of_range_says_so():
+    with pytest.raises(ProtocolError, match=r"task.slot: int out of range"):
+        decode([packb({**TASK, "slot": 2**63})])
 
 
 def test_values_at_their_bounds_are_fine():
