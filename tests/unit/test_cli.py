@@ -34,6 +34,10 @@ from idlegrad.coordinator.target import Target
     (["worker", "--coordinator", "tcp://127.0.0.1:99999"], "1 to 65535"),
     (["demo", "--bogus"], "idlegrad demo: error: unrecognized arguments: --bogus (see idlegrad demo"),
     (["worker", "install", "--bogus"], "(see idlegrad worker install --help)"),
+    # a job that fails to build names the arguments it was given
+    (["coordinator", "--job", "digits", "--job-arg", "hidden=abc"], "(given --job-arg hidden='abc')"),
+    # a target on a metric the job lacks: before starting, not after the first evaluation
+    (["coordinator", "--job", "digits", "--target", "foo=0.5"], "its metrics are accuracy, loss"),
 ])
 def test_usage_errors(run_cli, argv, needle):
     result = run_cli(argv)
@@ -62,18 +66,6 @@ def test_job_file_missing(run_cli, tmp_path, monkeypatch):
     result = run_cli(["coordinator", "--job", "nope.py:x"])
     assert result.code == 2
     assert "does not exist" in result.one_line_error()
-
-
-def test_a_job_arg_of_the_wrong_type_is_named_in_the_error(run_cli):
-    result = run_cli(["coordinator", "--job", "digits", "--job-arg", "hidden=abc"])
-    assert result.code == 2
-    assert "(given --job-arg hidden='abc')" in result.one_line_error()
-
-
-def test_a_target_on_a_metric_the_job_lacks_is_one_line_before_starting(run_cli):
-    result = run_cli(["coordinator", "--job", "digits", "--target", "foo=0.5"])
-    assert result.code == 2
-    assert "its metrics are accuracy, loss" in result.one_line_error()
 
 
 def test_bad_job_arg(run_cli):
