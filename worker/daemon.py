@@ -268,8 +268,10 @@ class Worker:
         self.liveness = welcome.liveness
         self._wire = ErrorFeedback(welcome.result_dtype)
         if self.built.fingerprint != welcome.fingerprint:
-            log.error("job fingerprint %s differs from the coordinator's %s",
-                      self.built.fingerprint, welcome.fingerprint)
+            # Another model under the job's name (another version of its code, or of idlegrad):
+            # its gradients would be of no use, so say so and leave instead of joining.
+            raise Refused(f"job fingerprint {self.built.fingerprint} here, {welcome.fingerprint} "
+                          "at the coordinator: refused to compute for another version of the job")
 
     async def _session(self, sock, welcome: proto.Welcome) -> None:
         while True:

@@ -145,6 +145,15 @@ def test_hostile_input_is_counted_and_dropped_while_training_goes_on(cluster, di
                 gradient=proto.Blob("float32", 10, (short.tobytes(),)))))
         fake.send_multipart(proto.encode(proto.Bye(reason="done cheating")))
 
+        # 1b. One that announces another job's fingerprint (an old or hostile worker: ours
+        # leaves by itself) is refused before it gets a task.
+        wrong = dealer()
+        wrong.send_multipart(proto.encode(hello("wrong-job")))
+        assert recv(wrong, proto.Welcome) is not None
+        wrong.send_multipart(proto.encode(proto.Ready(credits=1, fingerprint="0" * 16)))
+        refusal = recv(wrong, proto.Reject)
+        assert refusal is not None and refusal.code == "job", refusal
+
         # 2. Garbage from a DEALER that never said hello.
         attacker = dealer()
         bad = garbage_frames()

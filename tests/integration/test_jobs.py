@@ -86,6 +86,7 @@ def test_file_job_trains_and_workers_without_it_are_refused(cluster):
     assert "fingerprint" in out and "Traceback" not in out
     assert mismatched.lines()[-1].startswith("idlegrad worker: error:")
     assert "refused" in mismatched.lines()[-1]
+    assert "joined" not in out  # it leaves before announcing credits, not after
 
     good = cluster.worker("good", "--job", spec)
     assert status.follow(coordinator) == 0
@@ -96,5 +97,5 @@ def test_file_job_trains_and_workers_without_it_are_refused(cluster):
     assert final["reason"] == "target" and final["metrics"]["accuracy"] >= 0.9
     assert status.first["job"] == "my-digits"
     leaves = {e["worker"]: e["text"] for e in status.events_of("leave")}
-    assert "wrong job" in leaves.get("mismatched", ""), leaves
+    assert "fingerprint" in leaves.get("mismatched", ""), leaves  # it said why it left
     assert "Traceback" not in coordinator.output() + good.output()
