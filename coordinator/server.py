@@ -36,6 +36,7 @@ from ..common.job import (BuiltJob, FlatModel, build, coded_gradient, evaluate, 
                           local_change, reference_gradient_norm)
 from ..common.tensors import (TORCH_DTYPES, BufferPool, blob_chunks, distance, finite_norm,
                               to_blob)
+from ..common.throttle import Throttle
 from . import checkpoint
 from . import local, outer
 from .aggregator import Aggregator, StalenessRule
@@ -221,8 +222,8 @@ class Coordinator:
         self.instance = f"{pysocket.gethostname()}-{os.getpid()}-{time.time():.3f}"
         self.train_loss: Optional[float] = None
         self._rate: deque[tuple[float, int]] = deque(maxlen=512)
-        self._bad_logged_at = 0.0
-        self._refused_logged_at = 0.0
+        self._bad_logged = Throttle()  # bad messages, however hostile the peer
+        self._refused_logged = Throttle()  # handshakes from keys not allowed
         self.stop_reason: Optional[str] = None
         self.started = time.monotonic()
         self._metrics_file = None
@@ -410,7 +411,6 @@ class Coordinator:
         if self.secure:
             on_reload_signal(lambda: asyncio.ensure_future(self.reload_keys()))
         if self.config.metrics_path:
-            os.makedirs(os.path.dirname(os.path.abspath(self.config.metrics_path)), exist_ok=True)
             self._metrics_file = open(self.config.metrics_path, "a", buffering=1)
         if self.config.ledger_path:
             self.ledger = LedgerWriter(self.config.ledger_path, self.instance)
@@ -449,9 +449,7 @@ class Coordinator:
                 allowed = key in coordinator.allowed_keys
                 if not allowed:
                     coordinator.counters["handshakes_refused"] += 1
-                    now = time.monotonic()
-                    if now - coordinator._refused_logged_at > 1.0:  # a line a second at most
-                        coordinator._refused_logged_at = now
+                    if coordinator._refused_logged.ready(time.monotonic()):
                         coordinator._event("refused", f"a handshake from key {_short(key)}, which "
                                            "is not in --allow-keys (copy its NAME.key there and "
                                            "send SIGHUP)", level=logging.WARNING)
@@ -706,9 +704,7 @@ class Coordinator:
     def _bad(self, route: bytes, exc: ProtocolError) -> None:
         self.bad_messages[exc.reason] += 1
         who = self.peers.get(route, route.hex()[:16])
-        now = time.monotonic()
-        if now - self._bad_logged_at > 1.0:  # at most one line a second, however hostile the peer
-            self._bad_logged_at = now
+        if self._bad_logged.ready(time.monotonic()):
             self._event("rejected", f"bad message from {who}: {exc} "
                                     f"({sum(self.bad_messages.values())} so far)", level=logging.WARNING)
 
@@ -729,7 +725,7 @@ class Coordinator:
         return sum(abs(c) * round_.parts[j][2] for j, c in slot.row)
 
     async def _suspect_result(self, worker_id: str, msg: proto.Result, grad: list[torch.Tensor],
-                              scale: float, identity: str, verdict) -> bool:
+                              norm: float, scale: float, identity: str, verdict) -> bool:
         """An outlier norm: settle it with a third computation, the coordinator's own, in a
         thread. One at a time; a suspect arriving meanwhile goes back to the pool (no offence)."""
         self.counters["gradients_suspected"] += 1
@@ -745,7 +741,7 @@ class Coordinator:
                                  "computing it here to settle it", worker=worker_id)
 
         async def then(task: asyncio.Future) -> None:
-            await self._settle_suspect(task, worker_id, msg, grad, scale, identity)
+            await self._settle_suspect(task, worker_id, msg, grad, norm, scale, identity)
 
         self._verifying, self._then = computing, then
         return False  # not yet: `_settle_suspect` uses it once it is found honest
@@ -785,7 +781,8 @@ class Coordinator:
             await self._start_settle(self._disputes.popleft())
 
     async def _settle_suspect(self, task: asyncio.Future, worker_id: str, msg: proto.Result,
-                              grad: list[torch.Tensor], scale: float, identity: str) -> None:
+                              grad: list[torch.Tensor], norm: float, scale: float,
+                              identity: str) -> None:
         now = time.monotonic()
         try:
             reference = task.result()
@@ -800,7 +797,7 @@ class Coordinator:
             self.trust.accept(float(size), scale)
             self._event("verified", f"slot {msg.slot} from {worker_id}: computed here, it matches "
                                     "(an honest outlier); used", worker=worker_id)
-            await self._use_result(worker_id, msg, grad, finite_norm(grad), now)
+            await self._use_result(worker_id, msg, grad, norm, now)
             return
         self.counters["suspects_wrong"] += 1
         banned = self.trust.confirmed(identity, now)
@@ -1041,7 +1038,7 @@ class Coordinator:
         else:
             verdict = None
         if verdict is not None and verdict.reason == "norm":
-            return await self._suspect_result(worker_id, msg, grad, scale, identity, verdict)
+            return await self._suspect_result(worker_id, msg, grad, norm, scale, identity, verdict)
         if verdict is not None and not verdict.ok:
             await self._offence(worker_id, msg.slot, verdict.reason, verdict.detail, verdict.banned)
             return False

@@ -45,6 +45,7 @@ from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
 from ..common.job import BuiltJob, build, builtin_job_names, load_job
 from ..common.security import KEYS_HINT, ClientKeys
 from ..common.tensors import blob_chunks, to_blob
+from ..common.throttle import Throttle
 from .engine import Cancelled, Engine, Outcome, Work
 from .idle import Decision, IdlePolicy, PolicyConfig, Readings
 from .compress import ErrorFeedback
@@ -121,7 +122,7 @@ class Worker:
         # (version, model as views of the frames it came in)
         self._cache: Optional[tuple[int, list[torch.Tensor]]] = None
         self._current: Optional[tuple[Work, threading.Event]] = None
-        self._refused_logged_at = 0.0  # a flood of tasks past our credits: a line a second
+        self._refused_logged = Throttle()  # a flood of tasks past our credits
         self._began = 0.0  # when the current compute began (time.monotonic())
         self._stop: Optional[str] = None
         self.results_sent = 0
@@ -520,9 +521,7 @@ class Worker:
             # The coordinator deals at most our credits (a pause or a resume can cross a task in
             # flight, hence the margin); past that its tasks would only pile up here. It hands
             # the slot to someone else when its deadline passes.
-            now = time.monotonic()
-            if now - self._refused_logged_at > 1.0:
-                self._refused_logged_at = now
+            if self._refused_logged.ready(time.monotonic()):
                 log.warning("task %d refused: %d slots held already, for %d credits", task.slot,
                             held, self.config.credits)
             return

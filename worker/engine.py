@@ -105,17 +105,11 @@ class Engine:
         for (epoch, offset, count), coefficient in zip(work.parts, work.coefficients):
             # Between parts too: a part may be empty, and the owner and the coordinator must
             # not wait for a micro-batch that never comes.
-            if cancel.is_set():
-                raise Cancelled()
-            if running is not None and not running.is_set():
-                paused_s += self._wait(running, cancel)
+            paused_s += self._gate(cancel, running)
             indices = part_indices(self.seed, n, epoch, offset, count)
             position = 0
             while position < count:
-                if cancel.is_set():
-                    raise Cancelled()
-                if running is not None and not running.is_set():
-                    paused_s += self._wait(running, cancel)
+                paused_s += self._gate(cancel, running)
                 size = self.micro_batch
                 chunk = indices[position:position + size]
                 t0 = time.perf_counter()
@@ -163,10 +157,7 @@ class Engine:
 
         def between() -> None:  # cancel and pause stay prompt within an inner step
             nonlocal paused_s
-            if cancel.is_set():
-                raise Cancelled()
-            if running is not None and not running.is_set():
-                paused_s += self._wait(running, cancel)
+            paused_s += self._gate(cancel, running)
 
         (part,) = work.parts
         (coefficient,) = work.coefficients
@@ -208,6 +199,14 @@ class Engine:
                 return paused
             if cancel.wait(min(self.INJECT_STEP_S, left)):
                 raise Cancelled()
+
+    def _gate(self, cancel: threading.Event, running: Optional[threading.Event]) -> float:
+        """Where computing may stop: Cancelled if cancelled; while paused, wait. Seconds paused."""
+        if cancel.is_set():
+            raise Cancelled()
+        if running is not None and not running.is_set():
+            return self._wait(running, cancel)
+        return 0.0
 
     def _wait(self, running: threading.Event, cancel: threading.Event) -> float:
         """Sleep until the gate opens (or cancel); the seconds slept."""
