@@ -272,20 +272,14 @@ def _run_coordinator(args) -> int:
     from ..common.coding import parse_redundancy
     from ..common.job import parse_job_args
     from ..coordinator.aggregator import StalenessRule
-    from ..coordinator.local import check_redundancy, parse_task
     from ..coordinator.outer import OuterConfig
     from ..coordinator.server import Coordinator, CoordinatorConfig
     from ..coordinator.target import Target
-    from ..coordinator.trust import TrustConfig, check_verify_replicas
+    from ..coordinator.trust import TrustConfig
 
     metrics = args.metrics
     if metrics is None and args.checkpoint_dir:
         metrics = os.path.join(args.checkpoint_dir, "metrics.jsonl")
-    check_redundancy(parse_task(args.task, args.local_slot_s, max_steps=args.local_max_steps,
-                                link_factor=args.local_link_factor),
-                     parse_redundancy(args.redundancy), args.sync)
-    if args.verify_replicas:
-        check_verify_replicas(parse_redundancy(args.redundancy), args.sync, args.result_dtype)
     config = CoordinatorConfig(
         job=args.job, job_args=parse_job_args(args.job_arg), bind=args.bind,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
@@ -304,7 +298,7 @@ def _run_coordinator(args) -> int:
     coordinator = Coordinator(config)
     reason = coordinator.run()
     logging.getLogger("idlegrad.coordinator").info(
-        "done (%s): version %d, %d samples, metrics %s", reason, coordinator.aggregator.version,
+        "done (%s): version %d, %d samples, metrics %s", reason, coordinator.version,
         coordinator.samples_applied, coordinator.metrics)
     return EXIT_FAILED if reason == "bad target" else EXIT_OK
 

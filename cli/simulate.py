@@ -74,6 +74,9 @@ def add_simulate_parser(sub, add_common: Callable, positive: Callable,
                      help="rounds staler than this are replanned (default: 32)")
     run.add_argument("--no-speculate", dest="speculate", action="store_false",
                      help="do not duplicate late tasks to free workers")
+    run.add_argument("--verify-replicas", action="store_true",
+                     help="a replicated row counts once copies from two workers agree, as the "
+                          "coordinator's --verify-replicas (every mode must be replicate:R, R >= 2)")
     run.add_argument("--params", type=positive(int), default=1_000_000, metavar="N",
                      help="model parameters, float32, costless gradients (default: 1000000)")
     run.add_argument("--train-samples", type=positive(int), default=60_000, metavar="N",
@@ -151,6 +154,12 @@ def run_simulate(args) -> int:
         raise ConfigError(f"--modes: {str(exc).removeprefix('--redundancy ')}") from None
     if not modes:
         raise ConfigError("--modes names no mode")
+    if args.verify_replicas:
+        for mode in modes:
+            kind, _, level = mode.partition(":")
+            if kind != "replicate" or int(level) < 2:
+                raise ConfigError(f"--verify-replicas compares the copies of a replicated slot: "
+                                  f"every mode must be replicate:R with R >= 2, not {mode}")
     if args.bye_fraction > 1:
         raise ConfigError("--bye-fraction must be at most 1")
     if args.target and not args.job:
@@ -167,6 +176,7 @@ def run_simulate(args) -> int:
     config = sim.SimConfig(
         duration_s=args.duration, batch_size=args.batch, partitions=args.partitions,
         open_rounds=args.open_rounds, speculate=args.speculate, heartbeat_s=args.heartbeat,
+        verify_replicas=args.verify_replicas,
         task_timeout_s=args.task_timeout, staleness=args.staleness,
         max_staleness=args.max_staleness, model_bytes=4 * args.params,
         train_samples=args.train_samples,

@@ -295,6 +295,28 @@ class Scheduler:
         """Slots waiting for a (further) holder."""
         return len(self._pending)
 
+    def holds(self, worker_id: str, slot_id: int) -> bool:
+        """Whether `slot_id` is assigned to `worker_id` now."""
+        record = self.workers.get(worker_id)
+        return record is not None and slot_id in record.assigned
+
+    def slot_scale(self, worker_id: str, slot_id: int) -> Optional[float]:
+        """sum |coefficient| x samples over the slot's parts, if the slot is this worker's."""
+        slot = self.slots.get(slot_id)
+        if slot is None or not self.holds(worker_id, slot_id):
+            return None
+        round_ = self.rounds.get(slot.round)
+        if round_ is None:
+            return None
+        return sum(abs(c) * round_.parts[j][2] for j, c in slot.row)
+
+    def slot_task(self, slot_id: int) -> tuple[int, list[Part], list[float]]:
+        """What slot `slot_id` computes: (model version, parts, coefficients)."""
+        slot = self.slots[slot_id]
+        round_ = self.rounds[slot.round]
+        return (round_.version, [round_.parts[j] for j, _ in slot.row],
+                [c for _, c in slot.row])
+
     def open_parts(self) -> list[list[Part]]:
         """The parts of every open round: what a checkpoint must replan on resume."""
         return [r.parts for r in sorted(self.rounds.values(), key=lambda r: r.id)]

@@ -47,8 +47,11 @@ import numpy as np
 from ..common import coding
 from ..common.errors import ConfigError
 from .aggregator import StalenessRule
+from .effects import Applied, Compute, Replanned, Used
+from .rounds import RoundCore
 from .sampler import Sampler
-from .scheduler import Assign, CancelSlots, Decoded, Drained, Evicted, Scheduler, SchedulerConfig
+from .scheduler import Assign, CancelSlots, Evicted, Scheduler, SchedulerConfig
+from .trust import TrustConfig, TrustPolicy
 
 # fleet ----------------------------------------------------------------------------------------
 
@@ -223,6 +226,7 @@ class SimConfig:
     bye_fraction: float = 0.0  # departures that say bye (the rest vanish silently)
     startup_s: float = 0.0  # from a session's start to its hello (process start-up)
     warmup_s: float = 0.0  # the scheduler's cost per slot and per heartbeat is counted after this
+    verify_replicas: bool = False  # with replicate:R, a row counts once two copies agree
     seed: int = 0
 
 
@@ -283,7 +287,8 @@ class ModeResult:
 
 
 class CostlessGradients:
-    """No tensors: a decoded round is applied (version + 1) or replanned by the staleness rule."""
+    """No tensors: a decoded round is applied (version + 1) or replanned by the staleness rule,
+    and every result is honest (copies always agree)."""
 
     def __init__(self, train_samples: int, batch_size: int, rule: StalenessRule):
         self.train_samples = train_samples
@@ -291,22 +296,32 @@ class CostlessGradients:
         self.rule = rule
         self.version = 0
 
-    def result(self, slot: int, version: int, parts, coefficients) -> None:
-        pass
+    def result(self, version: int, parts, coefficients) -> tuple[None, float]:
+        return None, 0.0
 
-    def apply(self, decoded: Decoded, scheduler: Scheduler) -> Optional[float]:
-        weight = self.rule.weight(self.version - decoded.version)
+    def compute(self, request: Compute) -> None:
+        return None
+
+    def apply(self, terms, norms, samples: int, round_version: int, in_use) -> Optional[float]:
+        weight = self.rule.weight(self.version - round_version)
         if weight is not None:
             self.version += 1
         return weight
+
+    def distance(self, a, b) -> float:
+        return 0.0
+
+    def size(self, a) -> float:
+        return 0.0
 
     def evaluate(self) -> dict:
         return {}
 
 
 class RealGradients:
-    """A small job trained for real: every used result's coded gradient is computed here at its
-    slot's model version, and decoded rounds go through the real `Aggregator`."""
+    """A small job trained for real: every result's coded gradient is computed here at its
+    slot's model version, with the workers' kernel, and decoded rounds go through the real
+    `Aggregator`."""
 
     def __init__(self, job_spec: str, job_args: dict, seed: int, rule: StalenessRule):
         import torch
@@ -324,38 +339,39 @@ class RealGradients:
         self.train_samples = len(self.built.train)
         self.batch_size = job.batch_size
         self.snapshots = {0: model.params.detach().clone()}
-        self.grads: dict[int, object] = {}
 
     @property
     def version(self) -> int:
         return self.aggregator.version
 
-    def result(self, slot: int, version: int, parts, coefficients) -> None:
-        from ..common.job import part_batch
+    def result(self, version: int, parts, coefficients) -> tuple[list, float]:
+        from ..common.job import coded_gradient
+        from ..common.tensors import finite_norm
 
-        worker, job = self.worker, self.built.job
-        worker.load(self.snapshots[version])
-        worker.grads.zero_()
-        worker.module.train()
-        for (epoch, offset, count), c in zip(parts, coefficients):
-            batch = part_batch(self.built.train, self.seed, epoch, offset, count)
-            (job.loss(worker.module, batch) * (count * c)).backward()
-        self.grads[slot] = worker.grads.detach().clone()
+        gradient = [coded_gradient(self.built.job, self.worker, self.snapshots[version],
+                                   self.built.train, self.seed, parts, coefficients)]
+        return gradient, finite_norm(gradient)
 
-    def apply(self, decoded: Decoded, scheduler: Scheduler) -> Optional[float]:
-        torch = self._torch
-        total = torch.zeros_like(self.aggregator.model.params)
-        for slot, w in decoded.weights.items():
-            total.add_(self.grads[slot], alpha=w)
-        for slot in decoded.slots:
-            self.grads.pop(slot, None)
-        weight = self.aggregator.apply(total, decoded.samples, decoded.version)
+    def compute(self, request: Compute) -> list:
+        return self.result(request.version, request.parts, request.coefficients)[0]
+
+    def apply(self, terms, norms, samples: int, round_version: int, in_use) -> Optional[float]:
+        weight = self.aggregator.apply_terms(terms, samples, round_version, norms)
         if weight is not None:
             self.snapshots[self.aggregator.version] = self.aggregator.model.params.detach().clone()
-            for v in [v for v in self.snapshots
-                      if v != self.aggregator.version and not scheduler.version_in_use(v)]:
+            for v in [v for v in self.snapshots if v != self.aggregator.version and not in_use(v)]:
                 del self.snapshots[v]
         return weight
+
+    def distance(self, a, b) -> float:
+        from ..common.tensors import distance
+
+        return distance(a, b)
+
+    def size(self, a) -> float:
+        from ..common.tensors import finite_norm
+
+        return finite_norm(a)
 
     def evaluate(self) -> dict:
         from ..common.job import evaluate
@@ -386,7 +402,10 @@ class Simulation:
             open_rounds=config.open_rounds, heartbeat_s=config.heartbeat_s,
             liveness=config.liveness, min_deadline_s=config.task_timeout_s,
             redundancy=coding.parse_redundancy(redundancy), sync=sync,
-            speculate=config.speculate and not sync), self.sampler)
+            speculate=config.speculate and not sync,
+            verify_replicas=config.verify_replicas), self.sampler)
+        # the server's own round core: the same decode, step, replan, compare and settle
+        self.core = RoundCore(self.scheduler, self.gradients, TrustPolicy(TrustConfig()))
         self.rng = np.random.default_rng(config.seed)
         self.workers = {}
         for i, spec in enumerate(fleet):
@@ -579,7 +598,8 @@ class Simulation:
         if session != w.session:
             return
         self._charge(self.config.costs.per_message_s, "hellos")
-        self._perform(self._timed(self.scheduler.join, w.spec.id, {"host": w.spec.id}, self.now))
+        self._perform(self._timed(self.core.join, w.spec.id, {"host": w.spec.id}, w.spec.id,
+                                  self.now))
         # welcome out, ready back: a round trip later
         self._at(self.now + 2 * w.spec.latency_s, _READY, w, session)
         self._at(self.now + self.beat_every, _BEAT, w, session)
@@ -588,29 +608,29 @@ class Simulation:
         if session != w.session or w.spec.id not in self.scheduler.workers:
             return
         self._charge(self.config.costs.per_message_s, "hellos")
-        self._perform(self._timed(self.scheduler.ready, w.spec.id, w.spec.credits, self.now))
+        self._perform(self._timed(self.core.ready, w.spec.id, w.spec.credits, self.now))
 
     def _bye(self, w: _Worker) -> None:
         self._charge(self.config.costs.per_message_s, "hellos")
-        self._perform(self._timed(self.scheduler.leave, w.spec.id, self.now, "said bye"))
+        self._perform(self._timed(self.core.leave, w.spec.id, "said bye", self.now))
 
     def _result_in(self, w: _Worker, session: int, task: tuple, compute: float) -> None:
         # Sent before its worker left, it still counts if the scheduler still expects it.
         costs = self.config.costs
         self._charge(costs.per_message_s + self.config.model_bytes / costs.bytes_per_s, "results")
         slot, _, parts, coefficients, version = task
+        gradient, norm = None, 0.0
+        if self.scheduler.slot_scale(w.spec.id, slot) is not None:  # else it is dropped anyway
+            gradient, norm = self.gradients.result(version, parts, coefficients)
         t0 = time.perf_counter()
-        used, actions = self.scheduler.result(w.spec.id, slot, compute, self.now)
+        effects = self.core.result(w.spec.id, slot, gradient, norm, compute, self.now)
         if self.now >= self.config.warmup_s:
             self.sched_s += time.perf_counter() - t0
-        if used:
-            self.used_compute[slot] = compute
-            self.gradients.result(slot, version, parts, coefficients)
-        self._perform(actions)
+        self._perform(effects, {slot: compute})
 
     def _tick(self) -> None:
         t0 = time.perf_counter()
-        actions = self.scheduler.tick(self.now)
+        actions = self.core.tick(self.now)
         if self.now >= self.config.warmup_s:
             self.tick_s += time.perf_counter() - t0
             self.ticks += 1
@@ -624,57 +644,59 @@ class Simulation:
             self.sched_s += time.perf_counter() - t0
         return out
 
-    def _perform(self, actions: list) -> None:
+    def _perform(self, effects: list, computed: Optional[dict] = None) -> None:
+        """What the round core asks for, in virtual time. `computed`: the compute seconds of
+        the results these effects answer."""
         costs = self.config.costs
-        for action in actions:
-            if isinstance(action, Assign):
-                w = self.workers[action.worker]
+        for effect in effects:
+            if isinstance(effect, Assign):
+                w = self.workers[effect.worker]
                 self.slots_assigned += 1
                 if self.now >= self.config.warmup_s:
                     self.slots_measured += 1
-                size = self.config.model_bytes if action.send_model else 0
+                size = self.config.model_bytes if effect.send_model else 0
                 if size:
                     self._charge(size / costs.bytes_per_s, "models out")
-                samples = sum(p[2] for p in action.parts)
-                task = (action.slot, samples, action.parts, action.coefficients, action.version)
+                samples = sum(p[2] for p in effect.parts)
+                task = (effect.slot, samples, effect.parts, effect.coefficients, effect.version)
                 arrive = max(self.now, self.coord_free) + w.spec.latency_s + size / w.spec.bandwidth
                 self._at(arrive, _TASK, w, w.session, task)
-            elif isinstance(action, CancelSlots):
-                w = self.workers[action.worker]
-                self.slots_cancelled += len(action.slots)
-                self._at(self.now + w.spec.latency_s, _CANCEL, w, w.session, action.slots)
-            elif isinstance(action, Decoded):
-                self._apply(action)
-            elif isinstance(action, Evicted):
-                w = self.workers[action.worker]
-                if w.online and action.reason != "rejoined":
+            elif isinstance(effect, CancelSlots):
+                w = self.workers[effect.worker]
+                self.slots_cancelled += len(effect.slots)
+                self._at(self.now + w.spec.latency_s, _CANCEL, w, w.session, effect.slots)
+            elif isinstance(effect, Used):
+                self.used_compute[effect.slot] = (computed or {}).get(effect.slot, 0.0)
+            elif isinstance(effect, (Applied, Replanned)):
+                self._account(effect)
+            elif isinstance(effect, Compute):
+                # the coordinator's own computation, as the server makes it in a thread
+                self._perform(self.core.computed(self.gradients.compute(effect), None, self.now))
+            elif isinstance(effect, Evicted):
+                w = self.workers[effect.worker]
+                if w.online and effect.reason != "rejoined":
                     # Evicted while alive (an overloaded coordinator heard nothing in time): its
                     # next message is refused and it handshakes again, as a new session.
                     self._at(self.now + w.spec.latency_s, _REJOIN, w, w.session)
-            elif isinstance(action, Drained):
-                pass
 
-    def _apply(self, decoded: Decoded) -> None:
+    def _account(self, step) -> None:
+        """A decoded round, applied or replanned."""
         self.rounds_decoded += 1
         costs = self.config.costs
         # the weighted sum of its slots' gradients and the optimizer step
-        self._charge((len(decoded.weights) + 1) * self.config.model_bytes / costs.bytes_per_s,
+        self._charge((step.terms + 1) * self.config.model_bytes / costs.bytes_per_s,
                      "sums and steps")
-        tau = self.gradients.version - decoded.version
-        weight = self.gradients.apply(decoded, self.scheduler)
-        useful = sum(self.used_compute.pop(s, 0.0) for s in decoded.slots)
-        if weight is None:
+        useful = sum(self.used_compute.pop(s, 0.0) for s in step.slots)
+        if isinstance(step, Replanned):
             self.rounds_replanned += 1
-            self.scheduler.replan(decoded)
-        else:
-            self.rounds_applied += 1
-            self.compute_useful += useful
-            self.samples_applied += decoded.samples
-            self.staleness[tau] = self.staleness.get(tau, 0) + 1
-            target = self.config.target_samples
-            if target is not None and self.samples_applied >= target:
-                self.time_to_target = self.now
-        self._perform(self._timed(self.scheduler.applied, self.gradients.version, self.now))
+            return
+        self.rounds_applied += 1
+        self.compute_useful += useful
+        self.samples_applied += step.samples
+        self.staleness[step.staleness] = self.staleness.get(step.staleness, 0) + 1
+        target = self.config.target_samples
+        if target is not None and self.samples_applied >= target:
+            self.time_to_target = self.now
 
     def _sample(self, step: float) -> None:
         t0, n0, busy0 = self._last_sample

@@ -9,6 +9,7 @@ the fleet's size: the curve and the events are ring buffers, at most `events_lim
 from __future__ import annotations
 
 import itertools
+import socket
 from collections import deque
 from typing import Any, Iterable, Optional, Sequence
 
@@ -100,3 +101,55 @@ def build_snapshot(scheduler: Scheduler, now: float, base: dict[str, Any],
     snap["events"] = events_after(events, cursor, events_limit)
     snap["cursor"] = last_event
     return snap
+
+
+def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool = False,
+                         events_limit: int = EVENTS_PER_STATUS) -> dict:
+    """The status endpoint's answer for a coordinator's `Training` (training.py) at `now`."""
+    config, core, scheduler = training.config, training.core, training.scheduler
+    target = config.target
+    counters = core.counters
+    base = {
+        "job": training.job.name, "fingerprint": training.fingerprint,
+        "instance": training.instance,
+        "state": "stopping" if stopping else "training",
+        "version": training.version, "samples": core.samples_applied,
+        "epoch": round(training.sampler.progress, 4), "epochs": config.epochs,
+        "train_samples": len(training.built.train), "elapsed_s": round(training.elapsed(now), 3),
+        "samples_per_s": round(core.samples_per_s(now), 2), "loss": core.train_loss,
+        "metrics": training.metrics, "target": str(target) if target else None,
+        "target_metric": target.metric if target else None,
+        "target_value": target.value if target else None,
+        "target_higher": target.higher_is_better if target else None,
+        "counters": dict(counters), "bad_messages": dict(training.bad_messages),
+        "trust": core.trust_summary(),
+        "host": _HOST,
+        "task": str(training.task_mode),
+        "bytes_per_sample": training.bytes_per_sample(),
+    }
+    staleness = config.staleness
+    stats = scheduler.stats
+    redundancy = {
+        "code": scheduler.last_code,
+        "predicted_s_per_sample": {k: round(v, 9) for k, v in scheduler.last_costs.items()},
+        "policy": "sync" if config.sync else str(scheduler.config.redundancy),
+        "partitions": config.partitions, "max_batch": config.max_batch,
+        "speculate": scheduler.config.speculate,
+        "slots_speculated": stats["slots_speculated"],
+        "slots_redundant": stats["slots_redundant"],
+        "rounds_by_code": {k: stats["rounds_" + k] for k in ("none", "replicate", "cyclic")
+                           if stats["rounds_" + k]},
+        "open_rounds_limit": config.open_rounds,
+        "staleness_rule": staleness.kind, "max_staleness": staleness.max_staleness,
+        "rounds_too_stale": counters["rounds_too_stale"],
+        "rounds_rejected": counters["rounds_rejected"],
+        "verify_replicas": scheduler.config.verify_replicas,
+        "replicas_agreed": stats["replicas_agreed"],
+        "replicas_disagreed": stats["replicas_disagreed"],
+    }
+    return build_snapshot(scheduler, now, base, curve=training.curve, events=training.events,
+                          cursor=cursor, last_event=training.event_id, redundancy=redundancy,
+                          events_limit=events_limit)
+
+
+_HOST = socket.gethostname()

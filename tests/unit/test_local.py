@@ -361,21 +361,25 @@ def test_a_checkpoint_resumes_across_task_kinds_without_mixing_optimizer_state(t
 
     ckpt = str(tmp_path / "ckpt")
     config = dict(job="digits", job_args={"hidden": 8}, checkpoint_dir=ckpt, threads=1)
+
+    def model_of(**extra):
+        return Coordinator(CoordinatorConfig(**config, **extra)).training.model
+
     first = Coordinator(CoordinatorConfig(**config))  # gradient tasks: the job's Adam
-    first.model.params.add_(0.5)
+    first.training.model.model.params.add_(0.5)
     first.save_checkpoint()
-    second = Coordinator(CoordinatorConfig(**config, task="local:4",
-                                           outer=outer.OuterConfig(lr=0.8, momentum=0.5)))
-    assert torch.equal(second.model.params, first.model.params)
+    second_coordinator = Coordinator(CoordinatorConfig(
+        **config, task="local:4", outer=outer.OuterConfig(lr=0.8, momentum=0.5)))
+    second = second_coordinator.training.model
+    assert torch.equal(second.model.params, first.training.model.model.params)
     assert isinstance(second.optimizer, torch.optim.SGD)
     group = second.optimizer.param_groups[0]
     assert group["lr"] == 0.8 and group["momentum"] == 0.5  # not Adam's lr from the checkpoint
     second.aggregator.apply(torch.ones(second.model.numel), 1, 0)  # momentum state to carry
-    second.save_checkpoint()
-    third = Coordinator(CoordinatorConfig(**config, task="local:auto",
-                                          outer=outer.OuterConfig(lr=0.8, momentum=0.5)))
+    second_coordinator.save_checkpoint()
+    third = model_of(task="local:auto", outer=outer.OuterConfig(lr=0.8, momentum=0.5))
     assert third.optimizer.state_dict()["state"]  # same kind: the outer momentum is carried
-    fourth = Coordinator(CoordinatorConfig(**config))
+    fourth = model_of()
     assert isinstance(fourth.optimizer, torch.optim.Adam) and not fourth.optimizer.state_dict()["state"]
 
 

@@ -8,8 +8,11 @@ import pytest
 
 from idlegrad.common import security
 from idlegrad.common.errors import ConfigError
+from idlegrad.coordinator.config import check
 from idlegrad.coordinator.server import Coordinator, CoordinatorConfig
 from idlegrad.worker import config
+
+from .fakes import RecordingTransport
 
 
 @pytest.mark.parametrize("address", [
@@ -74,15 +77,16 @@ def test_client_keys_both_or_neither(tmp_path):
 
 
 def _check(tmp_path, **kw):
-    return Coordinator._check_security(CoordinatorConfig(job="digits", **kw))
+    checked = check(CoordinatorConfig(job="digits", **kw))
+    return checked.keypair, checked.allowed
 
 
 def test_coordinator_security_settings(tmp_path, caplog):
-    assert _check(tmp_path) == (None, frozenset())  # loopback by default
+    assert _check(tmp_path) == (None, None)  # loopback by default
     with pytest.raises(ConfigError, match="refusing to listen on tcp://\\*:5555"):
         _check(tmp_path, bind="tcp://*:5555")
     with caplog.at_level("WARNING"):
-        assert _check(tmp_path, bind="tcp://*:5555", insecure=True) == (None, frozenset())
+        assert _check(tmp_path, bind="tcp://*:5555", insecure=True) == (None, None)
     assert "WITHOUT encryption" in caplog.text
     security.generate("coord", str(tmp_path / "k"))
     security.generate("w", str(tmp_path / "allow"))
@@ -106,7 +110,7 @@ def test_worker_config_takes_key_paths(tmp_path):
     assert "coordinator_key" in config.to_toml(settings)
 
 
-def test_a_banned_key_still_listed_is_not_heard(tmp_path, monkeypatch):
+def test_a_banned_key_still_listed_is_not_heard(tmp_path):
     """A ban is of the key: a monitor's commands need no hello, so without this a banned worker
     whose key is still in --allow-keys could pause training or drain the others."""
     import asyncio
@@ -114,36 +118,29 @@ def test_a_banned_key_still_listed_is_not_heard(tmp_path, monkeypatch):
     import zmq
 
     from idlegrad.common import protocol as proto
-    from idlegrad.coordinator import server
 
     keys, allowed = tmp_path / "keys", tmp_path / "allowed"
     security.generate("coordinator", keys)
     security.generate("evil", allowed)
     coordinator = Coordinator(CoordinatorConfig(
         job="digits", secret_key=str(keys / "coordinator.key_secret"), allow_keys=str(allowed)))
-    (evil_key,) = coordinator.allowed_keys
-    sent = []
-
-    async def send(route, msg, track=False):
-        sent.append(msg)
-
-    coordinator._send = send
-    monkeypatch.setattr(server, "_user_id", lambda frame: evil_key)
+    (evil_key,) = coordinator.gate.allowed
+    coordinator.transport = transport = RecordingTransport()
 
     def control():
         frames = [zmq.Frame(f) for f in (b"route", *proto.encode(proto.Control(action="pause")))]
-        asyncio.run(coordinator._handle(frames))
+        asyncio.run(coordinator.handle(frames, key=evil_key))
 
     control()
-    assert coordinator.scheduler.paused and isinstance(sent[-1], proto.ControlReply)
+    assert coordinator.scheduler.paused and isinstance(transport.sent[-1][1], proto.ControlReply)
     asyncio.run(coordinator.control("resume"))
     identity = "key:" + evil_key.decode()
     for t in range(3):  # non-finite gradients: an offence each, banned after --ban-after (3)
-        coordinator.trust.judge(identity, float("nan"), 1.0, float(t))
-    assert coordinator.trust.is_banned(identity)
-    sent.clear()
+        coordinator.core.trust.judge(identity, float("nan"), 1.0, float(t))
+    assert coordinator.core.trust.is_banned(identity)
+    transport.sent.clear()
     control()
-    assert not coordinator.scheduler.paused and sent == []
+    assert not coordinator.scheduler.paused and transport.sent == []
     assert coordinator.counters["messages_banned_key"] == 1
 
 

@@ -241,47 +241,39 @@ def test_copies_that_agree_withdraw_the_tasks_handed_out_with_them():
     crashed the coordinator: "no snapshot of version 0")."""
     import asyncio
     import time
-    import types
 
     import torch
 
+    from idlegrad.common import protocol as proto
     from idlegrad.coordinator.server import Coordinator, CoordinatorConfig
+
+    from .fakes import RecordingTransport
 
     coordinator = Coordinator(CoordinatorConfig(
         job="synthetic", job_args={"params": 2000, "samples": 256}, redundancy="replicate:3",
         verify_replicas=True, open_rounds=1, speculate=False, heartbeat_s=1000))
-    sent = []
-
-    async def send(route, msg, track=False):
-        sent.append((route.decode(), type(msg).__name__, getattr(msg, "version", None)))
-
-    coordinator._send = send
-    s = coordinator.scheduler
+    coordinator.transport = transport = RecordingTransport()
+    core, s = coordinator.core, coordinator.scheduler
 
     async def go():
         for w in ("e", "a", "b"):
             coordinator.routes[w] = w.encode()
-            await coordinator._perform(s.join(w, {}, time.monotonic()))
+            await coordinator.perform(core.join(w, {}, w, time.monotonic()))
             if w == "e":  # paused while the round is dealt: its third copy waits
                 s.seen("e", time.monotonic(), "paused")
-            await coordinator._perform(s.ready(w, 1, time.monotonic()))
+            await coordinator.perform(core.ready(w, 1, time.monotonic()))
         held = {w: next(iter(s.workers[w].assigned)) for w in ("a", "b")}
-        g = torch.randn(coordinator.model.numel) * 1e-3
-
-        def result(slot):
-            return types.SimpleNamespace(slot=slot, compute_s=0.1, waited_s=0.0, samples=1,
-                                         loss=1.0)
-
-        await coordinator._use_result("a", result(held["a"]), [g.clone()], float(g.norm()),
-                                      time.monotonic())
-        s.seen("e", time.monotonic(), "idle")  # hungry again: the next fill hands it the copy
-        await coordinator._use_result("b", result(held["b"]), [g.clone()], float(g.norm()),
-                                      time.monotonic())
+        g = torch.randn(coordinator.training.model.model.numel) * 1e-3
+        for w in ("a", "b"):
+            if w == "b":
+                s.seen("e", time.monotonic(), "idle")  # hungry again: the next fill hands it the copy
+            await coordinator.perform(core.result(w, held[w], [g.clone()], float(g.norm()), 0.1,
+                                                  time.monotonic(), samples=1, loss=1.0))
 
     asyncio.run(go())
-    assert coordinator.aggregator.version == 1
-    tasks_to_e = [version for route, kind, version in sent if route == "e" and kind == "Task"]
-    assert tasks_to_e == [1], sent  # only the next round's task, at the new version
+    assert coordinator.version == 1
+    tasks_to_e = [m.version for m in transport.to(b"e", proto.Task)]
+    assert tasks_to_e == [1], transport.sent  # only the next round's task, at the new version
 
 
 def test_a_comparison_goes_out_alone_and_the_fill_waits_for_its_verdict():

@@ -1,0 +1,134 @@
+"""The coordinator's settings, checked once, before anything is built or bound: a wrong value is
+one line (ConfigError), never a traceback after start-up."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..common import coding
+from ..common import protocol as proto
+from ..common import security
+from ..common.coding import Redundancy
+from ..common.errors import ConfigError, JobError
+from . import local
+from .aggregator import StalenessRule
+from .local import TaskMode
+from .outer import OuterConfig
+from .target import Target
+from .trust import TrustConfig, check_verify_replicas
+
+log = logging.getLogger("idlegrad.coordinator")
+
+
+@dataclass
+class CoordinatorConfig:
+    job: str
+    job_args: dict[str, Any] = field(default_factory=dict)
+    bind: str = "tcp://127.0.0.1:5555"
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: float = 60.0
+    metrics_path: Optional[str] = None
+    epochs: Optional[int] = None
+    target: Optional[Target] = None
+    seed: int = 0
+    heartbeat_s: float = 1.0
+    liveness: int = 3
+    partitions: int = 1
+    open_rounds: int = 0
+    staleness: StalenessRule = field(default_factory=StalenessRule)
+    eval_every: Optional[float] = None  # None: adaptive, at most ~10% of the time
+    min_deadline_s: float = 30.0
+    threads: Optional[int] = None
+    pause_grace_s: float = 5.0  # a worker paused by its owner keeps its slots this long
+    redundancy: str = "none"  # none | replicate:R | cyclic:S | adaptive (coding.parse_redundancy)
+    sync: bool = False  # synchronous SGD: one round, code none, a partition per ready worker
+    max_batch: Optional[int] = None  # cap on a round's batch
+    speculate: bool = True  # duplicate late slots to free workers (never with sync)
+    secret_key: Optional[str] = None  # CURVE: this coordinator's NAME.key_secret file
+    allow_keys: Optional[str] = None  # CURVE: directory of the workers' and monitors' NAME.key files
+    insecure: bool = False  # without keys, listen beyond loopback anyway
+    trust: TrustConfig = field(default_factory=TrustConfig)  # outlier gradients, offences, bans
+    ledger_path: Optional[str] = None  # JSON lines: slots sent, results acknowledged, rounds applied
+    task: str = "gradient"  # gradient | local:H | local:auto (local.parse_task)
+    outer: OuterConfig = field(default_factory=OuterConfig)  # local tasks' outer optimizer
+    local_slot_s: float = 5.0  # local:auto: the least compute seconds of a slot
+    local_max_steps: int = 500  # local:auto: at most this many inner steps per slot
+    local_link_factor: float = local.TaskMode.link_factor  # local:auto: compute / link seconds
+    result_dtype: str = "float32"  # results on the wire: float32 or bfloat16 (workers round)
+    verify_replicas: bool = False  # a replicated row counts once two copies of it agree
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What the checks found: the parsed forms the coordinator is built from."""
+
+    task_mode: TaskMode
+    redundancy: Redundancy
+    keypair: Optional[tuple[bytes, bytes]]  # CURVE: (public, secret); None without keys
+    allowed: Optional[frozenset[bytes]]  # CURVE: the keys that may connect; None without keys
+
+
+def check(config: CoordinatorConfig) -> Checked:
+    """Every setting, in the order a user would fix them; ConfigError with one line."""
+    keypair, allowed = _check_security(config)
+    low, high = proto.HEARTBEAT_S_RANGE
+    if not low <= config.heartbeat_s <= high:
+        raise ConfigError(f"--heartbeat must be from {low:g} to {high:g} seconds (workers "
+                          f"refuse a welcome outside that), not {config.heartbeat_s:g}")
+    task_mode = local.parse_task(config.task, config.local_slot_s,
+                                 max_steps=config.local_max_steps,
+                                 link_factor=config.local_link_factor)
+    redundancy = coding.parse_redundancy(config.redundancy)
+    local.check_redundancy(task_mode, redundancy, config.sync)
+    if config.verify_replicas:
+        check_verify_replicas(redundancy, config.sync, config.result_dtype)
+    _check_paths(config)
+    return Checked(task_mode, redundancy, keypair, allowed)
+
+
+def _check_paths(config: CoordinatorConfig) -> None:
+    """Where the coordinator writes, made ready before anything starts: a path it cannot write
+    is one line now, not a traceback after binding (or checkpoints that never save)."""
+    flag, path = "", ""
+    try:
+        if config.checkpoint_dir:
+            flag, path = "--checkpoint-dir", config.checkpoint_dir
+            os.makedirs(path, exist_ok=True)
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied")
+        for flag, path in (("--metrics", config.metrics_path), ("--ledger", config.ledger_path)):
+            if path:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                open(path, "a").close()
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot write there: {exc.strerror or exc}") from None
+
+
+def _check_security(config: CoordinatorConfig):
+    """The CURVE key pair and allow-list, or (None, None) for a plain loopback coordinator."""
+    security.check_address(config.bind, "--bind", bind=True)
+    if (config.secret_key is None) != (config.allow_keys is None):
+        raise ConfigError("--secret-key and --allow-keys go together: give both or neither")
+    if config.secret_key is not None:
+        return security.load_keypair(config.secret_key), security.load_allowed(config.allow_keys)
+    if not security.is_loopback(config.bind):
+        if not config.insecure:
+            raise ConfigError(
+                f"refusing to listen on {config.bind} without keys: anyone who reaches it could "
+                "train your model; give --secret-key and --allow-keys (see `idlegrad keys "
+                "generate`), bind to 127.0.0.1, or say --insecure")
+        log.warning("listening on %s WITHOUT encryption or authentication (--insecure): "
+                    "anyone who can reach it may join and send gradients", config.bind)
+    return None, None
+
+
+def naming_job_args(exc: JobError, job_args: dict) -> JobError:
+    """A job that failed to build says so in its own terms (a torch error about a tensor's size,
+    say); the --job-arg values it was given are usually the cause, so the line names them."""
+    if not job_args:
+        return exc
+    given = " ".join(f"--job-arg {k}={v!r}" for k, v in job_args.items())
+    return JobError(f"{exc} (given {given})")

@@ -1,0 +1,64 @@
+"""What the round core asks its driver to do, beside the scheduler's own actions (`Assign`,
+`CancelSlots`, `Drained`, `Evicted`). Plain records: the server turns them into messages, log
+lines and ledger records; the simulator into virtual events and accounting."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    text: str
+    worker: Optional[str] = None
+    level: int = logging.INFO
+
+
+@dataclass(frozen=True)
+class Applied:
+    round: int
+    version: int  # the model's version after the step
+    parts: list
+    samples: int
+    staleness: int
+    weight: float
+    terms: int  # results summed
+    slots: list  # every slot of the round
+
+
+@dataclass(frozen=True)
+class Replanned:
+    round: int
+    staleness: int
+    terms: int
+    slots: list
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Compute slot `slot` here, exactly as a worker does, on the model at `version`; then call
+    the core's `computed` with the result (or the error). One at a time."""
+
+    slot: int
+    version: int
+    parts: list
+    coefficients: list
+    kind: str
+    steps: int
+
+
+@dataclass(frozen=True)
+class Ban:
+    """Send this worker home as banned and forget its connection."""
+
+    worker: str
+
+
+@dataclass(frozen=True)
+class Used:
+    """A worker's result for `slot` was taken into its round (the ledger's acknowledgement)."""
+
+    slot: int

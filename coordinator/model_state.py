@@ -1,0 +1,138 @@
+"""The coordinator's model: parameters, optimizer, the snapshots tasks are sent from, and the
+computations the coordinator makes itself. The server's backend for the round core (torch; no
+sockets, no clock).
+
+Snapshots: a task at version v carries the model at v, sent zero-copy and asynchronously, so the
+live parameters (which the next step changes) must not be what its frames point at. A snapshot
+is made when a model is first sent at the current version, or just before a step while an open
+round still needs the current version; it goes back to a pool of buffers once no open round
+needs it and ZeroMQ is done sending it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..common import protocol as proto
+from ..common.job import BuiltJob, FlatModel, coded_gradient, evaluate, local_change
+from ..common.tensors import (TORCH_DTYPES, BufferPool, blob_chunks, distance, finite_norm,
+                              to_blob)
+from .aggregator import Aggregator, StalenessRule
+from .effects import Compute
+
+log = logging.getLogger("idlegrad.coordinator")
+
+
+class ModelState:
+    def __init__(self, built: BuiltJob, optimizer: torch.optim.Optimizer, rule: StalenessRule,
+                 seed: int, result_dtype: str = "float32", version: int = 0,
+                 copy_threshold_bytes: int = 0):
+        self.built = built
+        self.model: FlatModel = built.model
+        self.optimizer = optimizer
+        self.seed = seed
+        self.aggregator = Aggregator(self.model, optimizer, rule, version)
+        self.result_dtype = (self.model.dtype if result_dtype == "float32"
+                             else TORCH_DTYPES[result_dtype])
+        # version -> (model, its blob, trackers of the zero-copy sends of it)
+        self._snapshots: dict[int, tuple[torch.Tensor, proto.Blob, list]] = {}
+        self._buffers = BufferPool(self.model.numel, self.model.dtype)
+        # below ZeroMQ's copy threshold a model is copied at send: cheaper than tracking it
+        self.copy_numel = copy_threshold_bytes // self.model.params.element_size()
+        self._scratch: Optional[FlatModel] = None  # for the coordinator's own computations
+        self._eval_model: Optional[FlatModel] = None
+
+    @property
+    def version(self) -> int:
+        return self.aggregator.version
+
+    # the round core's backend -------------------------------------------------------------------
+
+    def apply(self, terms, norms: Sequence[float], samples: int, round_version: int,
+              in_use: Callable[[int], bool]) -> Optional[float]:
+        current = self.version
+        if in_use(current):
+            self.blob(current)  # rounds still open at this version need it kept
+        weight = self.aggregator.apply_terms(terms, samples, round_version, norms)
+        if weight is not None:
+            for version in [v for v in self._snapshots if not in_use(v)]:
+                tensor, _, trackers = self._snapshots.pop(version)
+                self._buffers.give(tensor, trackers)
+        return weight
+
+    def distance(self, a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+        return distance(a, b)
+
+    def size(self, a: list[torch.Tensor]) -> float:
+        return finite_norm(a)
+
+    # the wire ---------------------------------------------------------------------------------
+
+    def gradient_of(self, blob: proto.Blob) -> list[torch.Tensor]:
+        """A result's frames as chunks of a flat gradient in the model's dtype (ProtocolError
+        when they are not one)."""
+        grad = blob_chunks(blob, self.model.numel, self.result_dtype)
+        if self.result_dtype != self.model.dtype:  # bfloat16 on the wire: widen, once
+            grad = [chunk.to(self.model.dtype) for chunk in grad]
+        return grad
+
+    def blob(self, version: int) -> proto.Blob:
+        """The model at `version`, as an immutable copy in a reused buffer."""
+        snap = self._snapshots.get(version)
+        if snap is None:
+            if version != self.version:
+                raise RuntimeError(f"no snapshot of version {version}")  # a scheduler bug
+            tensor = self._buffers.take()
+            tensor.copy_(self.model.params.detach())
+            snap = (tensor, to_blob(tensor), [])
+            self._snapshots[version] = snap
+        return snap[1]
+
+    def tracked(self, version: int, tracker) -> None:
+        """A zero-copy send of the snapshot at `version` is under way."""
+        self._snapshots[version][2].append(tracker)
+
+    # the coordinator's own computations ---------------------------------------------------------
+
+    def computation(self, request: Compute) -> Optional[Callable[[], list[torch.Tensor]]]:
+        """A callable computing `request` exactly as a worker does (run it in a thread), or None
+        when its model version is no longer kept."""
+        snap = self._snapshots.get(request.version)
+        if snap is not None:
+            params = snap[0]
+        elif request.version == self.version:
+            params = self.model.params.detach().clone()
+        else:
+            return None
+        if self._scratch is None:
+            self._scratch = FlatModel(self.built.job.build_model())
+        job, train, seed, model = self.built.job, self.built.train, self.seed, self._scratch
+        if request.kind == "local":
+            (part,), (coefficient,) = request.parts, request.coefficients
+            return lambda: [local_change(job, model, params, train, seed, part, coefficient,
+                                         request.steps).change]
+        return lambda: [coded_gradient(job, model, params, train, seed, request.parts,
+                                       request.coefficients)]
+
+    def evaluation(self) -> Callable[[], dict]:
+        """A callable evaluating the model as it is now on the test set (run it in a thread:
+        it works on a copy, so training goes on meanwhile)."""
+        if self._eval_model is None:
+            self._eval_model = FlatModel(self.built.job.build_model())
+        self._eval_model.load(self.model.params)
+        model, job, test = self._eval_model, self.built.job, self.built.test
+        return lambda: evaluate(job, model.module, test)
+
+    # checkpoints ------------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        return {"params": self.model.params.detach().clone(),
+                "optimizer": self.optimizer.state_dict()}
+
+    def load(self, state: dict, with_optimizer: bool) -> None:
+        self.model.load(state["params"])
+        if with_optimizer:
+            self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,292 @@
+"""The round core: every decision the coordinator makes about rounds, run by both its drivers.
+
+It owns the scheduler, the gradient store (the results of open rounds), the trust screening and
+the settlement of suspects and disagreeing copies (`verify.py`), and a model backend that applies
+decoded rounds. Each call takes what happened and `now`, and returns what the driver must do:
+
+- to a worker: `Assign` (send a task), `CancelSlots`, `Drained` (send it home), `Ban` (refuse and
+  forget it), `Evicted` (forget its connection);
+- here: `Compute` (compute a slot exactly as a worker would, then call `computed`);
+- to record: `Applied` (a step taken: ledger, rate), `Replanned`, `Event` (the event log).
+
+No sockets, no clock, no threads. The server (`server.py`) runs it against ZeroMQ and real time,
+the simulator (`simulator.py`) against a fleet in virtual time: both get the same interpretation
+of the scheduler's actions (decode, apply or replan, compare copies, settle).
+
+The model backend is whatever applies rounds: the server's `ModelState` (torch, snapshots for
+the wire), the simulator's costless or real gradients. It offers `version`, `apply(terms, norms,
+samples, round_version, in_use)` (the staleness weight used, None when too stale; raises
+GradientRejected), and `distance(a, b)` / `size(a)` over stored results.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter, deque
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+from ..common.errors import GradientRejected
+from .effects import Applied, Ban, Compute, Event, Replanned, Used
+from .scheduler import Assign, CompareCopies, Decoded, Drained, Evicted, Scheduler
+from .trust import TrustPolicy
+from .verify import Settlement, Stored
+
+__all__ = ["RoundCore", "Backend", "Stored", "Applied", "Ban", "Compute", "Event", "Replanned",
+           "Used"]
+
+log = logging.getLogger("idlegrad.coordinator")
+
+
+class Backend(Protocol):
+    version: int
+
+    def apply(self, terms, norms: Sequence[float], samples: int, round_version: int,
+              in_use: Callable[[int], bool]) -> Optional[float]: ...
+
+    def distance(self, a: Any, b: Any) -> float: ...
+
+    def size(self, a: Any) -> float: ...
+
+
+class RoundCore:
+    """Rounds from task to step. `identity` of a worker is who trust judges and bans (its CURVE
+    key, or its worker id without keys): the driver names it when the worker joins."""
+
+    def __init__(self, scheduler: Scheduler, backend: Backend, trust: TrustPolicy,
+                 task_shape: Callable[[Any], tuple[str, int]] = lambda parts: ("gradient", 0),
+                 samples_applied: int = 0):
+        self.scheduler = scheduler
+        self.backend = backend
+        self.trust = trust
+        self.task_shape = task_shape  # a slot's parts -> (kind, inner steps)
+        self.store: dict[int, Stored] = {}  # slot -> its arrived result, while its round is open
+        self.identities: dict[str, str] = {}  # worker id -> its identity
+        self.identity_names: dict[str, str] = {}  # identity -> the worker id it last used
+        self.counters: Counter[str] = Counter()
+        self.samples_applied = samples_applied
+        self.train_loss: Optional[float] = None
+        self.rate: deque[tuple[float, int]] = deque(maxlen=512)  # (time, samples applied)
+        self.settlement = Settlement(self)
+
+    @property
+    def version(self) -> int:
+        return self.backend.version
+
+    def identity(self, worker_id: str) -> str:
+        return self.identities.get(worker_id, worker_id)
+
+    # what happened (each call returns what the driver must do) ------------------------------
+
+    def join(self, worker_id: str, info: dict, identity: str, now: float) -> list:
+        self.identities[worker_id] = identity
+        if identity != worker_id:  # keys (a bounded set) are shown by the name they last used
+            self.identity_names[identity] = worker_id
+        return self.interpret(self.scheduler.join(worker_id, info, now), now)
+
+    def ready(self, worker_id: str, credits: int, now: float) -> list:
+        return self.interpret(self.scheduler.ready(worker_id, credits, now), now)
+
+    def resend(self, worker_id: str, now: float) -> list:
+        return self.interpret(self.scheduler.resend(worker_id, now), now)
+
+    def leave(self, worker_id: str, reason: str, now: float) -> list:
+        return self._leave(worker_id, reason, now)
+
+    def tick(self, now: float) -> list:
+        return self.interpret(self.scheduler.tick(now), now)
+
+    def stop(self, now: float) -> list:
+        return self.interpret(self.scheduler.stop(), now)
+
+    def seen(self, worker_id: str, state: Optional[str], now: float) -> list:
+        """A heartbeat: the worker is alive, and says whether its owner needs the machine."""
+        record = self.scheduler.workers.get(worker_id)
+        was_paused = record is not None and record.paused_since is not None
+        self.scheduler.seen(worker_id, now, state)
+        if record is None or was_paused == (state == "paused"):
+            return []
+        if was_paused:
+            return [Event("worker_resumed", f"{worker_id} resumed", worker_id)]
+        return [Event("worker_paused", f"{worker_id} paused: its owner needs the machine; its "
+                                       f"{len(record.assigned)} slots are withdrawn after "
+                                       f"{self.scheduler.config.pause_grace_s:g}s", worker_id)]
+
+    def control(self, action: str, worker: Optional[str], now: float) -> tuple[bool, str, list]:
+        """An operator's command: pause, resume, or drain a worker. (ok, what it did, effects)"""
+        scheduler = self.scheduler
+        if action == "pause":
+            if scheduler.paused:
+                return True, "training was already paused", []
+            scheduler.pause()
+            return True, "training paused", [Event("pause", "training paused by the operator: "
+                                                            "no new slots")]
+        if action == "resume":
+            if not scheduler.paused:
+                return True, "training was not paused", []
+            return True, "training resumed", [Event("resume", "training resumed by the operator")
+                                              ] + self.interpret(scheduler.resume(now), now)
+        if action == "drain":
+            if worker not in scheduler.workers:
+                return False, f"no worker {str(worker)[:80]!r}", []
+            return True, f"{worker} draining", [
+                Event("drain", f"{worker} draining: it finishes its slots, then leaves", worker)
+            ] + self.interpret(scheduler.drain(worker, now), now)
+        return False, f"unknown action {action[:20]!r}", []
+
+    def malformed(self, worker_id: str, slot: int, now: float) -> list:
+        """A result whose gradient could not be read: the slot goes to someone else, and it is
+        an offence of its sender."""
+        out = self.interpret(self.scheduler.failed(worker_id, slot, now), now)
+        if self.trust.offence(self.identity(worker_id), "malformed", now):
+            out += self.ban(worker_id, now)
+        return out
+
+    def result(self, worker_id: str, slot: int, gradient: Any, norm: float, compute_s: float,
+               now: float, waited_s: float = 0.0, samples: int = 0,
+               loss: float = math.nan) -> list:
+        """A worker's result for `slot`: `gradient` as the backend stores it, `norm` its L2 norm
+        (inf or nan when not finite). Screened, then used, settled or refused."""
+        identity = self.identity(worker_id)
+        scale = self.scheduler.slot_scale(worker_id, slot)
+        if not math.isfinite(norm):
+            verdict = self.trust.judge(identity, math.nan, 1.0, now)
+        elif scale is not None:  # a result for a slot it does not hold is dropped below anyway
+            verdict = self.trust.judge(identity, norm, scale, now)
+        else:
+            verdict = None
+        stored = Stored(gradient, norm, worker_id, identity, compute_s, waited_s, samples, loss)
+        if verdict is not None and verdict.reason == "norm":
+            return self.settlement.suspect(slot, stored, scale, verdict.detail, now)
+        if verdict is not None and not verdict.ok:
+            return self.refuse(worker_id, slot, verdict.reason, verdict.detail, verdict.banned,
+                               now)
+        return self.use(slot, stored, now)
+
+    def computed(self, reference: Any, error: Optional[str], now: float) -> list:
+        """The computation asked for by the last `Compute` is done (`error` if it failed)."""
+        return self.settlement.computed(reference, error, now)
+
+    # decisions (interpreted, not yet filtered: for the entry points above and verify.py) -------
+
+    def use(self, slot: int, stored: Stored, now: float) -> list:
+        """Hand a screened result to the scheduler; kept if its round still needs it."""
+        accepted, actions = self.scheduler.result(stored.worker, slot, stored.compute_s, now,
+                                                  stored.waited_s)
+        if not accepted:
+            self.counters["results_dropped"] += 1
+            return self.interpret(actions, now)
+        self.store[slot] = stored
+        if stored.samples and math.isfinite(stored.loss):
+            self.train_loss = stored.loss if self.train_loss is None else (
+                0.9 * self.train_loss + 0.1 * stored.loss)
+        return [Used(slot)] + self.interpret(actions, now)
+
+    def refuse(self, worker_id: str, slot: int, reason: str, detail: str, banned: bool,
+               now: float) -> list:
+        self.counters["gradients_rejected"] += 1
+        self.counters["rejected_" + reason.replace("-", "_")] += 1
+        out = [Event("rejected", f"{detail} from {worker_id} for slot {slot}", worker_id,
+                     logging.WARNING)]
+        out += self.interpret(self.scheduler.failed(worker_id, slot, now), now)
+        if banned:
+            out += self.ban(worker_id, now)
+        return out
+
+    def ban(self, worker_id: str, now: float, identity: Optional[str] = None) -> list:
+        """`identity`: the banned one, where the worker may have left meanwhile."""
+        identity = identity if identity is not None else self.identity(worker_id)
+        offender = self.trust.offenders[identity]
+        self.counters["workers_banned"] += 1
+        out = [Event("banned", f"{worker_id} banned after {offender.total} offences "
+                               f"({', '.join(f'{k} x{v}' for k, v in offender.reasons.items())})",
+                     worker_id, logging.WARNING)]
+        if self.identity(worker_id) != identity:
+            return out  # the id is someone else's now (the banned one left; another key took it)
+        return out + [Ban(worker_id)] + self._leave(worker_id, "banned", now)
+
+    def compute_request(self, slot_id: int) -> Compute:
+        version, parts, coefficients = self.scheduler.slot_task(slot_id)
+        kind, steps = self.task_shape(parts)
+        return Compute(slot_id, version, parts, coefficients, kind, steps)
+
+    def _leave(self, worker_id: str, reason: str, now: float) -> list:
+        if worker_id not in self.scheduler.workers:
+            return []
+        return self.interpret(self.scheduler.leave(worker_id, now, reason), now)
+
+    # the interpretation of the scheduler's actions ----------------------------------------------
+
+    def interpret(self, actions: list, now: float) -> list:
+        """The scheduler's actions, with those the core performs itself (decode and step,
+        compare copies) replaced by what they lead to, in order."""
+        out = []
+        for action in actions:
+            if isinstance(action, Assign):
+                out.append(action)
+            elif isinstance(action, Decoded):
+                out += self._apply(action, now)
+            elif isinstance(action, CompareCopies):
+                out += self.settlement.compare(action, now)
+            elif isinstance(action, Drained):
+                out.append(Event("drained", f"{action.worker} drained; sending it home",
+                                 action.worker))
+                out.append(action)
+            elif isinstance(action, Evicted):
+                self.identities.pop(action.worker, None)
+                out.append(Event("leave", f"{action.worker} left ({action.reason}); "
+                                          f"{action.requeued} slots requeued", action.worker))
+                out.append(action)
+            else:
+                out.append(action)
+        return out
+
+    def _apply(self, decoded: Decoded, now: float) -> list:
+        """Step with a decoded round (or replan it), then let the scheduler go on."""
+        store = self.store
+        terms = [(store[s].gradient, w) for s, w in decoded.weights.items()]
+        norms = [store[s].norm for s in decoded.weights]
+        for slot in decoded.slots:
+            store.pop(slot, None)
+        staleness = self.backend.version - decoded.version
+        out: list = []
+        try:
+            weight = self.backend.apply(terms, norms, decoded.samples, decoded.version,
+                                        self.scheduler.version_in_use)
+        except GradientRejected as exc:
+            self.counters["rounds_rejected"] += 1
+            out.append(Event("rejected", f"round {decoded.round}: {exc}", None, logging.WARNING))
+            weight = None
+        else:
+            if weight is None:
+                self.counters["rounds_too_stale"] += 1
+        if weight is None:
+            self.scheduler.replan(decoded)
+            out.append(Replanned(decoded.round, staleness, len(terms), decoded.slots))
+        else:
+            self.samples_applied += decoded.samples
+            self.rate.append((now, self.samples_applied))
+            out.append(Applied(decoded.round, self.backend.version, decoded.parts,
+                               decoded.samples, staleness, weight, len(terms), decoded.slots))
+        return out + self.interpret(self.scheduler.applied(self.backend.version, now), now)
+
+    # figures ----------------------------------------------------------------------------------
+
+    def samples_per_s(self, now: float, window: float = 5.0) -> float:
+        if len(self.rate) < 2:
+            return 0.0
+        end_t, end_n = self.rate[-1]
+        now = max(now, end_t)  # so the rate decays to 0 when nothing is applied
+        for t, n in self.rate:
+            if now - t <= window:
+                break
+        else:
+            return 0.0
+        return (end_n - n) / (now - t) if now > t else 0.0
+
+    def trust_summary(self) -> dict:
+        summary = self.trust.summary()
+        name = lambda identity: self.identity_names.get(identity, identity)  # noqa: E731
+        summary["banned"] = [name(i) for i in summary["banned"]]
+        summary["offenders"] = {name(i): o for i, o in summary["offenders"].items()}
+        return summary

@@ -1,0 +1,224 @@
+"""The coordinator's state apart from its socket: the job, the model, the round core, the
+evaluation plan, checkpoints, the event log and what the status and metrics report. No sockets,
+no clock (`now` is an argument), no threads: the server owns those.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket as pysocket
+import time
+from collections import Counter, deque
+from typing import Optional
+
+import torch
+
+from ..common.errors import CheckpointError, ConfigError, JobError
+from ..common.job import build, evaluate, load_job, reference_gradient_norm
+from ..common.job import FlatModel
+from . import checkpoint, local, outer
+from .config import Checked, CoordinatorConfig, naming_job_args
+from .effects import Event
+from .evaluation import EvaluationPlan
+from .model_state import ModelState
+from .rounds import RoundCore
+from .sampler import Sampler
+from .scheduler import Scheduler, SchedulerConfig
+from .status import CURVE_POINTS
+from .target import Target
+from .trust import TrustPolicy
+
+log = logging.getLogger("idlegrad.coordinator")
+
+
+class Training:
+    EVENTS_KEPT = 1000
+
+    def __init__(self, config: CoordinatorConfig, checked: Checked, copy_threshold_bytes: int = 0):
+        self.config = config
+        self.task_mode = checked.task_mode
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        try:
+            job = load_job(config.job, config.job_args)
+            self.built = build(job, seed=config.seed)
+        except JobError as exc:
+            raise naming_job_args(exc, config.job_args) from None
+        if config.target is not None:
+            self._check_target(config.target)
+        module = self.built.model.module
+        optimizer = (outer.build(module.parameters(), config.outer) if self.task_mode.local
+                     else job.build_optimizer(module.parameters()))
+        self.sampler = Sampler(len(self.built.train), config.epochs)
+        self.elapsed_before = 0.0  # training time of earlier runs resumed from a checkpoint
+        self.metrics: dict[str, float] = {}
+        state = checkpoint.load(config.checkpoint_dir) if config.checkpoint_dir else None
+        version, next_id, samples = 0, 1, 0
+        if state is not None:
+            version, next_id, samples = self._resume(state)
+        self.model = ModelState(self.built, optimizer, config.staleness, config.seed,
+                                config.result_dtype, version, copy_threshold_bytes)
+        if state is not None:
+            kind = state.get("task_kind", "gradient")
+            if kind != self.task_mode.kind:  # the job's optimizer and the outer one share no state
+                log.warning("the checkpoint was trained with %s tasks: its optimizer state is "
+                            "not carried over to %s tasks", kind, self.task_mode.kind)
+            self.model.load(state, with_optimizer=kind == self.task_mode.kind)
+        scheduler = Scheduler(
+            SchedulerConfig(batch_size=job.batch_size, partitions=config.partitions,
+                            open_rounds=config.open_rounds, heartbeat_s=config.heartbeat_s,
+                            liveness=config.liveness, min_deadline_s=config.min_deadline_s,
+                            pause_grace_s=config.pause_grace_s, redundancy=checked.redundancy,
+                            sync=config.sync, max_batch=config.max_batch,
+                            speculate=config.speculate and not config.sync,
+                            verify_replicas=config.verify_replicas),
+            self.sampler, version=version, next_id=next_id)
+        task_mode, batch = self.task_mode, job.batch_size
+        if task_mode.local:
+            scheduler.slot_samples = lambda s_per_sample, link_s: (
+                task_mode.slot_samples(s_per_sample, batch, link_s))
+        self.core = RoundCore(scheduler, self.model, self._trust(), self._task_shape,
+                              samples_applied=samples)
+        self.plan = EvaluationPlan(config.eval_every, config.target)
+        self.bad_messages: Counter[str] = Counter()  # by reason
+        self.events: deque[dict] = deque(maxlen=self.EVENTS_KEPT)
+        self.event_id = 0
+        self.curve: deque[dict] = deque(maxlen=CURVE_POINTS)  # recent evaluations, for monitors
+        self.instance = f"{pysocket.gethostname()}-{os.getpid()}-{time.time():.3f}"
+        self.started = 0.0  # scheduler time the serving began
+
+    @property
+    def job(self):
+        return self.built.job
+
+    @property
+    def fingerprint(self) -> str:
+        return self.built.fingerprint
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def version(self) -> int:
+        return self.model.version
+
+    def elapsed(self, now: float) -> float:
+        return self.elapsed_before + now - self.started
+
+    def _task_shape(self, parts) -> tuple[str, int]:
+        if not self.task_mode.local:
+            return "gradient", 0
+        return "local", local.inner_steps(sum(p[2] for p in parts), self.built.job.batch_size)
+
+    def _trust(self) -> TrustPolicy:
+        """Trust screening seeded with the norm of an honest gradient, computed here."""
+        job = self.built.job
+        scratch = FlatModel(job.build_model())
+        scratch.load(self.built.model.params)
+        try:
+            reference = reference_gradient_norm(job, scratch, self.built.train, self.config.seed)
+        except Exception as exc:  # the job's own code: one line, not a traceback
+            raise JobError(f"job {job.name!r}: its loss failed on the first training samples: "
+                           f"{type(exc).__name__}: {exc}"[:500]) from None
+        return TrustPolicy(self.config.trust, reference=reference)
+
+    def _check_target(self, target: Target) -> None:
+        """A target on a metric the job does not report is one line now, not an error after the
+        first evaluation. The names come from evaluating a few test samples."""
+        few = torch.utils.data.Subset(self.built.test, range(min(8, len(self.built.test))))
+        try:
+            names = evaluate(self.built.job, self.built.model.module, few).keys()
+        except Exception:  # noqa: BLE001 - the job's own code: the first real evaluation will say
+            return
+        if target.metric not in names:
+            raise ConfigError(f"--target {target}: the job reports no metric {target.metric!r}; "
+                              f"its metrics are {', '.join(sorted(names))}")
+
+    # events -----------------------------------------------------------------------------------
+
+    def event(self, kind: str, text: str, worker: Optional[str] = None,
+              level: int = logging.INFO) -> None:
+        self.event_id += 1
+        self.events.append({"id": self.event_id, "time": time.time(), "kind": kind,
+                            "worker": worker, "text": text})
+        log.log(level, "%s: %s", kind, text)
+
+    def record(self, event: Event) -> None:
+        self.event(event.kind, event.text, event.worker, event.level)
+
+    # evaluations --------------------------------------------------------------------------------
+
+    def evaluated(self, version: int, samples: int, metrics: dict, seconds: float,
+                  now: float) -> str:
+        """An evaluation is done: kept for the curve, judged by the plan (evaluation.py)."""
+        self.metrics = metrics
+        self.curve.append({"t": round(self.elapsed(now), 3), "version": version,
+                           "samples": samples, "loss": self.core.train_loss,
+                           "metrics": dict(metrics)})
+        return self.plan.record(version, metrics, seconds, now, self.version)
+
+    def metrics_record(self, now: float, version: Optional[int] = None,
+                       samples: Optional[int] = None) -> dict:
+        """A line of the metrics log."""
+        core = self.core
+        return {
+            "time": time.time(), "elapsed": round(self.elapsed(now), 4),
+            "version": self.version if version is None else version,
+            "samples": core.samples_applied if samples is None else samples,
+            "epoch": round(self.sampler.progress, 4), "loss": core.train_loss,
+            "metrics": self.metrics, "workers": len(self.scheduler.workers),
+            "samples_per_s": round(core.samples_per_s(now), 2),
+            "bytes_per_sample": self.bytes_per_sample(), "task": str(self.task_mode),
+        }
+
+    def bytes_per_sample(self) -> Optional[float]:
+        """Wire bytes, both ways, per sample applied."""
+        samples = self.core.samples_applied
+        if not samples:
+            return None
+        counters = self.core.counters
+        return round((counters["bytes_sent"] + counters["bytes_received"]) / samples, 1)
+
+    # checkpoints ------------------------------------------------------------------------------
+
+    def _resume(self, state: dict) -> tuple[int, int, int]:
+        if state["fingerprint"] != self.built.fingerprint:
+            raise CheckpointError(
+                f"the checkpoint in {self.config.checkpoint_dir} is for job {state['job']!r} "
+                f"(fingerprint {state['fingerprint']}), not this one ({self.built.fingerprint})")
+        self.sampler.load_state_dict(state["sampler"])
+        if state["seed"] != self.config.seed:
+            log.warning("using the checkpoint's data seed %d, not %d", state["seed"],
+                        self.config.seed)
+            self.config.seed = int(state["seed"])
+        self.elapsed_before = float(state["elapsed"])
+        self.metrics = {str(k): float(v) for k, v in state.get("metrics", {}).items()}
+        log.info("resumed from %s at version %d (%d samples applied)",
+                 checkpoint.path_in(self.config.checkpoint_dir), state["version"], state["samples"])
+        return int(state["version"]), int(state["next_id"]), int(state["samples"])
+
+    def save_checkpoint(self, now: float) -> Optional[str]:
+        if not self.config.checkpoint_dir:
+            return None
+        sampler_state = self.sampler.state_dict()
+        # Rounds still open are replanned on resume: their samples are not lost.
+        sampler_state["replan"] = ([[list(p) for p in parts] for parts in self.scheduler.open_parts()]
+                                   + sampler_state["replan"])
+        path = checkpoint.save(self.config.checkpoint_dir, {
+            "job": self.built.job.name,
+            "fingerprint": self.built.fingerprint,
+            "version": self.version,
+            **self.model.state(),
+            "task_kind": self.task_mode.kind,  # whose state "optimizer" is: the job's or the outer
+            "sampler": sampler_state,
+            "seed": self.config.seed,
+            "samples": self.core.samples_applied,
+            "next_id": self.scheduler.next_id(),
+            "elapsed": self.elapsed(now),
+            "metrics": dict(self.metrics),
+        })
+        self.core.counters["checkpoints"] += 1
+        self.event("checkpoint", f"version {self.version} saved")
+        return path

@@ -1,0 +1,212 @@
+"""Settling doubt about results: suspected outliers and verified replicas that disagree. Pure.
+
+Two things make the coordinator compute a slot itself, exactly as a worker does (the round
+core's `Compute`), and judge by that third opinion:
+
+- a **suspect**: a result whose norm is far outside the recent median (trust.py). A match is an
+  honest outlier (used, and the median learns from it); a mismatch is an offence of its sender.
+- a **disagreement** (`--verify-replicas`): two copies of one row from two workers that differ.
+  Each copy that does not match is an offence of its sender; the one that does is used.
+
+One computation at a time, so hostile workers cannot make the coordinator compute more than one
+slot at once: a suspect arriving meanwhile goes back to the pool (no offence), a disagreement
+waits in a bounded queue (most disagreements meet a busy settle, since a received batch is
+handled before the driver sees a settle finish) and past that both copies are computed again by
+workers. A disagreement where a sender has been banned meanwhile is not computed: the banned
+copy is refused and the other waits for the next copy to agree with.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+from .effects import Event
+from .scheduler import CompareCopies
+from .trust import matches
+
+if TYPE_CHECKING:  # the core owns the settlement; this module only needs its type
+    from .rounds import RoundCore
+
+log = logging.getLogger("idlegrad.coordinator")
+
+
+@dataclass(frozen=True)
+class Stored:
+    """An arrived result, kept while its round is open."""
+
+    gradient: Any  # as the backend stores it (the server: the frames' chunks)
+    norm: float
+    worker: str
+    identity: str
+    compute_s: float = 0.0
+    waited_s: float = 0.0
+    samples: int = 0
+    loss: float = math.nan
+
+
+class Settlement:
+    QUEUED = 8  # disagreements waiting for the computation in flight
+
+    def __init__(self, core: "RoundCore"):
+        self.core = core
+        # what the computation in flight settles: ("suspect", slot, stored, scale) or
+        # ("copies", first, second)
+        self.busy: Optional[tuple] = None
+        self.disputes: deque[CompareCopies] = deque()
+
+    def suspect(self, slot: int, stored: Stored, scale: float, detail: str, now: float) -> list:
+        core = self.core
+        core.counters["gradients_suspected"] += 1
+        if self.busy is not None:
+            core.counters["suspects_requeued"] += 1
+            return core.interpret(core.scheduler.failed(stored.worker, slot, now), now)
+        self.busy = ("suspect", slot, stored, scale)
+        return [Event("suspected", f"{detail} from {stored.worker} for slot {slot}: computing it "
+                                   "here to settle it", stored.worker),
+                core.compute_request(slot)]
+
+    def compare(self, action: CompareCopies, now: float) -> list:
+        """Two copies of a row: used if they agree; if not, settled by a computation here."""
+        core, store = self.core, self.core.store
+        first, second = action.slots
+        if first not in store or second not in store:  # defensive: never seen
+            core.counters["replicas_unsettled"] += 1
+            return self._drop(first, second, [], now)
+        a, b = store[first], store[second]
+        off = core.backend.distance(a.gradient, b.gradient)
+        size = max(a.norm, b.norm)
+        # One identity under two worker ids would agree with itself: a third opinion decides.
+        if matches(off, size) and a.identity != b.identity:
+            out = core.interpret(core.scheduler.copies_agreed(first, second, now), now)
+            store.pop(second, None)  # not used: the first copy is
+            return out
+        out = core.interpret(core.scheduler.copies_disagreed(first, second, now), now)
+        detail = (f"copies of slots {first} ({a.worker}) and {second} ({b.worker}) in round "
+                  f"{action.round} differ by {off / max(size, 1e-12):.3g} of their size")
+        refused = self._refuse_banned(first, second, detail, now)
+        if refused is not None:
+            return out + refused
+        if self.busy is None:
+            out.append(Event("replicas_disagreed", f"{detail}: computing it here to settle it"))
+        elif len(self.disputes) < self.QUEUED:
+            out.append(Event("replicas_disagreed", f"{detail}: to be computed here"))
+            self.disputes.append(action)
+            return out
+        else:
+            out.append(Event("replicas_disagreed", f"{detail}: too many waiting to be computed "
+                                                   "here"))
+        return out + self._start(action, now)
+
+    def computed(self, reference: Any, error: Optional[str], now: float) -> list:
+        """The computation in flight is done: `reference` as the backend compares results, or
+        `error` (the job's code failed here, or the slot's model is no longer kept)."""
+        busy, self.busy = self.busy, None
+        if busy is None:
+            return []
+        if busy[0] == "suspect":
+            out = self._settle_suspect(busy, reference, error, now)
+        else:
+            out = self._settle_copies(busy, reference, error, now)
+        while self.disputes and self.busy is None:
+            out += self._start(self.disputes.popleft(), now)
+        return out
+
+    # ------------------------------------------------------------------------------------------
+
+    def _start(self, action: CompareCopies, now: float) -> list:
+        core = self.core
+        first, second = action.slots
+        refused = self._refuse_banned(first, second, f"copies of slots {first} and {second} in "
+                                                     f"round {action.round} disagree", now)
+        if refused is not None:
+            return refused  # (banned while it waited)
+        if self.busy is not None:  # too many waiting: both computed again by workers
+            core.counters["replicas_unsettled"] += 1
+            return [Event("replicas_unsettled", f"copies of slots {first} and {second} in round "
+                                                f"{action.round} disagree: both computed again")
+                    ] + self._drop(first, second, [], now)
+        self.busy = ("copies", first, second)
+        return [core.compute_request(first)]
+
+    def _settle_suspect(self, busy: tuple, reference: Any, error: Optional[str],
+                        now: float) -> list:
+        core = self.core
+        _, slot, stored, scale = busy
+        if error is not None:  # nobody is blamed: the slot goes to someone else
+            log.warning("could not compute slot %d to settle it: %s", slot, error)
+            return core.interpret(core.scheduler.failed(stored.worker, slot, now), now)
+        off = core.backend.distance(stored.gradient, reference)
+        size = core.backend.size(reference)
+        if matches(off, size):
+            core.counters["suspects_honest"] += 1
+            core.trust.accept(float(size), scale)
+            return [Event("verified", f"slot {slot} from {stored.worker}: computed here, it "
+                                      "matches (an honest outlier); used", stored.worker)
+                    ] + core.use(slot, stored, now)
+        core.counters["suspects_wrong"] += 1
+        banned = core.trust.confirmed(stored.identity, now)
+        return core.refuse(stored.worker, slot, "norm",
+                           f"gradient {off / max(size, 1e-12):.3g}x off the slot's true one "
+                           "(computed here)", banned, now)
+
+    def _settle_copies(self, busy: tuple, reference: Any, error: Optional[str],
+                       now: float) -> list:
+        core, store = self.core, self.core.store
+        _, first, second = busy
+        if error is not None:  # nobody is blamed
+            log.warning("could not compute slot %d to settle its copies: %s", first, error)
+            core.counters["replicas_unsettled"] += 1
+            return self._drop(first, second, [], now)
+        if first not in store or second not in store:
+            return self._drop(first, second, [], now)
+        size = core.backend.size(reference)
+        correct = [s for s in (first, second)
+                   if matches(core.backend.distance(store[s].gradient, reference), size)]
+        wrong = [store[s] for s in (first, second) if s not in correct]
+        wrong_slots = [s for s in (first, second) if s not in correct]
+        out = [Event("verified", f"slot {slot} from {store[slot].worker}: computed here, it "
+                                 f"matches; {'used' if slot == correct[0] else 'agrees'}",
+                     store[slot].worker) for slot in correct]
+        banned = []
+        for slot, copy in zip(wrong_slots, wrong):
+            core.counters["gradients_rejected"] += 1
+            core.counters["rejected_replica"] += 1
+            if core.trust.confirmed(copy.identity, now, "replica"):
+                banned.append(copy)
+            out.append(Event("rejected", f"result for slot {slot} from {copy.worker}: differs "
+                                         "from the slot computed here (its copy disagreed)",
+                             copy.worker, logging.WARNING))
+        out += self._drop(first, second, correct, now)
+        for copy in banned:
+            out += core.ban(copy.worker, now, copy.identity)
+        return out
+
+    def _refuse_banned(self, first: int, second: int, detail: str, now: float) -> Optional[list]:
+        """A disagreement where a sender has been banned meanwhile: its copy is refused without
+        computing the slot here; the other copy stays held for the next one to agree with."""
+        core, store = self.core, self.core.store
+        banned = [s for s in (first, second)
+                  if s in store and core.trust.is_banned(store[s].identity)]
+        if not banned:
+            return None
+        core.counters["replicas_of_banned"] += len(banned)
+        kept = [s for s in (first, second) if s not in banned]
+        names = " and ".join(store[s].worker for s in banned)
+        out = [Event("replicas_disagreed", f"{detail}: {names} is banned: its copy refused, not "
+                                           "computed here")]
+        for slot in banned:
+            store.pop(slot, None)
+        return out + core.interpret(core.scheduler.copies_settled(
+            first, second, [], now, kept=kept[0] if kept else None), now)
+
+    def _drop(self, first: int, second: int, correct: list[int], now: float) -> list:
+        """Hand a settled disagreement to the scheduler; results not used are let go."""
+        core = self.core
+        for slot in (first, second):
+            if slot not in correct[:1]:
+                core.store.pop(slot, None)
+        return core.interpret(core.scheduler.copies_settled(first, second, correct, now), now)

@@ -1,0 +1,214 @@
+"""The round core's contract, checked against both of its drivers (Flower's habit for its
+strategies): the coordinator's server, in process, behind a recording transport, fed real
+messages by scripted workers; and the simulator, with its fleet in virtual time.
+
+Whatever the driver and the code, over a whole run:
+- every slot is in at most one applied or replanned round, and every sample is applied at most
+  once (the applied rounds' parts never overlap);
+- a round applies only once results of its slots were used, and none of its slots is used after;
+- a result for a slot cancelled on its worker is never used;
+- the samples applied add up: the core's count, the applied rounds' samples, and (the server)
+  the ledger's `applied` records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from idlegrad.common import protocol as proto
+from idlegrad.common.job import FlatModel, coded_gradient
+from idlegrad.common.tensors import from_blob, to_blob
+from idlegrad.coordinator import simulator as sim
+from idlegrad.coordinator.effects import Applied, Replanned, Used
+from idlegrad.coordinator.scheduler import Assign, CancelSlots
+from idlegrad.coordinator.server import Coordinator, CoordinatorConfig
+
+from .fakes import RecordingTransport
+
+ENTRY_POINTS = ("join", "ready", "resend", "leave", "tick", "malformed", "result", "computed",
+                "seen", "control", "stop")
+
+
+def record(core) -> list:
+    """Every effect the core's entry points return, in order, for the contract to read."""
+    trace: list = []
+
+    def wrap(call):
+        def recorded(*args, **kwargs):
+            out = call(*args, **kwargs)
+            effects = out[2] if isinstance(out, tuple) else out
+            trace.extend(effects)
+            return out
+        return recorded
+
+    for name in ENTRY_POINTS:
+        setattr(core, name, wrap(getattr(core, name)))
+    return trace
+
+
+def check_contract(trace: list, samples_applied: int) -> dict:
+    closed: set[int] = set()  # slots of rounds applied or replanned
+    used: set[int] = set()
+    cancelled: set[tuple[str, int]] = set()
+    assigned_to: dict[int, set[str]] = {}
+    applied_samples: set[tuple[int, int]] = set()
+    total = rounds = 0
+    for effect in trace:
+        if isinstance(effect, Assign):
+            assigned_to.setdefault(effect.slot, set()).add(effect.worker)
+        elif isinstance(effect, CancelSlots):
+            cancelled |= {(effect.worker, s) for s in effect.slots}
+        elif isinstance(effect, Used):
+            assert effect.slot not in closed, f"slot {effect.slot} used after its round closed"
+            used.add(effect.slot)
+        elif isinstance(effect, (Applied, Replanned)):
+            assert not closed & set(effect.slots), "a slot in two closed rounds"
+            closed |= set(effect.slots)
+            if isinstance(effect, Applied):
+                assert used & set(effect.slots), f"round {effect.round} applied with no result"
+                for epoch, offset, count in effect.parts:
+                    for i in range(offset, offset + count):
+                        assert (epoch, i) not in applied_samples, "a sample applied twice"
+                        applied_samples.add((epoch, i))
+                total += effect.samples
+                rounds += 1
+    assert total == samples_applied == len(applied_samples)
+    return {"rounds": rounds, "samples": total, "used": len(used), "cancelled": len(cancelled),
+            "assigned": len(assigned_to)}
+
+
+# the server, in process ---------------------------------------------------------------------
+
+
+class ScriptedFleet:
+    """Workers speaking the real protocol to an in-process coordinator: tasks are answered in a
+    random order with honest gradients (the workers' kernel, on the model each was sent), and
+    one worker goes silent part-way."""
+
+    def __init__(self, coordinator: Coordinator, workers: int, seed: int):
+        self.coordinator = coordinator
+        self.transport = RecordingTransport()
+        coordinator.transport = self.transport
+        self.routes = [f"w{i}".encode() for i in range(workers)]
+        self.rng = np.random.default_rng(seed)
+        self.numel = coordinator.training.model.model.numel
+        self.done: dict[bytes, set[int]] = {r: set() for r in self.routes}
+        self.models: dict[tuple[bytes, int], torch.Tensor] = {}  # what each was sent, by version
+        training = coordinator.training
+        self.job, self.train, self.seed = training.job, training.built.train, training.config.seed
+        self.scratch = FlatModel(self.job.build_model())
+
+    def gradient(self, route: bytes, task: proto.Task):
+        for to, sent in self.transport.sent:  # models arrive with the tasks, in order
+            if (isinstance(sent, proto.Task) and sent.model is not None
+                    and (to, sent.version) not in self.models):
+                self.models[to, sent.version] = from_blob(sent.model).clone()
+        return to_blob(coded_gradient(self.job, self.scratch, self.models[route, task.version],
+                                      self.train, self.seed, task.parts, task.coefficients))
+
+    async def say(self, route: bytes, msg: proto.Message) -> None:
+        await self.coordinator.handle([route, *proto.encode(msg)])
+
+    async def run(self, rounds: int, silent: bytes | None = None) -> None:
+        for route in self.routes:
+            await self.say(route, proto.Hello(worker_id=route.decode(), host="h", cores=1,
+                                              threads=1, device="cpu", memory_mb=1,
+                                              versions={}))
+            await self.say(route, proto.Ready(credits=2,
+                                              fingerprint=self.coordinator.training.fingerprint))
+        for step in range(rounds):
+            tasks = [(r, m) for r, m in self.transport.sent
+                     if isinstance(m, proto.Task) and m.slot not in self.done[r]]
+            if not tasks:
+                break
+            route, task = tasks[int(self.rng.integers(len(tasks)))]
+            self.done[route].add(task.slot)
+            if route == silent and step > rounds // 3:
+                continue  # it computes nothing more, until it is evicted
+            await self.say(route, proto.Result(
+                slot=task.slot, version=task.version, samples=sum(p[2] for p in task.parts),
+                loss=1.0, compute_s=0.01, gradient=self.gradient(route, task)))
+            now = time.monotonic()
+            if step == rounds // 2 and silent is not None:  # evicted: its slots go to others
+                await self.coordinator.perform(self.coordinator.core.leave(
+                    silent.decode(), "silent", now))
+            if step % 7 == 0:
+                await self.coordinator.perform(self.coordinator.core.tick(now))
+
+
+@pytest.mark.parametrize("redundancy,verify", [
+    ("none", False), ("replicate:2", False), ("cyclic:1", False), ("replicate:2", True)])
+def test_the_server_keeps_the_round_contract(tmp_path, redundancy, verify):
+    ledger = tmp_path / "ledger.jsonl"
+    coordinator = Coordinator(CoordinatorConfig(
+        job="synthetic", job_args={"params": 400, "samples": 2048}, redundancy=redundancy,
+        verify_replicas=verify, partitions=4, open_rounds=3, heartbeat_s=1000,
+        speculate=False, ledger_path=str(ledger), min_deadline_s=1e6))
+    trace = record(coordinator.core)
+    coordinator.open_logs()
+    fleet = ScriptedFleet(coordinator, workers=5, seed=len(redundancy))
+    try:
+        asyncio.run(fleet.run(rounds=300, silent=fleet.routes[-1]))
+    finally:
+        coordinator.close_logs()
+    figures = check_contract(trace, coordinator.samples_applied)
+    assert figures["rounds"] >= 5, figures
+    records = [json.loads(line) for line in ledger.read_text().splitlines()]
+    ledger_samples = sum(p[2] for r in records if r["event"] == "applied" for p in r["parts"])
+    assert ledger_samples == coordinator.samples_applied
+
+
+def test_a_cancelled_slots_late_result_is_not_used():
+    """Through the server: a slot answered by one holder is cancelled on the other, whose late
+    answer is then refused (not used, not counted)."""
+    coordinator = Coordinator(CoordinatorConfig(
+        job="synthetic", job_args={"params": 400, "samples": 512}, redundancy="replicate:2",
+        partitions=1, open_rounds=1, heartbeat_s=1000, speculate=False))
+    trace = record(coordinator.core)
+    fleet = ScriptedFleet(coordinator, workers=2, seed=0)
+
+    async def go():
+        for route in fleet.routes:
+            await fleet.say(route, proto.Hello(worker_id=route.decode(), host="h", cores=1,
+                                               threads=1, device="cpu", memory_mb=1, versions={}))
+            await fleet.say(route, proto.Ready(credits=1,
+                                               fingerprint=coordinator.training.fingerprint))
+        (a, first), (b, second) = [(r, m) for r, m in fleet.transport.sent
+                                   if isinstance(m, proto.Task)][:2]
+        assert first.slot != second.slot and a != b
+        for route, task in ((a, first), (b, second)):
+            await fleet.say(route, proto.Result(slot=task.slot, version=0, samples=1, loss=1.0,
+                                                compute_s=0.01, gradient=fleet.gradient(route, task)))
+
+    asyncio.run(go())
+    cancels = [e for e in trace if isinstance(e, CancelSlots)]
+    used = [e.slot for e in trace if isinstance(e, Used)]
+    assert len(used) == 1 and coordinator.counters["results_dropped"] == 1, trace
+    assert cancels and all(used[0] not in c.slots for c in cancels)
+    check_contract(trace, coordinator.samples_applied)
+
+
+# the simulator ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode,verify", [
+    ("none", False), ("replicate:2", False), ("cyclic:1", False), ("adaptive", False),
+    ("replicate:2", True), ("sync", False)])
+def test_the_simulator_keeps_the_round_contract(mode, verify):
+    rng = np.random.default_rng(3)
+    fleet = sim.lognormal_fleet(12, 0.002, 0.6, rng, jitter=0.2, stall_p=0.05, stall_s=2.0)
+    for w in fleet[:3]:  # churn: three workers leave for good
+        w.sessions = [(0.0, 5.0)]
+    simulation = sim.Simulation(fleet, sim.SimConfig(
+        duration_s=30.0, batch_size=128, partitions=4, train_samples=4096, task_timeout_s=1.0,
+        verify_replicas=verify, seed=1), mode)
+    trace = record(simulation.core)
+    result = simulation.run()
+    figures = check_contract(trace, result.samples_applied)
+    assert figures["rounds"] >= 20, figures
