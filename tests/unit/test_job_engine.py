@@ -12,11 +12,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from idlegrad.common import builtin_jobs
+from idlegrad.common import builtin_jobs, job_loading
 from idlegrad.common.errors import JobError
-from idlegrad.common.job import (
-    FlatModel, Job, build, builtin_job_names, evaluate, gather, load_job, parse_job_args,
-    resolve_factory)
+from idlegrad.common.job import FlatModel, Job, build, evaluate, gather
+from idlegrad.common.job_loading import builtin_job_names, load_job, parse_job_args, resolve_factory
 from idlegrad.common.permutation import part_indices
 from idlegrad.worker.engine import Cancelled, Engine, Work
 
@@ -39,6 +38,18 @@ def one_line(exc: BaseException) -> str:
 
 def test_builtin_names():
     assert builtin_job_names() == ["digits", "synthetic"]
+    for name in builtin_job_names():  # each is its factory's name in builtin_jobs
+        assert resolve_factory(name) is getattr(builtin_jobs, name)
+
+
+def test_common_job_is_the_public_face_of_jobs():
+    """Job files import `idlegrad.common.job.Job`, and the coordinator takes the loading
+    functions from there too: they stay importable from it."""
+    from idlegrad.common import job, job_definition
+
+    assert job.Job is job_definition.Job
+    for name in ("builtin_job_names", "load_job", "parse_job_args", "resolve_factory"):
+        assert getattr(job, name) is getattr(job_loading, name)
 
 
 def test_load_builtin_digits():
@@ -147,7 +158,7 @@ def test_module_that_fails_to_import(tmp_path, monkeypatch):
     ("idlegrad.common.builtin_jobs:", None, "must look like"),
     ("no_such_module_ig:make_job", None, "cannot import"),
     ("idlegrad.common.builtin_jobs:nothing", None, "no attribute"),
-    ("idlegrad.common.builtin_jobs:BUILTIN", None, "not callable"),
+    ("idlegrad.common.job_loading:BUILTIN_JOBS", None, "not callable"),
     ("digits", {"nonsense": 1}, "does not take"),
     ("synthetic", {"params": 0}, "synthetic"),  # the factory's own JobError goes through
 ])
