@@ -1,5 +1,5 @@
 """A built job and the computations both sides share: the flat model, data batches, evaluation,
-and the gradients that a worker computes for a slot and the coordinator computes to check one.
+and the gradient kernels that a worker runs for a slot and the coordinator runs to check one.
 
 Also the public face of jobs: `Job` (common/job_definition.py) and the loading of job specs
 (common/job_loading.py) are re-exported here, so that a job file imports
@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -26,7 +25,8 @@ from .job_loading import builtin_job_names, load_job, parse_job_args, resolve_fa
 from .permutation import part_indices
 
 __all__ = [
-    "BuiltJob", "FlatModel", "Job", "LocalChange", "batch_to", "build", "builtin_job_names", "coded_gradient", "evaluate", "gather",
+    "BuiltJob", "FlatModel", "Job", "LocalChange", "LossTally", "accumulate_coded_gradient",
+    "batch_to", "build", "builtin_job_names", "coded_gradient", "evaluate", "gather",
     "load_job", "local_change", "parse_job_args", "part_batch", "reference_gradient_norm",
     "resolve_factory",
 ]
@@ -210,25 +210,68 @@ def reference_gradient_norm(job: Job, model: FlatModel, train: Dataset, seed: in
     return norm / count
 
 
+@dataclass
+class LossTally:
+    loss_sum: float  # the per-sample losses of every part, summed (zero-coefficient parts too)
+    samples: int
+
+
+def accumulate_coded_gradient(job: Job, model: FlatModel, train: Dataset, seed: int,
+                              parts: Sequence[Sequence[int]], coefficients: Sequence[float],
+                              micro_batch: Callable[[], int] = lambda: 256,
+                              device: torch.device | str | None = None,
+                              between: Optional[Callable[[], None]] = None,
+                              observe: Optional[Callable[[int], None]] = None) -> LossTally:
+    """Add sum_j coefficients[j] * (summed per-sample gradient of parts[j]) at `model`'s
+    parameters to `model.grads`, each part = (epoch, offset, count): a slot's coded gradient. The
+    one implementation that a worker runs for a slot (worker/engine.py) and the coordinator runs
+    to check one, so that an honest worker and the coordinator compute alike, bit for bit when
+    their micro-batches are the same.
+
+    The caller loads the parameters and zeroes the gradients. Each part is cut into micro-batches
+    of `micro_batch()` samples (the worker sizes them from its speed); `between()` runs before each
+    part and each micro-batch (the worker's cancel and pause checks: it may raise), and
+    `observe(samples)` after each micro-batch. Batches go to `device`, by default the model's.
+    """
+    device = torch.device(device) if device is not None else model.params.device
+    model.module.train()
+    n = len(train)
+    loss_sum, samples = 0.0, 0
+    for (epoch, offset, count), coefficient in zip(parts, coefficients):
+        # Between parts too: a part may be empty, and the worker's owner and the coordinator must
+        # not wait for a micro-batch that never comes.
+        if between is not None:
+            between()
+        indices = part_indices(seed, n, epoch, offset, count)
+        position = 0
+        while position < count:
+            if between is not None:
+                between()
+            chunk = indices[position:position + max(1, micro_batch())]
+            loss = job.loss(model.module, batch_to(gather(train, chunk), device))
+            if coefficient != 0.0:
+                # loss is a batch mean; the slot wants the coded *sum* of per-sample gradients
+                (loss * (len(chunk) * coefficient)).backward()
+            loss_sum += float(loss.detach()) * len(chunk)
+            samples += len(chunk)
+            position += len(chunk)
+            if observe is not None:
+                observe(len(chunk))
+    return LossTally(loss_sum, samples)
+
+
 def coded_gradient(job: Job, model: FlatModel, params: torch.Tensor, train: Dataset, seed: int,
-                   parts: list, coefficients: list, chunk: int = 256) -> torch.Tensor:
-    """sum_j coefficients[j] * (summed per-sample gradient of parts[j]) at `params`: what a
-    worker returns for a slot, computed here in one piece (the coordinator's third opinion).
+                   parts: Sequence[Sequence[int]], coefficients: Sequence[float],
+                   micro_batch: int = 256) -> torch.Tensor:
+    """A slot's coded gradient at `params`, computed on the coordinator to check a worker's (its
+    third opinion): the worker's kernel, in micro-batches of `micro_batch` samples.
 
     `model` is a scratch copy: its parameters and gradients are overwritten.
     """
     model.load(params)
     model.grads.zero_()
-    model.module.train()
-    n = len(train)
-    for (epoch, offset, count), coefficient in zip(parts, coefficients):
-        if coefficient == 0.0:
-            continue
-        indices = part_indices(seed, n, epoch, offset, count)
-        for start in range(0, count, chunk):
-            piece = indices[start:start + chunk]
-            loss = job.loss(model.module, gather(train, piece))
-            (loss * (len(piece) * coefficient)).backward()
+    accumulate_coded_gradient(job, model, train, seed, parts, coefficients,
+                              micro_batch=lambda: micro_batch)
     return model.grads.detach().clone()
 
 
@@ -243,7 +286,7 @@ def local_change(job: Job, model: FlatModel, initial: torch.Tensor, train: Datas
                  part, coefficient: float, steps: int, device: torch.device | str = "cpu",
                  micro_batch: Callable[[], int] = lambda: 256,
                  between: Optional[Callable[[], None]] = None,
-                 observe: Optional[Callable[[int, float], None]] = None) -> LocalChange:
+                 observe: Optional[Callable[[int], None]] = None) -> LocalChange:
     """A local slot's result: `steps` inner steps of the job's optimizer, built afresh, over the
     samples of `part` = (epoch, offset, count), from `initial`; what a worker returns for the slot
     (worker/engine.py) and what the coordinator computes to settle a disputed one. One
@@ -251,7 +294,7 @@ def local_change(job: Job, model: FlatModel, initial: torch.Tensor, train: Datas
 
     Each step is cut into micro-batches of `micro_batch()` samples (the worker sizes them from its
     speed); `between()` runs before each (the worker's cancel and pause checks: it may raise), and
-    `observe(samples, seconds)` after each. `model` is overwritten: it ends at the last step.
+    `observe(samples)` after each. `model` is overwritten: it ends at the last step.
     """
     device = torch.device(device)
     model.load(initial)
@@ -269,7 +312,6 @@ def local_change(job: Job, model: FlatModel, initial: torch.Tensor, train: Datas
             if between is not None:
                 between()
             chunk = indices[position:min(hi, position + max(1, micro_batch()))]
-            t0 = time.perf_counter()
             batch = batch_to(gather(train, chunk), device)
             loss = job.loss(model.module, batch)
             (loss * (len(chunk) / (hi - lo))).backward()  # the step's mean loss
@@ -277,7 +319,7 @@ def local_change(job: Job, model: FlatModel, initial: torch.Tensor, train: Datas
             samples += len(chunk)
             position += len(chunk)
             if observe is not None:
-                observe(len(chunk), time.perf_counter() - t0)
+                observe(len(chunk))
         optimizer.step()
     change = initial.to(model.params.device, copy=True).sub_(model.params)
     change.mul_(coefficient * samples)
