@@ -18,11 +18,10 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from ..common.errors import IdlegradError
+from ..common.job_loading import BUILTIN_JOBS
 from ..coordinator.target import Target
 from ..monitor.source import ZmqStatusSource
 from .processes import free_port, spawn, stop
-
-BUILTIN = ("digits", "synthetic")
 
 
 class DemoFailed(IdlegradError):
@@ -65,7 +64,7 @@ def run_demo(args) -> int:
              *coordinator_keys],
             log=log_file("coordinator.log"))
         processes.append(coordinator)
-        worker_job = [] if args.job in BUILTIN else ["--job", args.job]
+        worker_job = [] if args.job in BUILTIN_JOBS else ["--job", args.job]
         for i in range(args.workers):
             processes.append(spawn(
                 ["worker", "--coordinator", address, *worker_job, "--threads", str(threads),

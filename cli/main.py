@@ -270,7 +270,7 @@ def _run_coordinator(args) -> int:
     import os
 
     from ..common.coding import parse_redundancy
-    from ..common.job import parse_job_args
+    from ..common.job_loading import parse_job_args
     from ..coordinator.aggregator import StalenessRule
     from ..coordinator.outer import OuterConfig
     from ..coordinator.server import Coordinator, CoordinatorConfig

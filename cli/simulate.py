@@ -185,7 +185,7 @@ def run_simulate(args) -> int:
         bye_fraction=args.bye_fraction, startup_s=args.startup, seed=args.seed)
     make_gradients = None
     if args.job:
-        from ..common.job import parse_job_args
+        from ..common.job_loading import parse_job_args
 
         job_args = parse_job_args(args.job_arg)
         rule = StalenessRule(args.staleness, args.max_staleness)

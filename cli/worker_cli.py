@@ -181,7 +181,7 @@ def run_worker(args) -> int:
         from ..worker.priority import lower_priority
 
         lower_priority()
-    from ..common.job import resolve_factory
+    from ..common.job_loading import resolve_factory
     from ..worker.daemon import Worker, WorkerConfig
 
     if settings.job:

@@ -2,6 +2,7 @@
 
 Both build their data without any download, identically on every machine: digits from the CSV
 that scikit-learn ships, synthetic from numpy's legacy RandomState, whose stream is frozen.
+A built-in job's name (common/job_loading.py's BUILTIN_JOBS) is its factory's name here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from .errors import JobError
-from .job import Job
+from .job_definition import Job
 
 
 def classification_loss(model: nn.Module, batch) -> torch.Tensor:
@@ -114,5 +115,3 @@ def synthetic(params: int = 100_000, samples: int = 8192, features: int = 32, cl
         batch_size=batch_size,
     )
 
-
-BUILTIN = {"digits": digits, "synthetic": synthetic}

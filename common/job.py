@@ -1,24 +1,18 @@
-"""Jobs: what to train, defined locally on every machine and named on the wire, never sent.
+"""A built job and the computations both sides share: the flat model, data batches, evaluation,
+and the gradient kernels that a worker runs for a slot and the coordinator runs to check one.
 
-A job spec is a built-in name (`digits`, `synthetic`), `package.module:attr`, or
-`path/to/file.py:attr`; `attr` is a callable returning a `Job`. Keyword arguments from the command
-line (`--job-arg key=value`) are passed to that callable, and travel to workers in WELCOME so that
-both sides build the same job.
+Also the public face of jobs: `Job` (common/job_definition.py) and the loading of job specs
+(common/job_loading.py) are re-exported here, so that a job file imports
+`idlegrad.common.job.Job`. The imports run one way: this module -> job_loading -> builtin_jobs
+-> job_definition; nothing below imports this module.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
-import importlib.util
-import inspect
 import json
-import math
-import os
-import sys
-import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -26,126 +20,16 @@ from torch.utils.data import Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
 from .errors import JobError
+from .job_definition import Job
+from .job_loading import builtin_job_names, load_job, parse_job_args, resolve_factory
 from .permutation import part_indices
 
-
-@dataclass(frozen=True)
-class Job:
-    """What to train. `loss` returns the *mean* loss of the batch it is given (torch's default)."""
-
-    name: str
-    build_model: Callable[[], nn.Module]
-    build_datasets: Callable[[], tuple[Dataset, Dataset]]
-    loss: Callable[[nn.Module, Any], torch.Tensor]
-    build_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-    batch_size: int
-    evaluate: Optional[Callable[[nn.Module, Dataset], dict[str, float]]] = None
-
-
-# loading ------------------------------------------------------------------------------------------
-
-
-def _builtin_jobs() -> dict[str, Callable[..., Job]]:
-    from . import builtin_jobs
-
-    return builtin_jobs.BUILTIN
-
-
-def builtin_job_names() -> list[str]:
-    return sorted(_builtin_jobs())
-
-
-def resolve_factory(spec: str) -> Callable[..., Job]:
-    """The callable a spec names. Raises JobError with one clear line."""
-    builtin = _builtin_jobs()
-    if spec in builtin:
-        return builtin[spec]
-    if ":" not in spec:
-        raise JobError(f"unknown job {spec!r}: use a built-in ({', '.join(sorted(builtin))}), "
-                       "module:attr or path/to/file.py:attr")
-    where, _, attr = spec.rpartition(":")
-    if not where or not attr:
-        raise JobError(f"job spec {spec!r} must look like module:attr or path/to/file.py:attr")
-    if where.endswith(".py") or os.sep in where or "/" in where:
-        module = _import_file(where)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as exc:
-            raise JobError(f"cannot import job module {where!r}: {exc}") from None
-        except Exception as exc:
-            raise JobError(f"job module {where!r} failed to import: {type(exc).__name__}: {exc}") from None
-    factory = getattr(module, attr, None)
-    if factory is None:
-        raise JobError(f"{where!r} has no attribute {attr!r}")
-    if not callable(factory):
-        raise JobError(f"{spec!r} is not callable; it must be a function returning a Job")
-    return factory
-
-
-def _import_file(path: str):
-    if not os.path.isfile(path):
-        raise JobError(f"job file {path!r} does not exist")
-    name = "idlegrad_job_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:12]
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise JobError(f"cannot load job file {path!r}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise JobError(f"job file {path!r} failed to import: {type(exc).__name__}: {exc}") from None
-    return module
-
-
-def load_job(spec: str, args: Optional[dict[str, Any]] = None) -> Job:
-    factory = resolve_factory(spec)
-    try:
-        inspect.signature(factory).bind(**(args or {}))
-    except TypeError as exc:
-        raise JobError(f"job {spec!r} does not take these arguments {sorted(args or {})}: {exc}") from None
-    except ValueError:
-        pass  # no signature to check (a builtin): the call itself will tell
-    try:
-        job = factory(**(args or {}))
-    except JobError:
-        raise
-    except Exception as exc:
-        raise JobError(f"job {spec!r} failed to build: {type(exc).__name__}: {exc}") from None
-    if not isinstance(job, Job):
-        raise JobError(f"job {spec!r} returned {type(job).__name__}, not idlegrad.common.job.Job")
-    if not isinstance(job.batch_size, int) or job.batch_size <= 0:
-        raise JobError(f"job {job.name!r}: batch_size must be a positive int")
-    return job
-
-
-def parse_job_args(items: Iterable[str]) -> dict[str, Any]:
-    """`key=value` strings -> kwargs; values become int, float or bool where they read as one."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise JobError(f"job argument {item!r} must look like name=value")
-        out[key] = _parse_scalar(text)
-    return out
-
-
-def _parse_scalar(text: str) -> Any:
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    for kind in (int, float):
-        try:
-            value = kind(text)
-        except ValueError:
-            continue
-        if kind is float and not math.isfinite(value):
-            break
-        return value
-    return text
+__all__ = [
+    "BuiltJob", "FlatModel", "Job", "LocalChange", "LossTally", "accumulate_coded_gradient",
+    "batch_to", "build", "builtin_job_names", "coded_gradient", "evaluate", "gather",
+    "load_job", "local_change", "parse_job_args", "part_batch", "reference_gradient_norm",
+    "resolve_factory",
+]
 
 
 # a built job ------------------------------------------------------------------------------------
@@ -326,25 +210,68 @@ def reference_gradient_norm(job: Job, model: FlatModel, train: Dataset, seed: in
     return norm / count
 
 
+@dataclass
+class LossTally:
+    loss_sum: float  # the per-sample losses of every part, summed (zero-coefficient parts too)
+    samples: int
+
+
+def accumulate_coded_gradient(job: Job, model: FlatModel, train: Dataset, seed: int,
+                              parts: Sequence[Sequence[int]], coefficients: Sequence[float],
+                              micro_batch: Callable[[], int] = lambda: 256,
+                              device: torch.device | str | None = None,
+                              between: Optional[Callable[[], None]] = None,
+                              observe: Optional[Callable[[int], None]] = None) -> LossTally:
+    """Add sum_j coefficients[j] * (summed per-sample gradient of parts[j]) at `model`'s
+    parameters to `model.grads`, each part = (epoch, offset, count): a slot's coded gradient. The
+    one implementation that a worker runs for a slot (worker/engine.py) and the coordinator runs
+    to check one, so that an honest worker and the coordinator compute alike, bit for bit when
+    their micro-batches are the same.
+
+    The caller loads the parameters and zeroes the gradients. Each part is cut into micro-batches
+    of `micro_batch()` samples (the worker sizes them from its speed); `between()` runs before each
+    part and each micro-batch (the worker's cancel and pause checks: it may raise), and
+    `observe(samples)` after each micro-batch. Batches go to `device`, by default the model's.
+    """
+    device = torch.device(device) if device is not None else model.params.device
+    model.module.train()
+    n = len(train)
+    loss_sum, samples = 0.0, 0
+    for (epoch, offset, count), coefficient in zip(parts, coefficients):
+        # Between parts too: a part may be empty, and the worker's owner and the coordinator must
+        # not wait for a micro-batch that never comes.
+        if between is not None:
+            between()
+        indices = part_indices(seed, n, epoch, offset, count)
+        position = 0
+        while position < count:
+            if between is not None:
+                between()
+            chunk = indices[position:position + max(1, micro_batch())]
+            loss = job.loss(model.module, batch_to(gather(train, chunk), device))
+            if coefficient != 0.0:
+                # loss is a batch mean; the slot wants the coded *sum* of per-sample gradients
+                (loss * (len(chunk) * coefficient)).backward()
+            loss_sum += float(loss.detach()) * len(chunk)
+            samples += len(chunk)
+            position += len(chunk)
+            if observe is not None:
+                observe(len(chunk))
+    return LossTally(loss_sum, samples)
+
+
 def coded_gradient(job: Job, model: FlatModel, params: torch.Tensor, train: Dataset, seed: int,
-                   parts: list, coefficients: list, chunk: int = 256) -> torch.Tensor:
-    """sum_j coefficients[j] * (summed per-sample gradient of parts[j]) at `params`: what a
-    worker returns for a slot, computed here in one piece (the coordinator's third opinion).
+                   parts: Sequence[Sequence[int]], coefficients: Sequence[float],
+                   micro_batch: int = 256) -> torch.Tensor:
+    """A slot's coded gradient at `params`, computed on the coordinator to check a worker's (its
+    third opinion): the worker's kernel, in micro-batches of `micro_batch` samples.
 
     `model` is a scratch copy: its parameters and gradients are overwritten.
     """
     model.load(params)
     model.grads.zero_()
-    model.module.train()
-    n = len(train)
-    for (epoch, offset, count), coefficient in zip(parts, coefficients):
-        if coefficient == 0.0:
-            continue
-        indices = part_indices(seed, n, epoch, offset, count)
-        for start in range(0, count, chunk):
-            piece = indices[start:start + chunk]
-            loss = job.loss(model.module, gather(train, piece))
-            (loss * (len(piece) * coefficient)).backward()
+    accumulate_coded_gradient(job, model, train, seed, parts, coefficients,
+                              micro_batch=lambda: micro_batch)
     return model.grads.detach().clone()
 
 
@@ -359,7 +286,7 @@ def local_change(job: Job, model: FlatModel, initial: torch.Tensor, train: Datas
                  part, coefficient: float, steps: int, device: torch.device | str = "cpu",
                  micro_batch: Callable[[], int] = lambda: 256,
                  between: Optional[Callable[[], None]] = None,
-                 observe: Optional[Callable[[int, float], None]] = None) -> LocalChange:
+                 observe: Optional[Callable[[int], None]] = None) -> LocalChange:
     """A local slot's result: `steps` inner steps of the job's optimizer, built afresh, over the
     samples of `part` = (epoch, offset, count), from `initial`; what a worker returns for the slot
     (worker/engine.py) and what the coordinator computes to settle a disputed one. One
@@ -367,7 +294,7 @@ def local_change(job: Job, model: FlatModel, initial: torch.Tensor, train: Datas
 
     Each step is cut into micro-batches of `micro_batch()` samples (the worker sizes them from its
     speed); `between()` runs before each (the worker's cancel and pause checks: it may raise), and
-    `observe(samples, seconds)` after each. `model` is overwritten: it ends at the last step.
+    `observe(samples)` after each. `model` is overwritten: it ends at the last step.
     """
     device = torch.device(device)
     model.load(initial)
@@ -385,7 +312,6 @@ def local_change(job: Job, model: FlatModel, initial: torch.Tensor, train: Datas
             if between is not None:
                 between()
             chunk = indices[position:min(hi, position + max(1, micro_batch()))]
-            t0 = time.perf_counter()
             batch = batch_to(gather(train, chunk), device)
             loss = job.loss(model.module, batch)
             (loss * (len(chunk) / (hi - lo))).backward()  # the step's mean loss
@@ -393,7 +319,7 @@ def local_change(job: Job, model: FlatModel, initial: torch.Tensor, train: Datas
             samples += len(chunk)
             position += len(chunk)
             if observe is not None:
-                observe(len(chunk), time.perf_counter() - t0)
+                observe(len(chunk))
         optimizer.step()
     change = initial.to(model.params.device, copy=True).sub_(model.params)
     change.mul_(coefficient * samples)

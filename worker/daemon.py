@@ -42,7 +42,8 @@ from .. import __version__
 from ..common import protocol as proto
 from ..common.aio import on_stop_signals
 from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
-from ..common.job import BuiltJob, build, builtin_job_names, load_job
+from ..common.job import BuiltJob, build
+from ..common.job_loading import builtin_job_names, load_job
 from ..common.security import KEYS_HINT, ClientKeys
 from ..common.tensors import blob_chunks, to_blob
 from ..common.throttle import Throttle

@@ -17,9 +17,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..common.job import BuiltJob, batch_to, gather, local_change
+from ..common.job import BuiltJob, accumulate_coded_gradient, local_change
 from ..common.tensors import BufferPool
-from ..common.permutation import part_indices
 
 
 class Cancelled(Exception):
@@ -89,7 +88,7 @@ class Engine:
         if work.kind == "local":
             return self.compute_local(work, cancel, running)
         start = time.perf_counter()
-        paused_s = 0.0
+        gate = _MicroBatchGate(self, cancel, running)
         model = self.built.model
         if work.params is not self._loaded:  # a new version (a slot at the same one: no copy)
             self._loaded = None
@@ -99,29 +98,11 @@ class Engine:
         if on_cpu:
             model.use_grads(self._gradients.take())
         model.grads.zero_()
-        model.module.train()
-        loss_sum, samples = 0.0, 0
-        n = len(self.built.train)
-        for (epoch, offset, count), coefficient in zip(work.parts, work.coefficients):
-            # Between parts too: a part may be empty, and the owner and the coordinator must
-            # not wait for a micro-batch that never comes.
-            paused_s += self._gate(cancel, running)
-            indices = part_indices(self.seed, n, epoch, offset, count)
-            position = 0
-            while position < count:
-                paused_s += self._gate(cancel, running)
-                size = self.micro_batch
-                chunk = indices[position:position + size]
-                t0 = time.perf_counter()
-                batch = batch_to(gather(self.built.train, chunk), self.device)
-                loss = self.built.job.loss(model.module, batch)
-                if coefficient != 0.0:
-                    # loss is a batch mean; the slot wants the coded *sum* of per-sample gradients
-                    (loss * (len(chunk) * coefficient)).backward()
-                loss_sum += float(loss.detach()) * len(chunk)
-                samples += len(chunk)
-                position += len(chunk)
-                self._observe(len(chunk), time.perf_counter() - t0)
+        tally = accumulate_coded_gradient(
+            self.built.job, model, self.built.train, self.seed, work.parts, work.coefficients,
+            micro_batch=lambda: self.micro_batch, device=self.device, between=gate.between,
+            observe=gate.observe)
+        paused_s = gate.paused_s
         injected = self._injected_delay(time.perf_counter() - start - paused_s)
         if injected > 0:
             paused_s += self._sleep(injected, cancel, running)
@@ -132,8 +113,8 @@ class Engine:
             gradient.copy_(model.grads)
         if self.poison is not None:
             gradient = poisoned(gradient, *self.poison)
-        return Outcome(work.slot, work.version, gradient, samples,
-                       loss_sum / samples if samples else 0.0,
+        return Outcome(work.slot, work.version, gradient, tally.samples,
+                       tally.loss_sum / tally.samples if tally.samples else 0.0,
                        max(0.0, time.perf_counter() - start - paused_s))
 
     def release(self, gradient: torch.Tensor, trackers: Sequence = ()) -> None:
@@ -151,20 +132,16 @@ class Engine:
         nothing the next one needs. Carried inner state (Adam's moments) would have been computed
         on an older model, and would be lost whenever the fleet changes."""
         start = time.perf_counter()
-        paused_s = 0.0
+        gate = _MicroBatchGate(self, cancel, running)  # cancel and pause within an inner step too
         initial = work.params if isinstance(work.params, torch.Tensor) else torch.cat(list(work.params))
         self._loaded = None  # the inner steps move the model away from any params object
-
-        def between() -> None:  # cancel and pause stay prompt within an inner step
-            nonlocal paused_s
-            paused_s += self._gate(cancel, running)
-
         (part,) = work.parts
         (coefficient,) = work.coefficients
         result = local_change(self.built.job, self.built.model, initial, self.built.train,
                               self.seed, part, coefficient, work.steps, self.device,
-                              micro_batch=lambda: self.micro_batch, between=between,
-                              observe=self._observe)
+                              micro_batch=lambda: self.micro_batch, between=gate.between,
+                              observe=gate.observe)
+        paused_s = gate.paused_s
         injected = self._injected_delay(time.perf_counter() - start - paused_s)
         if injected > 0:
             paused_s += self._sleep(injected, cancel, running)
@@ -224,6 +201,25 @@ class Engine:
         rate = seconds / samples
         self._s_per_sample = rate if self._s_per_sample is None else 0.7 * self._s_per_sample + 0.3 * rate
         self.micro_batch = int(min(4096, max(1, self.MICRO_BATCH_TARGET_S / self._s_per_sample)))
+
+
+class _MicroBatchGate:
+    """The hooks the shared kernels (common/job.py) call around each micro-batch: the engine's
+    cancel and pause check before it, its speed measurement after it. The seconds spent paused
+    add up in `paused_s`, and are not compute time. The clock is read here: the kernels read none."""
+
+    def __init__(self, engine: Engine, cancel: threading.Event,
+                 running: Optional[threading.Event]):
+        self._engine, self._cancel, self._running = engine, cancel, running
+        self.paused_s = 0.0
+        self._started = time.perf_counter()
+
+    def between(self) -> None:
+        self.paused_s += self._engine._gate(self._cancel, self._running)
+        self._started = time.perf_counter()
+
+    def observe(self, samples: int) -> None:
+        self._engine._observe(samples, time.perf_counter() - self._started)
 
 
 def poisoned(gradient: torch.Tensor, kind: str, factor: float) -> torch.Tensor:

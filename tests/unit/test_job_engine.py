@@ -12,11 +12,10 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from idlegrad.common import builtin_jobs
+from idlegrad.common import builtin_jobs, job_loading
 from idlegrad.common.errors import JobError
-from idlegrad.common.job import (
-    FlatModel, Job, build, builtin_job_names, evaluate, gather, load_job, parse_job_args,
-    resolve_factory)
+from idlegrad.common.job import FlatModel, Job, build, coded_gradient, evaluate, gather
+from idlegrad.common.job_loading import builtin_job_names, load_job, parse_job_args, resolve_factory
 from idlegrad.common.permutation import part_indices
 from idlegrad.worker.engine import Cancelled, Engine, Work
 
@@ -39,6 +38,18 @@ def one_line(exc: BaseException) -> str:
 
 def test_builtin_names():
     assert builtin_job_names() == ["digits", "synthetic"]
+    for name in builtin_job_names():  # each is its factory's name in builtin_jobs
+        assert resolve_factory(name) is getattr(builtin_jobs, name)
+
+
+def test_common_job_is_the_public_face_of_jobs():
+    """Job files import `idlegrad.common.job.Job`, and the coordinator takes the loading
+    functions from there too: they stay importable from it."""
+    from idlegrad.common import job, job_definition
+
+    assert job.Job is job_definition.Job
+    for name in ("builtin_job_names", "load_job", "parse_job_args", "resolve_factory"):
+        assert getattr(job, name) is getattr(job_loading, name)
 
 
 def test_load_builtin_digits():
@@ -147,7 +158,7 @@ def test_module_that_fails_to_import(tmp_path, monkeypatch):
     ("idlegrad.common.builtin_jobs:", None, "must look like"),
     ("no_such_module_ig:make_job", None, "cannot import"),
     ("idlegrad.common.builtin_jobs:nothing", None, "no attribute"),
-    ("idlegrad.common.builtin_jobs:BUILTIN", None, "not callable"),
+    ("idlegrad.common.job_loading:BUILTIN_JOBS", None, "not callable"),
     ("digits", {"nonsense": 1}, "does not take"),
     ("synthetic", {"params": 0}, "synthetic"),  # the factory's own JobError goes through
 ])
@@ -523,19 +534,21 @@ def test_engine_gradients_stay_valid_until_released_then_are_reused(digits_built
     assert float(digits_built.model.params.abs().sum()) == 0.0
 
 
-def test_the_coordinators_coded_gradient_matches_the_workers():
-    """The third computation (common.job.coded_gradient) equals the engine's, part by part."""
-    import threading
-
-    from idlegrad.common.builtin_jobs import digits
-    from idlegrad.common.job import FlatModel, build, coded_gradient
-    from idlegrad.worker.engine import Engine, Work
-
-    built = build(digits(hidden=16))
-    engine = Engine(built, seed=3, device=torch.device("cpu"))
-    params = built.model.params.detach().clone()
-    parts, coefficients = [[0, 0, 40], [0, 40, 7], [1, 5, 9]], [1.0, -0.5, 2.0]
-    outcome = engine.compute(Work(1, 0, params, parts, coefficients), threading.Event())
-    scratch = FlatModel(built.job.build_model())
-    mine = coded_gradient(built.job, scratch, params, built.train, 3, parts, coefficients, chunk=5)
-    assert torch.allclose(mine, outcome.gradient, rtol=1e-4, atol=1e-6)
+@pytest.mark.parametrize("micro_batch", [5, 64])  # micro-batches split the parts, or hold them
+def test_the_coordinators_coded_gradient_is_the_workers_bit_for_bit(digits_built, micro_batch,
+                                                                     monkeypatch):
+    """The coordinator judges a worker's slot by computing it itself (common.job.coded_gradient):
+    with the worker's micro-batches, an honest worker's gradient is the same, to the bit."""
+    parts, coefficients = [[0, 0, 40], [0, 40, 7], [1, 5, 9], [2, 3, 0]], [1.0, -0.5, 2.0, 3.0]
+    params = random_params(digits_built, 6)
+    engine = fixed_micro_batch_engine(digits_built, micro_batch, monkeypatch)
+    engine.compute(Work(1, 0, random_params(digits_built, 7), [[0, 0, 9]], [1.0]),
+                   threading.Event())  # a slot before, at another model, in another buffer
+    worker = engine.compute(Work(2, 0, params, parts, coefficients), threading.Event())
+    scratch = FlatModel(digits_built.job.build_model())
+    coded_gradient(digits_built.job, scratch, random_params(digits_built, 8), digits_built.train,
+                   SEED, [[1, 0, 11]], [2.0], micro_batch)  # the judge's scratch model, used
+    judged = coded_gradient(digits_built.job, scratch, params, digits_built.train, SEED, parts,
+                            coefficients, micro_batch)
+    assert torch.equal(judged, worker.gradient)
+    assert torch.count_nonzero(judged) > 0
