@@ -25,8 +25,9 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
-from .errors import JobError
+from .errors import JobError, ProtocolError
 from .permutation import part_indices
+from .protocol import check_job_args
 
 
 @dataclass(frozen=True)
@@ -124,13 +125,20 @@ def load_job(spec: str, args: Optional[dict[str, Any]] = None) -> Job:
 
 
 def parse_job_args(items: Iterable[str]) -> dict[str, Any]:
-    """`key=value` strings -> kwargs; values become int, float or bool where they read as one."""
+    """`key=value` strings -> kwargs; values become int, float or bool where they read as one.
+
+    They travel to workers in a welcome, whose bounds they are held to here: a coordinator
+    started with arguments no worker would take says so at once."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key.isidentifier():
             raise JobError(f"job argument {item!r} must look like name=value")
         out[key] = _parse_scalar(text)
+    try:
+        check_job_args(out, "--job-arg")
+    except ProtocolError as exc:
+        raise JobError(exc.detail) from None
     return out
 
 
@@ -207,6 +215,22 @@ class FlatModel:
     def layout(self) -> list[list]:
         return [[name, list(p.shape), str(p.dtype).replace("torch.", "")]
                 for name, p in self.module.named_parameters()]
+
+
+def model_bytes(job: Job) -> Optional[int]:
+    """Bytes of the parameters and buffers `job.build_model()` makes, found by building it on
+    torch's meta device, where tensors have shapes and no storage: a model too large for this
+    machine is measured without being allocated. None when the model cannot be built there (it
+    loads weights from a file, say)."""
+    try:
+        with torch.device("meta"), torch.random.fork_rng(devices=[]):
+            module = job.build_model()
+    except Exception:
+        return None
+    if not isinstance(module, nn.Module):
+        return None
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass
