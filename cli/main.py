@@ -320,7 +320,7 @@ def _run_top(args) -> int:
     try:
         from ..monitor.app import run
     except ImportError as exc:
-        raise ConfigError(f"the terminal UI needs textual ({exc}): pip install 'textual>=0.80'") from None
+        raise ConfigError(f"the terminal UI needs textual ({exc}): pip install 'textual>=4'") from None
     from ..common.security import check_address, client_keys
 
     check_address(args.coordinator, "--coordinator")  # bad input: one line, before the UI

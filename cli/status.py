@@ -29,12 +29,16 @@ def run_status(args) -> int:
         return 0
     # Piped into a file or a pager a table has no terminal to fit: rich would squeeze twelve
     # columns into 80 and cut every cell to an ellipsis.
-    console = Console() if sys.stdout.isatty() else Console(width=200)
-    summary = Table(title=f"idlegrad coordinator at {args.coordinator}", show_header=False)
+    width = None if sys.stdout.isatty() else 200
+    # The snapshot's strings came from the network: nothing printed is read as markup, emoji
+    # codes or highlighted; styles are given as Text only.
+    console = Console(width=width, markup=False, emoji=False, highlight=False)
+    summary = Table(title=Text(f"idlegrad coordinator at {view.shown(args.coordinator)}"),
+                    show_header=False)
     for key, value in view.summary_rows(snap):
-        summary.add_row(key, value)
+        summary.add_row(key, Text(value))
     for line in view.rounds_lines(snap)[:3]:
-        summary.add_row("rounds", line)
+        summary.add_row("rounds", Text(line))
     console.print(summary)
     workers = Table(title=f"workers: {view.workers_count(snap)}")
     for _, title in view.COLUMNS:
@@ -44,13 +48,13 @@ def run_status(args) -> int:
                            min_width={"worker": 10, "state": 8}.get(title))
     state_col = [k for k, _ in view.COLUMNS].index("state")
     for row in view.worker_rows(snap, sort="id"):
-        cells: list = list(row.cells)
-        cells[state_col] = Text(row.cells[state_col], style=view.STATE_STYLES.get(row.state, ""))
+        cells = [Text(cell) for cell in row.cells]
+        cells[state_col].stylize(view.STATE_STYLES.get(row.state, ""))
         workers.add_row(*cells)
     console.print(workers)
     events = snap.get("events") or []
     if events:
-        console.print("[b]recent events[/]")
+        console.print(Text("recent events", style="bold"))
         for event in events[-8:]:
             console.print(Text(view.event_line(event)))
     return 0

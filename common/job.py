@@ -27,7 +27,7 @@ from .permutation import part_indices
 __all__ = [
     "BuiltJob", "FlatModel", "Job", "LocalChange", "LossTally", "accumulate_coded_gradient",
     "batch_to", "build", "builtin_job_names", "coded_gradient", "evaluate", "gather",
-    "load_job", "local_change", "parse_job_args", "part_batch", "reference_gradient_norm",
+    "load_job", "local_change", "model_bytes", "parse_job_args", "part_batch", "reference_gradient_norm",
     "resolve_factory",
 ]
 
@@ -91,6 +91,22 @@ class FlatModel:
     def layout(self) -> list[list]:
         return [[name, list(p.shape), str(p.dtype).replace("torch.", "")]
                 for name, p in self.module.named_parameters()]
+
+
+def model_bytes(job: Job) -> Optional[int]:
+    """Bytes of the parameters and buffers `job.build_model()` makes, found by building it on
+    torch's meta device, where tensors have shapes and no storage: a model too large for this
+    machine is measured without being allocated. None when the model cannot be built there (it
+    loads weights from a file, say)."""
+    try:
+        with torch.device("meta"), torch.random.fork_rng(devices=[]):
+            module = job.build_model()
+    except Exception:
+        return None
+    if not isinstance(module, nn.Module):
+        return None
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass

@@ -20,8 +20,9 @@ import os
 import sys
 from typing import Any, Callable, Iterable, Optional
 
-from .errors import JobError
+from .errors import JobError, ProtocolError
 from .job_definition import Job
+from .protocol import check_job_args
 
 # Each is the name of its factory in common/builtin_jobs.py.
 BUILTIN_JOBS = ("digits", "synthetic")
@@ -101,13 +102,20 @@ def load_job(spec: str, args: Optional[dict[str, Any]] = None) -> Job:
 
 
 def parse_job_args(items: Iterable[str]) -> dict[str, Any]:
-    """`key=value` strings -> kwargs; values become int, float or bool where they read as one."""
+    """`key=value` strings -> kwargs; values become int, float or bool where they read as one.
+
+    They travel to workers in a welcome, whose bounds they are held to here: a coordinator
+    started with arguments no worker would take says so at once."""
     out: dict[str, Any] = {}
     for item in items:
         key, sep, text = item.partition("=")
         if not sep or not key.isidentifier():
             raise JobError(f"job argument {item!r} must look like name=value")
         out[key] = _parse_scalar(text)
+    try:
+        check_job_args(out, "--job-arg")
+    except ProtocolError as exc:
+        raise JobError(exc.detail) from None
     return out
 
 

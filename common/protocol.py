@@ -35,6 +35,11 @@ MAX_DEPTH = 32  # containers nest at most this deep in a header (msgpack's own l
 MAX_WORKER_ID = 128  # a host name (at most 64 on Linux) and a pid fit
 MAX_NAME = 256  # host, device, instance, each version string
 MAX_VERSIONS = 16
+# A welcome's job arguments become keyword arguments of a job factory on the worker, before the
+# worker can compare fingerprints: a few named scalars, as `--job-arg name=value` makes them.
+MAX_JOB_ARGS = 32
+MAX_JOB_ARG_NAME = 64
+MAX_JOB_ARG_STR = 256
 # Seconds a worker reports (compute, wait): past this a report is not a measurement. The
 # scheduler averages them, and sums of squares of absurd values overflow.
 MAX_REPORTED_S = 1e6
@@ -501,6 +506,33 @@ def _take_blob(desc, frames: Sequence, start: int, where: str) -> tuple[Blob, in
     return Blob(dtype, numel, parts), end
 
 
+def check_job_args(args: dict, where: str) -> None:
+    """ProtocolError unless `args` are at most MAX_JOB_ARGS short ASCII identifiers, each naming
+    a bool, a 64-bit int, a finite float or a string of at most MAX_JOB_ARG_STR characters."""
+    if len(args) > MAX_JOB_ARGS:
+        raise ProtocolError("schema", f"{where}: {len(args)} arguments, at most {MAX_JOB_ARGS}")
+    for name, value in args.items():
+        if not (isinstance(name, str) and len(name) <= MAX_JOB_ARG_NAME and name.isascii()
+                and name.isidentifier()):
+            raise ProtocolError("schema", f"{where}: argument name {str(name)[:40]!r} is not an "
+                                          f"identifier of at most {MAX_JOB_ARG_NAME} characters")
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int):
+            if not -(2**63) <= value < 2**63:
+                raise ProtocolError("schema", f"{where}.{name}: int out of range")
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise ProtocolError("schema", f"{where}.{name}: float must be finite")
+        elif isinstance(value, str):
+            if len(value) > MAX_JOB_ARG_STR:
+                raise ProtocolError("schema", f"{where}.{name}: string over {MAX_JOB_ARG_STR} "
+                                              "characters")
+        else:
+            raise ProtocolError("schema", f"{where}.{name} must be a bool, int, float or string, "
+                                          f"got {type(value).__name__}")
+
+
 def _semantic_checks(msg: Message) -> None:
     """Range checks the type hints cannot say."""
     def non_negative(*names):
@@ -521,6 +553,11 @@ def _semantic_checks(msg: Message) -> None:
                 len(k) > MAX_NAME or len(v) > MAX_NAME for k, v in msg.versions.items()):
             raise ProtocolError("schema", f"hello.versions: at most {MAX_VERSIONS} short entries")
     elif isinstance(msg, Welcome):
+        check_job_args(msg.job_args, "welcome.job_args")
+        if not (1 <= len(msg.job) <= MAX_NAME and msg.job.isprintable()):
+            raise ProtocolError("schema", f"welcome.job must be 1 to {MAX_NAME} printable characters")
+        if len(msg.fingerprint) > MAX_NAME or len(msg.instance) > MAX_NAME:
+            raise ProtocolError("schema", f"welcome.fingerprint and instance: at most {MAX_NAME}")
         if msg.result_dtype not in Welcome.RESULT_DTYPES:
             raise ProtocolError("schema", f"welcome.result_dtype {msg.result_dtype[:20]!r} unknown")
         if not (HEARTBEAT_S_RANGE[0] <= msg.heartbeat_s <= HEARTBEAT_S_RANGE[1]

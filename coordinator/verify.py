@@ -22,14 +22,11 @@ import logging
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from .effects import Event
 from .scheduler import CompareCopies
 from .trust import matches
-
-if TYPE_CHECKING:  # the core owns the settlement; this module only needs its type
-    from .rounds import RoundCore
 
 log = logging.getLogger("idlegrad.coordinator")
 
@@ -51,7 +48,8 @@ class Stored:
 class Settlement:
     QUEUED = 8  # disagreements waiting for the computation in flight
 
-    def __init__(self, core: "RoundCore"):
+    def __init__(self, core):
+        """`core`: the round core (rounds.py) that owns this settlement and its store."""
         self.core = core
         # what the computation in flight settles: ("suspect", slot, stored, scale) or
         # ("copies", first, second)

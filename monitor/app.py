@@ -2,6 +2,8 @@
 
 The source's blocking calls (fetch, control) run in threads (`asyncio.to_thread`) so the UI never
 waits on the network; what is shown is computed by the pure view model (`monitor/view.py`).
+Everything shown is `rich.text.Text` or a widget with markup off: a snapshot's strings, and the
+operator's own filter, are text, never markup.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Confirm(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Label(self.question, id="question")
+            yield Label(self.question, id="question", markup=False)
             with Horizontal():
                 yield Button("Yes (y)", variant="warning", id="yes")
                 yield Button("No (n)", id="no")
@@ -111,7 +113,7 @@ class MonitorApp(App):
         self.sort = "id"
         self.filter_text = ""
         self.events = view.EventLog()
-        self.connection = f"connecting to {source.address}..."
+        self.connection = Text(f"connecting to {view.shown(source.address)}...")
         self.connected = False
         self.lost_at: Optional[float] = None
         self.polls = 0
@@ -121,16 +123,16 @@ class MonitorApp(App):
     # layout -----------------------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
-        yield Static(view.header(None, self.connection), id="header")
-        yield Static("", id="connection")
+        yield Static(view.header(None, self.connection), id="header", markup=False)
+        yield Static("", id="connection", markup=False)
         with Horizontal(id="middle"):
             yield Chart(id="chart")
-            yield Static("", id="rounds")
+            yield Static("", id="rounds", markup=False)
         table = DataTable(id="workers", cursor_type="row", zebra_stripes=True)
         yield table
         yield Input(placeholder="filter workers (id, host, device, state); enter to keep, "
                                 "escape to clear", id="filter")
-        yield Static("", id="events")
+        yield Static("", id="events", markup=False)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -164,25 +166,26 @@ class MonitorApp(App):
 
     def apply(self, snap: Optional[dict], restarted: bool = False) -> None:
         """Show a snapshot (None: the coordinator did not answer)."""
+        address = view.shown(self.source.address)
         if snap is None:
             if self.connected:
                 self.connected = False
                 self.lost_at = time.monotonic()
             if self.lost_at is not None:
-                self.connection = (f"[red]lost the coordinator at {self.source.address} "
-                                   f"{view.duration(time.monotonic() - self.lost_at)} ago; "
-                                   f"reconnecting...[/]")
+                self.connection = Text(f"lost the coordinator at {address} "
+                                       f"{view.duration(time.monotonic() - self.lost_at)} ago; "
+                                       f"reconnecting...", style="red")
             else:
-                self.connection = f"[yellow]connecting to {self.source.address}...[/]"
+                self.connection = Text(f"connecting to {address}...", style="yellow")
         else:
             if restarted or (self.snapshot is not None
                              and snap.get("instance") != self.snapshot.get("instance")):
-                self.connection = (f"[yellow]reconnected: the coordinator at "
-                                   f"{self.source.address} restarted[/]")
+                self.connection = Text(f"reconnected: the coordinator at {address} restarted",
+                                       style="yellow")
             elif self.lost_at is not None:
-                self.connection = f"[green]reconnected to {self.source.address}[/]"
+                self.connection = Text(f"reconnected to {address}", style="green")
             elif not self.connected:
-                self.connection = f"connected to {self.source.address}"
+                self.connection = Text(f"connected to {address}")
             self.connected = True
             self.lost_at = None
             self.snapshot = snap
@@ -196,12 +199,15 @@ class MonitorApp(App):
         except NoMatches:  # a fetch that ends while the app closes finds its widgets gone
             return
         header.update(view.header(snap))
-        sort_note = f"sort: {self.sort}" + (f"  filter: {self.filter_text!r}" if self.filter_text else "")
-        self.query_one("#connection", Static).update(f"{self.connection}   [dim]{sort_note}[/]")
+        sort_note = f"sort: {self.sort}" + (
+            f"  filter: {view.shown(repr(self.filter_text))}" if self.filter_text else "")
+        self.query_one("#connection", Static).update(
+            Text.assemble(self.connection, "   ", (sort_note, "dim")))
         self.query_one("#chart", Chart).show(snap)
-        self.query_one("#rounds", Static).update("\n".join(
-            ["[b]rounds and redundancy[/]", *view.rounds_lines(snap)]))
-        self.query_one("#events", Static).update(Text("\n".join(self.events.tail(6))))
+        self.query_one("#rounds", Static).update(Text.assemble(
+            ("rounds and redundancy", "bold"), *(f"\n{line}" for line in view.rounds_lines(snap))))
+        self.query_one("#events", Static).update(
+            Text("\n".join(self.events.tail(6)), no_wrap=True, overflow="ellipsis"))
         self._fill_table()
 
     def _fill_table(self) -> None:
@@ -209,11 +215,11 @@ class MonitorApp(App):
         selected = self.selected_worker()
         rows = view.worker_rows(self.snapshot, self.sort, self.filter_text)
         table.clear()
+        state_col = [k for k, _ in view.COLUMNS].index("state")
         for row in rows:
-            cells = list(row.cells)
-            state_col = [k for k, _ in view.COLUMNS].index("state")
-            cells[state_col] = Text(row.cells[state_col],
-                                    style=view.STATE_STYLES.get(row.state, ""))
+            # a str cell would be parsed as markup by the DataTable
+            cells = [Text(cell, no_wrap=True, overflow="ellipsis") for cell in row.cells]
+            cells[state_col].stylize(view.STATE_STYLES.get(row.state, ""))
             table.add_row(*cells, key=row.id)
         ids = [r.id for r in rows]
         if selected in ids:
@@ -236,7 +242,7 @@ class MonitorApp(App):
 
     def action_sort(self) -> None:
         self.sort = view.next_sort(self.sort)
-        self.notify(f"sorted by {self.sort}", timeout=1.5)
+        self.notify(f"sorted by {self.sort}", timeout=1.5, markup=False)
         self.refresh_view()
 
     def action_filter(self) -> None:
@@ -275,10 +281,10 @@ class MonitorApp(App):
     def action_drain(self) -> None:
         worker = self.selected_worker()
         if worker is None:
-            self.notify("no worker selected", severity="warning")
+            self.notify("no worker selected", severity="warning", markup=False)
             return
-        self.push_screen(Confirm(f"Drain worker {worker}? It finishes its current slots, "
-                                 f"gets no more, and leaves."),
+        self.push_screen(Confirm(f"Drain worker {view.shown(worker)}? It finishes its current "
+                                 f"slots, gets no more, and leaves."),
                          lambda yes: self._confirmed(yes, "drain", worker))
 
     def _confirmed(self, yes: Optional[bool], action: str, worker: Optional[str]) -> None:
@@ -287,8 +293,8 @@ class MonitorApp(App):
 
     async def _control(self, action: str, worker: Optional[str]) -> None:
         ok, detail = await asyncio.to_thread(self.source.control, action, worker)
-        self.notify(detail or action, severity="information" if ok else "error",
-                    timeout=4 if ok else 8)
+        self.notify(view.shown(detail or action), severity="information" if ok else "error",
+                    timeout=4 if ok else 8, markup=False)
         self.poll()
 
 

@@ -2,6 +2,8 @@
 
 Four panels: training loss and the test metric against time, the same against samples, and
 samples/s with the worker count against time. Rendering uses the Agg backend (no display).
+A log's strings (metric names, the stop reason) are shown as text: matplotlib's mathtext and TeX
+are off, since a `$` pair in a name would be parsed, and one that does not parse stops the plot.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import math
 from typing import Optional
 
 from ..common.errors import ConfigError
+from .view import shown
 
 
 def load_metrics(path: str) -> list[dict]:
@@ -44,7 +47,8 @@ def pick_metric(records: list[dict], wanted: Optional[str] = None) -> Optional[s
                 names.append(k)
     if wanted:
         if wanted not in names:
-            raise ConfigError(f"metric {wanted!r} is not in the log (it has {', '.join(names) or 'none'})")
+            listed = shown(", ".join(shown(n, 40) for n in names[:20])) or "none"
+            raise ConfigError(f"metric {shown(repr(wanted))} is not in the log (it has {listed})")
         return wanted
     if "accuracy" in names:
         return "accuracy"
@@ -62,7 +66,14 @@ def plot(records: list[dict], out: str, metric: Optional[str] = None, title: str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metric = pick_metric(records, metric)
+    with plt.rc_context({"text.parse_math": False, "text.usetex": False}):
+        return _plot(records, out, pick_metric(records, metric), title)
+
+
+def _plot(records: list[dict], out: str, metric: Optional[str], title: str) -> str:
+    import matplotlib.pyplot as plt
+
+    name = shown(metric, 60) if metric else None
     t = [_num(r.get("elapsed")) for r in records]
     samples = [_num(r.get("samples")) for r in records]
     loss = [_num(r.get("loss")) for r in records]
@@ -81,13 +92,13 @@ def plot(records: list[dict], out: str, metric: Optional[str] = None, title: str
         ax.grid(alpha=0.3)
         if metric and metric != "loss":
             ax2 = ax.twinx()
-            ax2.plot(x, value, color="tab:blue", label=f"test {metric}")
-            ax2.set_ylabel(metric)
+            ax2.plot(x, value, color="tab:blue", label=f"test {name}")
+            ax2.set_ylabel(name)
             lines = ax.get_lines() + ax2.get_lines()
         else:
             lines = ax.get_lines()
         ax.legend(lines, [ln.get_label() for ln in lines], loc="center right")
-        ax.set_title(f"loss and {metric or 'metrics'} against {xlabel.split(' ')[0]}")
+        ax.set_title(f"loss and {name or 'metrics'} against {xlabel.split(' ')[0]}")
     ax = axes[1][0]
     ax.plot(t, rate, color="tab:green")
     ax.set_xlabel("time (s)")
@@ -102,9 +113,9 @@ def plot(records: list[dict], out: str, metric: Optional[str] = None, title: str
     ax.yaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
     final = records[-1]
-    fig.suptitle(title or f"idlegrad run: {len(records)} evaluations, version {final.get('version')}, "
-                          f"{final.get('samples')} samples"
-                          + (f", stopped: {final.get('reason')}" if final.get("final") else ""))
+    fig.suptitle(shown(title or f"idlegrad run: {len(records)} evaluations, version "
+                               f"{final.get('version')}, {final.get('samples')} samples"
+                               + (f", stopped: {final.get('reason')}" if final.get("final") else "")))
     try:
         fig.savefig(out, dpi=100)
     except OSError as exc:

@@ -3,15 +3,22 @@
 No sockets, threads, clock or textual here: header text, worker rows (sorted, filtered), chart
 series and their braille rendering, the rounds panel and event lines are computed from the snapshot
 (a plain dict, as the coordinator's status endpoint sends it) and unit-tested on their own.
+
+Every string in a snapshot came from the network (a worker names itself in its hello; the
+coordinator names the rest), so every one is shown through `shown()`, and what this module returns
+is plain text or `rich.text.Text`, never markup: the front ends must not parse it either.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import unicodedata
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence, Union
+
+from rich.text import Text
 
 # column key, title, width hint
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -31,6 +38,28 @@ STATE_ORDER = {"working": 0, "idle": 1, "draining": 2, "paused": 3}
 
 
 # formatting ------------------------------------------------------------------------------------
+
+# A worker id (128 at most) fits whole; a longer value would only push the rest off the screen.
+MAX_SHOWN = 200
+_JOINERS = frozenset("\u200c\u200d")  # zero-width (non-)joiners: emoji and scripts need them
+
+
+def _showable(char: str) -> bool:
+    # Cc: C0, DEL and C1 (ESC and CSI start terminal escapes); Cf: bidi overrides that reorder
+    # what is read; Zl, Zp: line breaks; Cs: lone surrogates, which no terminal can encode.
+    return (unicodedata.category(char) not in ("Cc", "Cf", "Cs", "Zl", "Zp")
+            or char in _JOINERS)
+
+
+def shown(value: Any, limit: int = MAX_SHOWN) -> str:
+    """A value from the network as one line of plain text: control and format characters become
+    U+FFFD, and past `limit` characters it is cut with an ellipsis."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) > limit:
+        text = text[:max(0, limit - 1)] + "\u2026"
+    if text.isprintable():
+        return text
+    return "".join(c if _showable(c) else "\ufffd" for c in text)
 
 
 def duration(seconds: Optional[float]) -> str:
@@ -62,7 +91,7 @@ def number(value: Any, digits: int = 3) -> str:
         if value and abs(value) < 10 ** -digits:
             return f"{value:.1e}"
         return f"{value:.{digits}f}"
-    return str(value)
+    return shown(value)
 
 
 # header and ETA --------------------------------------------------------------------------------
@@ -118,34 +147,36 @@ def eta(snap: dict, window: int = 10) -> tuple[Optional[float], str]:
     return best
 
 
-def header(snap: Optional[dict], connection: str = "") -> str:
-    """The top lines, as rich markup."""
+def header(snap: Optional[dict], connection: Union[str, Text] = "") -> Text:
+    """The top two lines."""
+    title = ("idlegrad top", "bold")
     if snap is None:
-        return f"[b]idlegrad top[/]  {connection or 'waiting for the coordinator'}"
+        return Text.assemble(title, "  ", connection or "waiting for the coordinator")
     state = snap.get("state", "?")
-    style = {"training": "green", "paused": "magenta", "stopping": "yellow"}.get(state, "white")
+    style = {"training": "green", "paused": "magenta", "stopping": "yellow"}.get(str(state), "white")
     metrics = snap.get("metrics") or {}
     metric = target_metric(snap)
     seconds, why = eta(snap)
-    parts = [
-        f"[b]idlegrad top[/]  job [cyan]{snap.get('job', '?')}[/]",
-        f"[{style}]{state}[/]",
-        f"version [b]{number(snap.get('version'))}[/]",
-        f"samples {number(snap.get('samples'))} ({number(snap.get('epoch'), 2)} epochs)",
-        f"[b]{number(snap.get('samples_per_s'), 1)}[/] samples/s",
-    ]
+    gap = "  "
+    line1 = Text.assemble(
+        title, gap, "job ", (shown(snap.get("job", "?")), "cyan"), gap, (shown(state), style), gap,
+        "version ", (number(snap.get("version")), "bold"), gap,
+        f"samples {number(snap.get('samples'))} ({number(snap.get('epoch'), 2)} epochs)", gap,
+        (number(snap.get("samples_per_s"), 1), "bold"), " samples/s")
     line2 = [f"loss {number(snap.get('loss'))}"]
     if metric and metric in metrics:
-        line2.append(f"{metric} {number(metrics[metric], 4)}")
+        line2.append(f"{shown(metric)} {number(metrics[metric], 4)}")
     if snap.get("target"):
-        line2.append(f"target {snap['target']}")
+        line2.append(f"target {shown(snap['target'])}")
     if seconds is not None:
         line2.append(f"ETA {duration(seconds)} ({why})")
     line2.append(f"workers {len(snap.get('workers') or [])}")
     line2.append(f"elapsed {duration(snap.get('elapsed_s'))}")
+    text = Text.assemble(line1, "\n", gap.join(line2))
     if connection:
-        line2.append(connection)
-    return "  ".join(parts) + "\n" + "  ".join(line2)
+        text.append(gap)
+        text.append_text(connection if isinstance(connection, Text) else Text(connection))
+    return text
 
 
 # workers ---------------------------------------------------------------------------------------
@@ -153,9 +184,9 @@ def header(snap: Optional[dict], connection: str = "") -> str:
 
 @dataclass(frozen=True)
 class WorkerRow:
-    id: str
+    id: str  # as the coordinator knows it: the key a drain names, never shown as it is
     state: str
-    cells: tuple[str, ...]  # one per COLUMNS entry, formatted
+    cells: tuple[str, ...]  # one per COLUMNS entry, formatted, plain text
 
 
 def matches(worker: dict, text: str) -> bool:
@@ -178,11 +209,11 @@ def sort_key(key: str):
 def workers_count(snap: dict) -> str:
     """How many workers the coordinator holds; a large fleet's snapshot lists only the first
     ones (coordinator/status.py), and says so."""
-    shown = len(snap.get("workers") or [])
-    total = snap.get("workers_total", shown)
-    if isinstance(total, int) and total > shown:
-        return f"{number(total)} ({number(shown)} listed)"
-    return str(shown)
+    listed = len(snap.get("workers") or [])
+    total = snap.get("workers_total", listed)
+    if isinstance(total, int) and total > listed:
+        return f"{number(total)} ({number(listed)} listed)"
+    return str(listed)
 
 
 def worker_rows(snap: Optional[dict], sort: str = "id", filter_text: str = "") -> list[WorkerRow]:
@@ -277,11 +308,11 @@ def chart_block(name: str, points: Sequence[tuple[float, float]], width: int,
                 height: int) -> list[str]:
     """A titled chart: a title line (last value, range, time span), then `height - 1` lines."""
     if not points:
-        title = f"{name}: no evaluations yet"
+        title = f"{shown(name)}: no evaluations yet"
         return [title[:width]] + [" " * width for _ in range(max(0, height - 1))]
     ys = [y for _, y in points]
     span = points[-1][0] - points[0][0]
-    title = f"{name} {number(ys[-1], 4)}  [{number(min(ys), 3)}..{number(max(ys), 3)}]"
+    title = f"{shown(name)} {number(ys[-1], 4)}  [{number(min(ys), 3)}..{number(max(ys), 3)}]"
     if len(title) + len(duration(span)) + 6 <= width:
         title += f" over {duration(span)}"
     return [title[:width].ljust(width)] + braille(points, width, max(1, height - 1))
@@ -305,26 +336,34 @@ def rounds_lines(snap: Optional[dict]) -> list[str]:
     r, red = snap.get("rounds") or {}, snap.get("redundancy") or {}
     limit = red.get("open_rounds_limit")
     lines = [
-        f"code {red.get('code', '?')}  partitions {red.get('partitions', '?')}",
-        f"open rounds {r.get('open', 0)} (limit {limit or 'none'})",
-        f"pending slots {r.get('pending_slots', 0)}",
+        f"code {number(red.get('code', '?'))}  partitions {number(red.get('partitions', '?'))}",
+        f"open rounds {number(r.get('open', 0))} (limit {number(limit or 'none')})",
+        f"pending slots {number(r.get('pending_slots', 0))}",
         f"decoded {number(r.get('decoded', 0))} / opened {number(r.get('opened', 0))}",
-        f"replanned {r.get('replanned', 0)}  too stale {red.get('rounds_too_stale', 0)}",
-        f"requeued {r.get('slots_requeued', 0)} (late {r.get('deadline_requeues', 0)})",
-        f"duplicates {r.get('results_duplicate', 0)}  rejected {red.get('rounds_rejected', 0)}",
-        f"staleness {red.get('staleness_rule', '?')} (max {red.get('max_staleness', '?')})",
+        f"replanned {number(r.get('replanned', 0))}  "
+        f"too stale {number(red.get('rounds_too_stale', 0))}",
+        f"requeued {number(r.get('slots_requeued', 0))} "
+        f"(late {number(r.get('deadline_requeues', 0))})",
+        f"duplicates {number(r.get('results_duplicate', 0))}  "
+        f"rejected {number(red.get('rounds_rejected', 0))}",
+        f"staleness {number(red.get('staleness_rule', '?'))} "
+        f"(max {number(red.get('max_staleness', '?'))})",
     ]
-    bad = sum((snap.get("bad_messages") or {}).values())
+    bad = _total((snap.get("bad_messages") or {}).values())
     grads = (snap.get("counters") or {}).get("gradients_rejected", 0)
     if bad or grads:
-        lines.append(f"bad messages {bad}  bad gradients {grads}")
+        lines.append(f"bad messages {number(bad)}  bad gradients {number(grads)}")
     return lines
+
+
+def _total(values: Iterable[Any]) -> int:
+    return sum(v for v in values if isinstance(v, int) and not isinstance(v, bool))
 
 
 def event_line(event: dict) -> str:
     t = event.get("time")
     stamp = time.strftime("%H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "--:--:--"
-    return f"{stamp} {str(event.get('kind', '?')):<10} {event.get('text', '')}"
+    return f"{stamp} {shown(event.get('kind', '?'), 20):<10} {shown(event.get('text', ''))}"
 
 
 class EventLog:
@@ -361,26 +400,28 @@ def summary_rows(snap: dict) -> list[tuple[str, str]]:
     metrics = snap.get("metrics") or {}
     seconds, why = eta(snap)
     rows = [
-        ("job", str(snap.get("job", "?"))), ("state", str(snap.get("state", "?"))),
+        ("job", shown(snap.get("job", "?"))), ("state", shown(snap.get("state", "?"))),
         ("version", number(snap.get("version"))),
         ("samples", f"{number(snap.get('samples'))} ({number(snap.get('epoch'), 2)} epochs)"),
         ("samples/s", number(snap.get("samples_per_s"), 1)),
         ("train loss", number(snap.get("loss"))),
-        ("metrics", ", ".join(f"{k} {number(v, 4)}" for k, v in metrics.items()) or "-"),
-        ("target", str(snap.get("target") or "-")),
+        ("metrics", shown(", ".join(f"{shown(k)} {number(v, 4)}" for k, v in metrics.items()))
+         or "-"),
+        ("target", shown(snap.get("target") or "-")),
         ("ETA", f"{duration(seconds)} ({why})" if seconds is not None else "-"),
         ("elapsed", duration(snap.get("elapsed_s"))),
         ("workers", workers_count(snap)),
     ]
     trust = snap.get("trust")
     if isinstance(trust, dict) and (trust.get("refused") or trust.get("banned")):
-        banned = [str(b) for b in trust.get("banned") or []]
-        count = trust.get("banned_count", len(banned))
+        every = trust.get("banned") or []
+        banned = [shown(b) for b in list(every)[:5]]
+        count = trust.get("banned_count", len(every))
         more = f" and {number(count - 5)} more" if isinstance(count, int) and count > 5 else ""
         rows.append(("gradients refused", f"{number(trust.get('refused'))}"
                      + (f"; banned: {', '.join(banned[:5])}{more}" if banned else "")))
     if snap.get("task") not in (None, "gradient"):
-        rows.append(("task", str(snap["task"])))
+        rows.append(("task", shown(snap["task"])))
     if snap.get("bytes_per_sample") is not None:  # wire bytes, both ways, per sample applied
         rows.append(("wire", f"{number(snap['bytes_per_sample'] / 1024, 1)} KiB/sample"))
     return rows

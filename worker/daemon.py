@@ -42,13 +42,13 @@ from .. import __version__
 from ..common import protocol as proto
 from ..common.aio import on_stop_signals
 from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
-from ..common.job import BuiltJob, build
+from ..common.job import BuiltJob, Job, build, model_bytes
 from ..common.job_loading import builtin_job_names, load_job
 from ..common.security import KEYS_HINT, ClientKeys
 from ..common.tensors import blob_chunks, to_blob
 from ..common.throttle import Throttle
 from .engine import Cancelled, Engine, Outcome, Work
-from .idle import Decision, IdlePolicy, PolicyConfig, Readings
+from .idle import Decision, IdlePolicy, PolicyConfig, Readings, memory_left_mb
 from .compress import ErrorFeedback
 from .link import ShapedSocket
 from .probes import Probes
@@ -104,6 +104,9 @@ def usable_cores() -> int:
 
 class Worker:
     MAX_UNACKED = 16  # results kept for resending; acknowledgements come within milliseconds
+    # Copies of the model a worker holds at once: flat parameters and gradients, a model received
+    # from the wire, a local task's optimizer moments (Adam's two); one gradient buffer per credit.
+    MODEL_COPIES = 5
     def __init__(self, config: WorkerConfig):
         if config.credits < 1:
             raise ConfigError("credits must be at least 1")
@@ -260,8 +263,12 @@ class Worker:
             if self.config.job is None and welcome.job not in builtin_job_names():
                 raise Refused(f"the coordinator trains job {welcome.job!r}, which is not built in; "
                             "start this worker with --job SPEC naming that job's code on this machine")
+            # The previous job is of no use now, and its memory is the next one's.
+            self.built = self.engine = self._built_for = None
             job = load_job(spec, welcome.job_args)
+            self._check_memory(job)
             self.built = build(job, device=self.device)
+            self._check_memory(job, self.built)
             self.engine = Engine(self.built, welcome.seed, self.device)
             self.engine.slowdown, self.engine.stall = self.config.slowdown, self.config.stall
             self.engine.poison = self.config.poison
@@ -274,6 +281,33 @@ class Worker:
             # its gradients would be of no use, so say so and leave instead of joining.
             raise Refused(f"job fingerprint {self.built.fingerprint} here, {welcome.fingerprint} "
                           "at the coordinator: refused to compute for another version of the job")
+
+    def _check_memory(self, job: Job, built: Optional[BuiltJob] = None) -> None:
+        """Refuse a job the owner's memory limits have no room for. The coordinator chooses the
+        job's arguments, so it chooses its size: before building, the model is measured on the
+        meta device (nothing allocated) and counted as every copy the worker will hold; after,
+        what building took (data sets too) is in the worker's resident memory, and the copies
+        still to come are added. A factory that allocates by itself is seen only after."""
+        copies = self.MODEL_COPIES + self.config.credits
+        if built is None:
+            per_copy = model_bytes(job)
+            if per_copy is None:
+                return  # not measurable without building it: measured after
+        else:
+            model = built.model
+            per_copy = model.params.nbytes + sum(b.nbytes for b in model.module.buffers())
+            copies -= 2  # its parameters and gradients are built
+        need_mb = per_copy * copies / 2**20
+        left_mb = memory_left_mb(self.config.policy, psutil.Process().memory_info().rss / 2**20,
+                                 psutil.virtual_memory().available / 2**20)
+        if need_mb > left_mb:
+            self.built = None
+            needs = "needs" if built is None else "once built, needs"
+            raise Refused(
+                f"job {job.name!r} with the coordinator's arguments {needs} {need_mb:,.0f} MiB "
+                f"more ({copies} copies of a {per_copy / 2**20:,.1f} MiB model), and this worker "
+                f"may take {max(0.0, left_mb):,.0f} MiB more (the owner's --memory-max and the "
+                "memory the machine has free): refused")
 
     async def _session(self, sock, welcome: proto.Welcome) -> None:
         while True:

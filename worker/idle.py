@@ -125,6 +125,15 @@ def in_hours(minute: int, spans: tuple[tuple[int, int], ...]) -> bool:
     return False
 
 
+def memory_left_mb(config: PolicyConfig, worker_rss_mb: float, available_mb: float) -> float:
+    """MiB the worker may still take: up to the owner's ceiling on its own memory, and never into
+    the last `memory_available_min_mb` the machine has free (past it, other programs swap)."""
+    left = available_mb - (config.memory_available_min_mb or 0.0)
+    if config.worker_rss_max_mb is not None:
+        left = min(left, config.worker_rss_max_mb - worker_rss_mb)
+    return left
+
+
 def check_policy(config: PolicyConfig) -> None:
     """Raise ValueError naming the field for an impossible setting."""
     def number(name: str, value, optional: bool = True, upper: Optional[float] = None):

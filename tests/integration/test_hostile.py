@@ -5,7 +5,8 @@ version, lying length fields, and results from a peer that never said hello; raw
 bytes that are not ZeroMQ at all, and a ZMTP frame whose announced length is absurd; one DEALER
 sends a frame over ZMQ_MAXMSGSIZE; a fake worker shakes hands properly and then answers its task
 with a NaN gradient. The coordinator counts and drops all of it, and training goes on to the end
-with every sample applied exactly once.
+with every sample applied exactly once. The other way round, a fake coordinator welcomes a real
+worker with job arguments it must not take.
 """
 
 from __future__ import annotations
@@ -228,3 +229,47 @@ def test_hostile_input_is_counted_and_dropped_while_training_goes_on(cluster, di
     assert final["metrics"]["accuracy"] >= 0.9
     assert math.isfinite(final["metrics"]["loss"])
     cluster.assert_no_tracebacks()
+
+
+
+def test_a_worker_refuses_a_hostile_welcome_in_one_line(cluster):
+    """A coordinator chooses the job's arguments: a welcome whose arguments are not a few named
+    scalars is dropped at decoding, and one asking for a model past the owner's memory cap
+    (40 GB a copy, against --memory-max 2000) is refused, before anything is allocated, with a
+    bye saying why and one line."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(cluster.address)
+    try:
+        worker = cluster.worker("w1", "--memory-max", "2000")
+
+        def from_worker(kind: type) -> tuple[bytes, proto.Message]:
+            end = time.monotonic() + 60
+            while time.monotonic() < end and worker.running():
+                if router.poll(200, zmq.POLLIN):
+                    route, *frames = router.recv_multipart()
+                    msg = proto.decode(frames)
+                    if isinstance(msg, kind):
+                        return route, msg
+            raise AssertionError(f"no {kind.__name__} from the worker:\n{worker.tail()}")
+
+        nested = {"v": proto.PROTOCOL_VERSION, "type": "welcome", "job": "synthetic",
+                  "job_args": {"params": [10**9] * 1000}, "fingerprint": "0" * 16, "seed": 0,
+                  "heartbeat_s": 1.0, "liveness": 3}
+        router.send_multipart([from_worker(proto.Hello)[0], packb(nested)])
+        huge = proto.Welcome(job="synthetic", job_args={"params": 10**10}, fingerprint="0" * 16,
+                             seed=0, heartbeat_s=1.0, liveness=3)
+        router.send_multipart([from_worker(proto.Hello)[0], *proto.encode(huge)])
+        _, bye = from_worker(proto.Bye)
+        assert worker.wait(timeout=30) != 0
+    finally:
+        router.close(0)
+        ctx.term()
+    assert "--memory-max" in bye.reason, bye
+    out = worker.output()
+    assert ("dropped a bad message from the coordinator: schema: welcome.job_args.params must be "
+            "a bool, int, float or string, got list") in out, worker.tail()
+    (line,) = worker.said()
+    assert line.startswith("idlegrad worker: error: job 'synthetic'") and "--memory-max" in line
+    assert "Traceback" not in out and "joined" not in out

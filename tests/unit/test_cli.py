@@ -75,6 +75,13 @@ def test_bad_job_arg(run_cli):
     result = run_cli(["coordinator", "--job", "digits", "--job-arg", "nonsense=1"])
     assert result.code == 2
     assert "does not take" in result.one_line_error()
+    # what a worker would refuse in the welcome, the coordinator refuses at the start
+    result = run_cli(["coordinator", "--job", "digits", "--job-arg", "name=" + "x" * 300])
+    assert result.code == 2
+    assert "--job-arg.name: string over 256 characters" in result.one_line_error()
+    result = run_cli(["coordinator", "--job", "digits", "--job-arg", f"hidden={2**64}"])
+    assert result.code == 2
+    assert "--job-arg.hidden: int out of range" in result.one_line_error()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")

@@ -103,10 +103,10 @@ def test_eta_reached_and_lower_is_better():
 
 def test_header_shows_the_essentials():
     text = view.header(snapshot(), "connected")
-    for part in ("digits", "1,234", "1,000[/] samples/s", "accuracy 0.9000", "ETA 1s (target)",
+    for part in ("digits", "1,234", "1,000 samples/s", "accuracy 0.9000", "ETA 1s (target)",
                  "workers 3", "connected", "training"):
-        assert part in text, part
-    assert "waiting" in view.header(None)
+        assert part in text.plain, part
+    assert "waiting" in view.header(None).plain
 
 
 @pytest.mark.parametrize("seconds,text", [

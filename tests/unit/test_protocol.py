@@ -62,8 +62,7 @@ def sample_messages() -> list[proto.Message]:
                 instance="coordinator-host-123-1700000000.000", holding=[3, 5]),
         Ack(slots=[1]),
         Ack(slots=[]),
-        Welcome(job="synthetic", job_args={"params": 5000, "lr": 0.5, "flag": True, "name": "x",
-                                           "nested": {"a": [1, 2.5, None]}},
+        Welcome(job="synthetic", job_args={"params": 5000, "lr": 0.5, "flag": True, "name": "x"},
                 fingerprint="abc", seed=7, heartbeat_s=0.5, liveness=3),
         Welcome(job="digits", job_args={}, fingerprint="", seed=0, heartbeat_s=1, liveness=1),
         Task(slot=3, round=1, version=2, parts=[[0, 0, 16], [1, 16, 8]], coefficients=[1.0, -0.5],
@@ -529,6 +528,39 @@ def test_values_at_their_bounds_are_fine():
     hello = decode([packb({**HELLO, "worker_id": "w" * MAX_WORKER_ID, "host": "h" * MAX_NAME,
                            "versions": {f"k{i}": "v" * MAX_NAME for i in range(MAX_VERSIONS)}})])
     assert len(hello.worker_id) == MAX_WORKER_ID and len(hello.versions) == MAX_VERSIONS
+
+
+# A hostile coordinator's welcome: its job arguments become a job factory's keyword arguments on
+# the worker before it can compare fingerprints.
+@pytest.mark.parametrize("job_args,says", [
+    ({f"a{i}": 1 for i in range(proto.MAX_JOB_ARGS + 1)}, "at most"),
+    ({"a" * (proto.MAX_JOB_ARG_NAME + 1): 1}, "is not an identifier"),
+    ({"a-b": 1}, "is not an identifier"), ({"1x": 1}, "is not an identifier"),
+    ({"": 1}, "is not an identifier"), ({"__import__('os')": 1}, "is not an identifier"),
+    ({"\ufb01le": 1}, "is not an identifier"),  # NFKC makes it "file": ASCII names only
+    ({"size": "x" * (proto.MAX_JOB_ARG_STR + 1)}, "string over"),
+    ({"size": [10**9] * 100}, "got list"), ({"size": {"a": 1}}, "got dict"),
+    ({"size": None}, "got NoneType"), ({"size": b"\x00" * 10}, "got bytes"),
+    ({"lr": float("nan")}, "finite"), ({"lr": float("inf")}, "finite"),
+], ids=lambda v: repr(v)[:30])
+def test_job_args_past_their_bounds_are_refused(job_args, says):
+    with pytest.raises(ProtocolError, match=r"welcome\.job_args.*" + says) as e:
+        decode([packb({**WELCOME, "job_args": job_args})])
+    assert e.value.reason == "schema"
+
+
+def test_job_args_at_their_bounds_are_fine():
+    job_args = {f"a{i}": 1 for i in range(proto.MAX_JOB_ARGS - 5)}
+    job_args.update({"n" * proto.MAX_JOB_ARG_NAME: "s" * proto.MAX_JOB_ARG_STR, "big": 2**63 - 1,
+                     "small": -(2**63), "lr": 1e-300, "flag": False})
+    assert decode([packb({**WELCOME, "job_args": job_args})]).job_args == job_args
+
+
+@pytest.mark.parametrize("field,value", [
+    ("job", ""), ("job", "j" * (MAX_NAME + 1)), ("job", "digits\x1b[2J"), ("job", "a\nb"),
+    ("fingerprint", "f" * (MAX_NAME + 1)), ("instance", "i" * (MAX_NAME + 1))])
+def test_a_welcome_names_its_job_shortly_and_printably(field, value):
+    assert reason_of([packb({**WELCOME, field: value})]) == "schema"
 
 
 def test_negative_loss_is_fine():
