@@ -32,6 +32,8 @@ class Gate:
         self.allowed = allowed
         self.is_banned = is_banned
         self.key_of: dict[str, bytes] = {}  # worker id -> the key that holds it
+        self.routes: dict[str, bytes] = {}  # worker id -> its connection's routing id
+        self.peers: dict[bytes, str] = {}  # routing id -> the worker id it said hello as
 
     @property
     def secure(self) -> bool:
@@ -70,7 +72,14 @@ class Gate:
                            bad_message=True)
         return None
 
-    def holds(self, worker_id: str, key: Optional[bytes]) -> None:
+    def connect(self, worker_id: str, route: bytes, key: Optional[bytes]) -> None:
+        """`worker_id` said hello on `route` (under `key`): its earlier connection is let go."""
+        old = self.routes.get(worker_id)
+        if old is not None:
+            self.peers.pop(old, None)
+        self.peers.pop(route, None)
+        self.routes[worker_id] = route
+        self.peers[route] = worker_id
         if key is not None:
             self.key_of[worker_id] = key
 
@@ -78,6 +87,10 @@ class Gate:
         return key is None or self.key_of.get(worker_id) == key
 
     def forget(self, worker_id: str) -> None:
+        """The worker is gone (evicted, revoked, banned): nothing more from its connection."""
+        route = self.routes.pop(worker_id, None)
+        if route is not None:
+            self.peers.pop(route, None)
         self.key_of.pop(worker_id, None)
 
     def reload(self, allowed: frozenset[bytes]) -> tuple[list[str], int]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 import math
 import signal
@@ -30,7 +29,7 @@ from . import evaluation
 from .config import CoordinatorConfig, check
 from .effects import Applied, Ban, Compute, Event, Used
 from .gate import BANNED, Gate
-from .ledger import LedgerWriter
+from .records import RunRecords
 from .scheduler import Assign, CancelSlots, Drained, Evicted
 from .status import EVENTS_PER_STATUS, coordinator_snapshot
 from .training import Training
@@ -42,11 +41,9 @@ log = logging.getLogger("idlegrad.coordinator")
 
 
 def tune_gc() -> None:
-    """A long-running coordinator's collector: what start-up built (torch, the job, the model)
-    is frozen out of collections, and full passes over the fleet's records come less often.
-    Python's default (a young collection every 700 allocations, whose older passes walk every
-    live object) costs the scheduler about a third of its time per slot at 10,000 workers; the
-    coordinator's records hold few reference cycles."""
+    """What start-up built (torch, the job, the model) is frozen out of collections, and full
+    passes come less often: Python's default costs the scheduler about a third of its time per
+    slot at 10,000 workers, and the coordinator's records hold few reference cycles."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 10, 10)
@@ -60,8 +57,6 @@ class Coordinator:
         self.training = Training(config, checked, zmq.COPY_THRESHOLD)
         self.core = self.training.core
         self.gate = Gate(checked.allowed, self.core.trust.is_banned)
-        self.routes: dict[str, bytes] = {}  # worker id -> routing id
-        self.peers: dict[bytes, str] = {}  # routing id -> worker id
         self._acks_due: dict[str, int] = {}  # worker id -> the slot of the result being taken
         self._computing: Optional[asyncio.Future] = None  # the core's Compute in flight
         self._bad_logged = Throttle()  # bad messages, however hostile the peer
@@ -69,8 +64,8 @@ class Coordinator:
         self.transport = None  # ZmqTransport while serving; anything with its `send` in tests
         self.stop_reason: Optional[str] = None
         self._stopping: Optional[asyncio.Future] = None  # done once a signal asks to stop
-        self._metrics_file = None
-        self.ledger: Optional[LedgerWriter] = None
+        self.records = RunRecords(config.metrics_path, config.ledger_path,
+                                  self.training.instance)
 
     # what the command line and tests read
     scheduler = property(lambda self: self.core.scheduler)
@@ -110,19 +105,11 @@ class Coordinator:
         return self.stop_reason or "stopped"
 
     def open_logs(self) -> None:
-        if self.config.metrics_path:
-            self._metrics_file = open(self.config.metrics_path, "a", buffering=1)
-        if self.config.ledger_path:
-            self.ledger = LedgerWriter(self.config.ledger_path, self.training.instance)
-            self.ledger.write("start", version=self.version, samples=self.samples_applied,
-                              time=time.time())
+        self.records.open(version=self.version, samples=self.samples_applied, time=time.time())
         self.training.started = time.monotonic()
 
     def close_logs(self) -> None:
-        if self._metrics_file:
-            self._metrics_file.close()
-        if self.ledger is not None:
-            self.ledger.close()
+        self.records.close()
 
     def _allow(self, key: bytes) -> bool:
         """The CURVE handshake's question, asked of the gate."""
@@ -184,11 +171,11 @@ class Coordinator:
                     await self.perform(self.core.tick(now))
                     next_tick = now + tick_every
                 if evaluating is not None and evaluating.done():
-                    self._evaluated(*evaluating.result())
+                    self._evaluated(evaluating.result())
                     evaluating = None
                 if (evaluating is None and self.stop_reason is None
                         and plan.due(time.monotonic(), self.version)):
-                    evaluating = asyncio.ensure_future(asyncio.to_thread(self._evaluation()))
+                    evaluating = asyncio.ensure_future(asyncio.to_thread(self.training.evaluation()))
                 if self.config.checkpoint_dir and now >= next_checkpoint:
                     self.save_checkpoint()
                     next_checkpoint = time.monotonic() + self.config.checkpoint_every
@@ -221,59 +208,34 @@ class Coordinator:
         if self.stop_reason != "interrupted":
             # Training is over: withdraw the work and send everyone home.
             await self.perform(self.core.stop(time.monotonic()))
-            for route in list(self.routes.values()):
+            for route in list(self.gate.routes.values()):
                 await self._send(route, proto.Shutdown(
                     reason=f"training finished ({self.stop_reason})"))
         if self.training.plan.stale(self.version):
-            self._evaluated(*self._evaluation()())
+            self._evaluated(self.training.evaluation()())
         self.save_checkpoint()
-        self._write_metrics(final=True)
+        # the run's tallies, for after the status endpoint is gone
+        self.records.metrics(dict(self.training.metrics_record(time.monotonic()), final=True,
+                                  reason=self.stop_reason, counters=dict(self.counters),
+                                  scheduler=dict(self.scheduler.stats)))
         self._event("stop", f"stopped: {self.stop_reason}")
 
     def save_checkpoint(self) -> Optional[str]:
         path = self.training.save_checkpoint(time.monotonic())
-        if path is not None and self.ledger is not None:
-            self.ledger.write("checkpoint", version=self.version)
+        if path is not None:
+            self.records.write("checkpoint", version=self.version)
         return path
 
-    # evaluation (in a thread, on a copy of the model) ------------------------------------------
-
-    def _evaluation(self):
-        run = self.training.model.evaluation()
-        version, samples = self.version, self.samples_applied
-
-        def timed():
-            t0 = time.perf_counter()
-            return version, samples, run(), time.perf_counter() - t0
-        return timed
-
-    def _evaluated(self, version: int, samples: int, metrics: dict, seconds: float) -> None:
-        outcome = self.training.evaluated(version, samples, metrics, seconds, time.monotonic())
-        self._write_metrics(version=version, samples=samples)
-        if self.stop_reason is not None:
-            return
-        target = self.config.target
-        if outcome == evaluation.BAD_TARGET:
-            self.stop_reason = "bad target"
-            log.error("target metric %r is not among the job's metrics %s", target.metric,
-                      sorted(metrics))
-        elif outcome == evaluation.CONFIRM:  # training pauses for one evaluation
-            self._evaluated(*self._evaluation()())
-        elif outcome == evaluation.TARGET:
-            self.stop_reason = "target"
-            self._event("target", f"{target} reached at version {version}: "
-                                  f"{target.metric}={metrics[target.metric]:.4f}")
-
-    def _write_metrics(self, version: Optional[int] = None, samples: Optional[int] = None,
-                       final: bool = False) -> None:
-        if self._metrics_file is None:
-            return
-        record = self.training.metrics_record(time.monotonic(), version, samples)
-        if final:
-            # the run's tallies, for after the status endpoint is gone
-            record.update(final=True, reason=self.stop_reason, counters=dict(self.counters),
-                          scheduler=dict(self.scheduler.stats))
-        self._metrics_file.write(json.dumps(record) + "\n")
+    def _evaluated(self, result: tuple) -> None:
+        """An evaluation (made in a thread, on a copy of the model) is done."""
+        version, samples, _, _ = result
+        outcome = self.training.evaluated(*result, time.monotonic(),
+                                          judge=self.stop_reason is None)
+        self.records.metrics(self.training.metrics_record(time.monotonic(), version, samples))
+        if outcome == evaluation.CONFIRM:  # training pauses for one evaluation
+            self._evaluated(self.training.evaluation()())
+        elif outcome in (evaluation.TARGET, evaluation.BAD_TARGET):
+            self.stop_reason = outcome
 
     # messages -------------------------------------------------------------------------------
 
@@ -291,7 +253,7 @@ class Coordinator:
             # Admitted before a SIGHUP revoked it (or, were the authenticator to fail, never
             # admitted at all): nothing it says is used.
             self.counters["messages_unlisted_key"] += 1
-            worker_id = self.peers.get(route)
+            worker_id = self.gate.peers.get(route)
             if worker_id is not None:
                 await self._forget(worker_id, "key revoked")
             return
@@ -310,7 +272,7 @@ class Coordinator:
             return
         hello = isinstance(msg, proto.Hello)
         refusal = self.gate.admit(key, msg.worker_id if hello else None,
-                                  None if hello else self.peers.get(route))
+                                  None if hello else self.gate.peers.get(route))
         if refusal is not None:
             if refusal.bad_message:
                 self._bad(route, ProtocolError(refusal.counter, refusal.reason))
@@ -331,13 +293,13 @@ class Coordinator:
     def _bad(self, route: bytes, exc: ProtocolError) -> None:
         bad = self.training.bad_messages
         bad[exc.reason] += 1
-        who = self.peers.get(route, route.hex()[:16])
+        who = self.gate.peers.get(route, route.hex()[:16])
         if self._bad_logged.ready(time.monotonic()):
             self._event("rejected", f"bad message from {who}: {exc} ({sum(bad.values())} so far)",
                         level=logging.WARNING)
 
     def _worker_of(self, route: bytes) -> str:
-        worker_id = self.peers.get(route)
+        worker_id = self.gate.peers.get(route)
         if worker_id is None:
             raise _NeedHello()
         return worker_id
@@ -357,13 +319,7 @@ class Coordinator:
                 "host": msg.host, "cores": msg.cores, "threads": msg.threads, "device": msg.device,
                 "memory_mb": msg.memory_mb, "versions": msg.versions, "job": msg.job},
                 self.gate.identity(msg.worker_id, key), now))
-        old_route = self.routes.get(msg.worker_id)
-        if old_route is not None:
-            self.peers.pop(old_route, None)
-        self.peers.pop(route, None)
-        self.routes[msg.worker_id] = route
-        self.peers[route] = msg.worker_id
-        self.gate.holds(msg.worker_id, key)
+        self.gate.connect(msg.worker_id, route, key)
         self._event("join", f"{msg.worker_id} {'came back' if resumed else 'joined'} from "
                             f"{msg.host} ({msg.device}, {msg.threads} threads)", msg.worker_id)
         holding = sorted(self.scheduler.workers[msg.worker_id].assigned) if resumed else []
@@ -406,19 +362,18 @@ class Coordinator:
                                        now, msg.waited_s, msg.samples, msg.loss)
             await self.perform(effects)
         finally:
-            if self.ledger is not None:
-                used = any(isinstance(e, Used) and e.slot == msg.slot for e in effects)
-                self.ledger.write("ack", slot=msg.slot, worker=worker_id, used=used)
+            self.records.write("ack", slot=msg.slot, worker=worker_id,
+                               used=any(isinstance(e, Used) and e.slot == msg.slot for e in effects))
             slot = self._acks_due.pop(worker_id, None)
-            if slot is not None and worker_id in self.routes:
-                await self._send(self.routes[worker_id], proto.Ack(slots=[slot]))
+            if slot is not None:
+                await self._tell(worker_id, proto.Ack(slots=[slot]))
 
     async def _on_heartbeat(self, route: bytes, msg: proto.Heartbeat, key) -> None:
         await self.perform(self.core.seen(self._worker_of(route), msg.state, time.monotonic()))
         await self._send(route, proto.Heartbeat(state="coordinator"))
 
     async def _on_bye(self, route: bytes, msg: proto.Bye, key) -> None:
-        worker_id = self.peers.get(route)
+        worker_id = self.gate.peers.get(route)
         if worker_id is not None:
             await self.perform(self.core.leave(worker_id, f"said bye: {msg.reason}"[:200],
                                                time.monotonic()))
@@ -460,15 +415,9 @@ class Coordinator:
             await self._forget(worker_id, "key revoked")
 
     async def _forget(self, worker_id: str, reason: str) -> None:
-        """Evict a worker now (revoked, banned): its slots go back to the pool, and nothing
-        more from its connection is used."""
+        """Evict a worker now (revoked): its slots go back to the pool, and nothing more from
+        its connection is used."""
         await self.perform(self.core.leave(worker_id, reason, time.monotonic()))
-        self._drop_route(worker_id)
-
-    def _drop_route(self, worker_id: str) -> None:
-        route = self.routes.pop(worker_id, None)
-        if route is not None:
-            self.peers.pop(route, None)
         self.gate.forget(worker_id)
 
     # what the core asks for -------------------------------------------------------------------
@@ -478,40 +427,32 @@ class Coordinator:
             if isinstance(effect, Assign):
                 await self._send_task(effect)
             elif isinstance(effect, CancelSlots):
-                route = self.routes.get(effect.worker)
-                if route is not None:
-                    await self._send(route, proto.Cancel(slots=effect.slots))
+                await self._tell(effect.worker, proto.Cancel(slots=effect.slots))
             elif isinstance(effect, Event):
                 self.training.record(effect)
             elif isinstance(effect, Applied):
-                if self.ledger is not None:
-                    self.ledger.write("applied", round=effect.round, version=effect.version,
-                                      parts=[list(p) for p in effect.parts], t=time.time())
+                self.records.write("applied", round=effect.round, version=effect.version,
+                                   parts=[list(p) for p in effect.parts], t=time.time())
             elif isinstance(effect, Compute):
                 self._start_computing(effect)
             elif isinstance(effect, Ban):
-                route = self.routes.get(effect.worker)
-                if route is not None:
-                    await self._send(route, proto.Reject(code="banned", reason=BANNED))
-                self._drop_route(effect.worker)
+                await self._tell(effect.worker, proto.Reject(code="banned", reason=BANNED))
+                self.gate.forget(effect.worker)
             elif isinstance(effect, Drained):
-                route = self.routes.get(effect.worker)
-                if route is not None:
-                    await self._send(route, proto.Shutdown(reason="drained by the operator"))
+                await self._tell(effect.worker, proto.Shutdown(reason="drained by the operator"))
             elif isinstance(effect, Evicted):
-                self._drop_route(effect.worker)
+                self.gate.forget(effect.worker)
 
     async def _send_task(self, action: Assign) -> None:
         model_state = self.training.model
         model = model_state.blob(action.version) if action.send_model else None
-        if self.ledger is not None:
-            self.ledger.write("sent", slot=action.slot, worker=action.worker)
+        self.records.write("sent", slot=action.slot, worker=action.worker)
         # A small model is copied into ZeroMQ at once: a tracker costs more than the copy
         track = model is not None and model.numel > model_state.copy_numel
         ack = self._acks_due.pop(action.worker, None)
         kind, steps = self.core.task_shape(action.parts)
         shape = {} if kind == "gradient" else {"kind": kind, "steps": steps}
-        tracker = await self._send(self.routes[action.worker], proto.Task(
+        tracker = await self._send(self.gate.routes[action.worker], proto.Task(
             slot=action.slot, round=action.round, version=action.version, parts=action.parts,
             coefficients=action.coefficients, deadline_s=min(action.deadline_s, 1e9), model=model,
             acks=[] if ack is None else [ack], **shape), track=track)
@@ -535,6 +476,11 @@ class Coordinator:
         except Exception as exc:  # the job's code failed here, or the model is gone
             reference, error = None, f"{type(exc).__name__}: {exc}"
         await self.perform(self.core.computed(reference, error, time.monotonic()))
+
+    async def _tell(self, worker_id: str, msg: proto.Message) -> None:
+        route = self.gate.routes.get(worker_id)
+        if route is not None:  # (it may have gone meanwhile)
+            await self._send(route, msg)
 
     async def _send(self, route: bytes, msg: proto.Message, track: bool = False):
         """Send `msg`; with `track`, return the MessageTracker of its zero-copy frames."""

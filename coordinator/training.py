@@ -10,7 +10,7 @@ import os
 import socket as pysocket
 import time
 from collections import Counter, deque
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -20,7 +20,7 @@ from ..common.job import FlatModel
 from . import checkpoint, local, outer
 from .config import Checked, CoordinatorConfig, naming_job_args
 from .effects import Event
-from .evaluation import EvaluationPlan
+from .evaluation import BAD_TARGET, CONTINUE, TARGET, EvaluationPlan
 from .model_state import ModelState
 from .rounds import RoundCore
 from .sampler import Sampler
@@ -150,14 +150,36 @@ class Training:
 
     # evaluations --------------------------------------------------------------------------------
 
+    def evaluation(self) -> Callable[[], tuple[int, int, dict, float]]:
+        """A callable evaluating the model as it is now (run it in a thread: it works on a
+        copy): (version, samples applied, metrics, seconds)."""
+        run = self.model.evaluation()
+        version, samples = self.version, self.core.samples_applied
+
+        def timed():
+            t0 = time.perf_counter()
+            return version, samples, run(), time.perf_counter() - t0
+        return timed
+
     def evaluated(self, version: int, samples: int, metrics: dict, seconds: float,
-                  now: float) -> str:
-        """An evaluation is done: kept for the curve, judged by the plan (evaluation.py)."""
+                  now: float, judge: bool = True) -> str:
+        """An evaluation is done: kept for the curve and, with `judge`, judged by the plan
+        (evaluation.py): what it means for the run."""
         self.metrics = metrics
         self.curve.append({"t": round(self.elapsed(now), 3), "version": version,
                            "samples": samples, "loss": self.core.train_loss,
                            "metrics": dict(metrics)})
-        return self.plan.record(version, metrics, seconds, now, self.version)
+        outcome = self.plan.record(version, metrics, seconds, now, self.version)
+        target = self.config.target
+        if not judge:
+            return CONTINUE
+        if outcome == BAD_TARGET:
+            log.error("target metric %r is not among the job's metrics %s", target.metric,
+                      sorted(metrics))
+        elif outcome == TARGET:
+            self.event("target", f"{target} reached at version {version}: "
+                                 f"{target.metric}={metrics[target.metric]:.4f}")
+        return outcome
 
     def metrics_record(self, now: float, version: Optional[int] = None,
                        samples: Optional[int] = None) -> dict:

@@ -257,7 +257,7 @@ def test_copies_that_agree_withdraw_the_tasks_handed_out_with_them():
 
     async def go():
         for w in ("e", "a", "b"):
-            coordinator.routes[w] = w.encode()
+            coordinator.gate.connect(w, w.encode(), None)
             await coordinator.perform(core.join(w, {}, w, time.monotonic()))
             if w == "e":  # paused while the round is dealt: its third copy waits
                 s.seen("e", time.monotonic(), "paused")

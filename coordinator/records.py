@@ -1,0 +1,39 @@
+"""The files a coordinator appends to as it runs: the metrics log (one JSON object per evaluation,
+and a final one with the run's tallies) and the ledger (ledger.py: slots sent, results taken,
+rounds applied, for the audit). Either may be off."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from .ledger import LedgerWriter
+
+
+class RunRecords:
+    def __init__(self, metrics_path: Optional[str], ledger_path: Optional[str], instance: str):
+        self.metrics_path, self.ledger_path, self.instance = metrics_path, ledger_path, instance
+        self._metrics = None
+        self.ledger: Optional[LedgerWriter] = None
+
+    def open(self, **start) -> None:
+        if self.metrics_path:
+            self._metrics = open(self.metrics_path, "a", buffering=1)
+        if self.ledger_path:
+            self.ledger = LedgerWriter(self.ledger_path, self.instance)
+            self.ledger.write("start", **start)
+
+    def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+        if self.ledger is not None:
+            self.ledger.close()
+
+    def metrics(self, record: dict) -> None:
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(record) + "\n")
+
+    def write(self, event: str, **fields) -> None:
+        """A ledger record (nothing without a ledger)."""
+        if self.ledger is not None:
+            self.ledger.write(event, **fields)
