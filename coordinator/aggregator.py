@@ -2,10 +2,25 @@
 
 The staleness rule is a pure policy (`StalenessRule`); `Aggregator` owns the model's flat
 parameters and the optimizer, and is the only place the model changes.
+
+A weight w means influence: over all the steps that follow, a gradient weighted w moves the
+parameters w times as far as it would have fresh, and the history it joins (momentum, moments)
+moves as it would have with the gradient fresh. How that is done depends on the optimizer:
+
+- SGD, with or without (Nesterov) momentum, dampening or weight decay, is linear in the gradient:
+  the gradient is scaled by w before it enters the optimizer.
+- Adam and AdamW: the update is linear in the first moment for a given second moment, so the first
+  moment takes w * g and the second takes the square the gradient would have added fresh (the
+  larger of the two squares when Adam's L2 weight decay is on, so it can never turn negative). A
+  stale gradient is still an honest sample of the gradient's scale; weighting its square would
+  shrink the normalisation and amplify every other gradient's share.
+- Any other optimizer: the gradient is scaled by w, exact only for optimizers linear in it; a
+  warning at construction says so.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -15,6 +30,8 @@ import torch
 from ..common.errors import ConfigError, GradientRejected
 from ..common.job import FlatModel
 from ..common.tensors import sum_of_squares
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,7 +74,7 @@ class Aggregator:
         self.optimizer = optimizer
         self.rule = rule
         self.version = version
-        self._base_lrs = [group.get("lr") for group in optimizer.param_groups]
+        self._weigh = _weighing_for(optimizer)
 
     def weight_for(self, round_version: int) -> Optional[float]:
         return self.rule.weight(self.version - round_version)
@@ -102,19 +119,89 @@ class Aggregator:
         if not math.isfinite(_write_sum(grads, terms, samples, measure=checked)):
             grads.zero_()
             raise GradientRejected("non-finite gradient")
-        # The staleness weight scales the step, not the gradient: adaptive optimizers (Adam)
-        # normalise a scaled gradient away, a scaled learning rate they honour.
-        for group, lr in zip(self.optimizer.param_groups, self._base_lrs):
-            if lr is not None:
-                group["lr"] = lr * weight
-        try:
-            self.optimizer.step()
-        finally:
-            for group, lr in zip(self.optimizer.param_groups, self._base_lrs):
-                if lr is not None:
-                    group["lr"] = lr
+        if weight != 1.0:
+            self._weigh(self.optimizer, self.model.grads, weight)
+        self.optimizer.step()
         self.version += 1
         return weight
+
+
+# Weighing a gradient: prepares the optimizer's gradient (and state) so that its next step takes
+# the gradient with influence `weight` (module docstring). -------------------------------------
+
+
+def _weighing_for(optimizer: torch.optim.Optimizer):
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        for group in optimizer.param_groups:
+            if not float(group["betas"][1]) > 0:
+                # with beta2 = 0 the second moment is the last gradient's square alone: no
+                # adjustment before the step reaches it
+                raise ConfigError("staleness weights need Adam's beta2 > 0")
+        return _weigh_adam
+    if not isinstance(optimizer, torch.optim.SGD):
+        log.warning("staleness weights scale the gradient given to %s, which weights its "
+                    "influence exactly only if the optimizer is linear in the gradient (SGD is; "
+                    "Adam and AdamW are handled)", type(optimizer).__name__)
+    return _weigh_linear
+
+
+def _weigh_linear(optimizer: torch.optim.Optimizer, grads: torch.Tensor, weight: float) -> None:
+    grads.mul_(weight)
+
+
+def _weigh_adam(optimizer: torch.optim.Optimizer, grads: torch.Tensor, weight: float) -> None:
+    """Scale the gradient by `weight` and top up each second moment beforehand, so that after
+    the step (v <- beta2 v + (1 - beta2) g'^2, g' the scaled gradient) it holds what the
+    unscaled gradient would have left there."""
+    _create_adam_state(optimizer)
+    for group in optimizer.param_groups:
+        beta2 = float(group["betas"][1])
+        decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
+        l2 = 0.0 if decoupled else float(group["weight_decay"])
+        sign = -1.0 if group["maximize"] else 1.0
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            fresh = p.grad * sign  # what Adam adds to its moments, before weight decay
+            stale = fresh * weight
+            if l2:
+                fresh.add_(p.detach(), alpha=l2)
+                stale.add_(p.detach(), alpha=l2)
+            top_up = fresh.square_().sub_(stale.square_()).clamp_min_(0)
+            optimizer.state[p]["exp_avg_sq"].add_(top_up, alpha=(1 - beta2) / beta2)
+    grads.mul_(weight)
+
+
+def _create_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Have Adam create the state of parameters that have none (its first step does that lazily,
+    which would be too late for the top-up), exactly as that first step would, by a step that
+    moves nothing: learning rate and weight decay 0, zero gradients, and only those parameters
+    given a gradient. Then the step counts are reset, so the real step is still their first."""
+    fresh = [p for group in optimizer.param_groups for p in group["params"]
+             if p.grad is not None and not optimizer.state.get(p)]
+    if not fresh:
+        return
+    kept_grads = {p: p.grad for group in optimizer.param_groups for p in group["params"]}
+    kept_settings = [(group["lr"], group["weight_decay"]) for group in optimizer.param_groups]
+    try:
+        for p in kept_grads:
+            p.grad = None
+        for p in fresh:
+            p.grad = torch.zeros_like(p)
+        for group in optimizer.param_groups:
+            group["lr"], group["weight_decay"] = 0.0, 0.0
+        optimizer.step()
+    finally:
+        for group, (lr, decay) in zip(optimizer.param_groups, kept_settings):
+            group["lr"], group["weight_decay"] = lr, decay
+        for p, grad in kept_grads.items():
+            p.grad = grad
+    for p in fresh:
+        step = optimizer.state[p]["step"]
+        if torch.is_tensor(step):
+            step.zero_()
+        else:
+            optimizer.state[p]["step"] = 0
 
 
 BLOCK = 1 << 18  # values per block of `_write_sum`: a block (1 MiB of float32) stays in cache

@@ -2,12 +2,19 @@
 
 A reader sees the old checkpoint or the new one, never half of one. Loading uses
 `torch.load(weights_only=True)`: a checkpoint holds tensors and plain containers, no pickled code.
+
+A crash mid-save leaves its temporary file behind, as large as a checkpoint; load and save remove
+such orphans: regular files named as `save` names its temporary files, and none that a save in
+this process is still writing.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import stat
 import tempfile
+import threading
 from typing import Any, Optional
 
 import torch
@@ -16,6 +23,12 @@ from ..common.errors import CheckpointError
 
 FILENAME = "checkpoint.pt"
 FORMAT = 1
+TMP_PREFIX, TMP_SUFFIX = ".checkpoint-", ".tmp"
+# mkstemp's names: the prefix, random letters, digits and underscores, the suffix
+TMP_NAME = re.compile(re.escape(TMP_PREFIX) + r"[A-Za-z0-9_]+" + re.escape(TMP_SUFFIX))
+
+_being_written: set[str] = set()  # this process's temporary files, from creation to rename
+_being_written_lock = threading.Lock()
 
 
 def path_in(directory: str) -> str:
@@ -24,8 +37,11 @@ def path_in(directory: str) -> str:
 
 def save(directory: str, state: dict[str, Any]) -> str:
     os.makedirs(directory, exist_ok=True)
+    remove_orphans(directory)
     target = path_in(directory)
-    fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=directory)
+    with _being_written_lock:
+        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=TMP_SUFFIX, dir=directory)
+        _being_written.add(os.path.abspath(tmp))
     try:
         with os.fdopen(fd, "wb") as fh:
             torch.save({"format": FORMAT, **state}, fh)
@@ -38,6 +54,9 @@ def save(directory: str, state: dict[str, Any]) -> str:
         except FileNotFoundError:
             pass
         raise
+    finally:
+        with _being_written_lock:
+            _being_written.discard(os.path.abspath(tmp))
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -48,6 +67,7 @@ def save(directory: str, state: dict[str, Any]) -> str:
 
 def load(directory: str) -> Optional[dict[str, Any]]:
     """The checkpoint in `directory`, or None when there is none yet."""
+    remove_orphans(directory)
     target = path_in(directory)
     if not os.path.exists(target):
         return None
@@ -59,3 +79,28 @@ def load(directory: str) -> Optional[dict[str, Any]]:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{target} is not an idlegrad checkpoint of format {FORMAT}")
     return state
+
+
+def remove_orphans(directory: str) -> list[str]:
+    """Remove the temporary files that saves interrupted by a crash left in `directory`; return
+    their paths. A file that cannot be removed is left for the next time."""
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for name in names:
+        if not TMP_NAME.fullmatch(name):
+            continue
+        path = os.path.abspath(os.path.join(directory, name))
+        with _being_written_lock:  # held while unlinking: a save cannot claim the name meanwhile
+            if path in _being_written:
+                continue
+            try:
+                if not stat.S_ISREG(os.lstat(path).st_mode):
+                    continue
+                os.unlink(path)
+            except OSError:
+                continue
+        removed.append(path)
+    return removed

@@ -4,7 +4,10 @@ applied, across coordinator restarts (`--ledger FILE`), and its audit.
 Every coordinator process appends to the same file: a `start` record (its instance and the
 version it resumed at), `sent` per task, `ack` per result taken (`used` or not), `applied` per
 optimizer step (the round's parts, the version it made), `checkpoint` per save. Lines are flushed
-as they are written, so a kill -9 loses at most the line being written.
+as they are written, so a kill -9 loses at most the line being written; the next writer starts
+on a fresh line, so that torn line costs nothing else. Flushed is not on disk: `sync()` is for
+the coordinator to call right before it saves a checkpoint, so that a power loss cannot leave a
+checkpoint newer than the ledger (the audit would miss the steps in between).
 
 `audit` replays the file into the lineage of the final model: a restart from a checkpoint at
 version V undoes every step the earlier processes applied after V (they are recomputed from the
@@ -22,27 +25,57 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 
+# json.dumps escapes every quote inside a string, so this only ever occurs where a record begins
+RECORD_START = '{"event": '
+
+
 class LedgerWriter:
     def __init__(self, path: str, instance: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._file = open(path, "a", buffering=1)
         self.instance = instance
+        if not _ends_a_line(path):  # a line torn by a kill -9: ours must not continue it
+            self._file.write("\n")
 
     def write(self, event: str, **fields) -> None:
+        # `event` first: a record always begins with RECORD_START
         self._file.write(json.dumps({"event": event, "instance": self.instance, **fields}) + "\n")
+
+    def sync(self) -> None:
+        """Put every record written so far on disk (flush and fsync)."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
 
     def close(self) -> None:
         self._file.close()
 
 
+def _ends_a_line(path: str) -> bool:
+    """Whether the file is empty or its last byte ends a line."""
+    with open(path, "rb") as fh:
+        fh.seek(0, os.SEEK_END)
+        if fh.tell() == 0:
+            return True
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"
+
+
 def read(path: str) -> list[dict]:
+    """The records in the file, less any torn by a kill -9. A ledger written before writers began
+    on a fresh line may hold a torn record and the next one on one line: that one is kept."""
     records = []
     with open(path) as fh:
         for line in fh:
             try:
                 records.append(json.loads(line))
-            except json.JSONDecodeError:  # a line cut by a kill -9
                 continue
+            except json.JSONDecodeError:
+                pass
+            for piece in line.split(RECORD_START)[1:]:
+                try:
+                    records.append(json.loads(RECORD_START + piece))
+                except json.JSONDecodeError:  # the torn one
+                    continue
     return records
 
 

@@ -3,8 +3,9 @@
 A local round returns the summed "outer gradient" of its slots: for each slot, its samples times
 (model at the round's version - model after its inner steps). The aggregator divides by the
 round's samples, which makes the outer gradient a sample-weighted mean of the slots' changes, and
-steps this optimizer with it, its learning rate scaled by the round's staleness weight, exactly
-as it steps a job's optimizer with a gradient in gradient mode. So checkpoints, staleness and the
+steps this optimizer with it, weighted by the round's staleness (the outer gradient scaled, which
+for SGD weights its influence through the momentum too), exactly as it steps a job's optimizer
+with a gradient in gradient mode. So checkpoints, staleness and the
 validation of results are shared with gradient mode.
 
 The outer optimizer is SGD with Nesterov momentum (DiLoCo's choice); by default lr 1 and no

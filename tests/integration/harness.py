@@ -132,14 +132,18 @@ class Status:
             time.sleep(POLL_S)
         raise AssertionError(f"no {what} within {timeout:g}s; last status: {summarize(self.last)}")
 
-    def follow(self, proc: Proc, timeout: float = DEADLINE) -> int:
-        """Keep polling (to see events up to the end) until `proc` exits; its exit status."""
+    def follow(self, proc: Proc, timeout: float = DEADLINE,
+               each: Optional[Callable[[dict], None]] = None) -> int:
+        """Keep polling (to see events up to the end) until `proc` exits; its exit status.
+        `each` is called with every snapshot on the way."""
         end = time.monotonic() + timeout
         while proc.running():
             if time.monotonic() > end:
                 raise AssertionError(f"{proc.name} did not exit within {timeout:g}s; last status: "
                                      f"{summarize(self.last)}")
-            self.fetch(timeout=0.3)
+            snap = self.fetch(timeout=0.3)
+            if snap is not None and each is not None:
+                each(snap)
             time.sleep(POLL_S)
         return proc.wait(timeout=10)
 

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 
 from .harness import final_metrics
@@ -48,9 +49,19 @@ def test_sigstopped_worker_does_not_block_rounds(cluster, request, redundancy):
     stopped.append(time.monotonic())
     assert before["state"] == "training"
     assert before["redundancy"]["code"] == redundancy
-    time.sleep(0.3)  # results it sent before the stop arrive; then it answers nothing
-    before = status.wait_for(lambda s: True, "a status after the stop", timeout=10,
-                             alive=[coordinator])
+    # A status a second after the stop, in which the coordinator has heard nothing from the
+    # victim for that second: what it sent before the stop has arrived (loopback delivers in
+    # milliseconds), and its `done` is final from then on.
+    before = status.wait_for(
+        lambda s: time.monotonic() - stopped[0] >= 1.0
+        and (worker_of(s, "victim") or {}).get("last_seen_s", 0) >= 1.0,
+        "the stopped worker silent for a second", timeout=10, alive=[coordinator])
+    done_when_stopped = worker_of(before, "victim")["done"]
+    victim_done = []  # its `done` in every status that still lists it
+
+    def watch_victim(snap):
+        if (entry := worker_of(snap, "victim")) is not None:
+            victim_done.append(entry["done"])
 
     # Rounds keep decoding while the stopped worker is registered and holds slots (< 15 s).
     after = status.wait_for(
@@ -63,11 +74,13 @@ def test_sigstopped_worker_does_not_block_rounds(cluster, request, redundancy):
     assert not status.events_of("leave", "victim")
 
     # Training reaches its target; the stopped worker never answered.
-    assert status.follow(coordinator, timeout=90) == 0
+    watch_victim(after)
+    assert status.follow(coordinator, timeout=90, each=watch_victim) == 0
     final = final_metrics(ckpt / "metrics.jsonl")
     assert final["reason"] == "target" and final["metrics"]["accuracy"] >= 0.96
-    last = worker_of(status.last, "victim")
-    assert last is None or last["done"] == worker_of(before, "victim")["done"]
+    assert victim_done and set(victim_done) == {done_when_stopped}, victim_done
+    # (listed or evicted at the end, it was stopped all along: it cannot have answered)
+    assert psutil.Process(victim.pid).status() == psutil.STATUS_STOPPED
     for w in workers[:2]:
         assert w.wait(timeout=30) == 0
     os.kill(victim.pid, signal.SIGCONT)

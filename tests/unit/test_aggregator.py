@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -95,7 +96,7 @@ def test_apply_is_a_manual_sgd_step():
     assert opt.param_groups[0]["lr"] == 0.1
 
 
-def test_stale_step_is_scaled_and_lr_restored():
+def test_stale_step_is_scaled_and_lr_untouched():
     model, opt, agg = make(lr=0.2, version=3)
     before = model.params.clone()
     g = gradient(model, 2)
@@ -118,7 +119,7 @@ def test_several_steps_match_plain_sgd():
     assert agg.version == 5
 
 
-def test_lr_restored_when_step_fails(monkeypatch):
+def test_lr_and_version_kept_when_step_fails(monkeypatch):
     model, opt, agg = make(lr=0.3, version=1)
 
     def boom(*a, **k):
@@ -186,7 +187,7 @@ def test_too_stale_returns_none_and_changes_nothing():
     assert agg.apply(gradient(model), samples=4, round_version=3) == pytest.approx(1 / 3)
 
 
-def test_adam_honours_the_weight_through_lr():
+def test_adam_first_stale_step_is_weighted():
     """Adam normalises a scaled gradient away; a stale round must still move it less."""
     model, opt, agg = make(lr=0.01, optimizer=torch.optim.Adam, version=3,
                            rule=StalenessRule("inverse", 8))
@@ -196,6 +197,153 @@ def test_adam_honours_the_weight_through_lr():
     step = (model.params - before).abs()
     # Adam's first step is lr * sign(g) (up to eps): here a quarter of lr
     assert torch.allclose(step, torch.full_like(step, 0.01 / 4), rtol=1e-3)
+
+
+# staleness weights influence, over all later steps, for every optimizer the jobs use ----------
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+    "momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),  # the synthetic job's
+    "nesterov": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),  # outer.py's
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),  # the digits job's
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.01),
+    "amsgrad": lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True),
+}
+
+
+def displacement(build_optimizer, tau: int, history: int = 0, stale_gradient: bool = True,
+                 then: int = 50) -> torch.Tensor:
+    """How far the parameters move from one gradient applied with staleness `tau` and `then`
+    fresh zero-gradient steps after it, after `history` fresh steps of other gradients."""
+    torch.manual_seed(0)
+    model = FlatModel(nn.Linear(3, 2))
+    optimizer = build_optimizer(model.module.parameters())
+    agg = Aggregator(model, optimizer, StalenessRule("inverse", 64))
+    for i in range(history):
+        agg.apply(gradient(model, 100 + i), samples=1, round_version=agg.version)
+    agg.version += tau  # as if tau other rounds had been applied since this one was planned
+    start = model.params.clone()
+    g = gradient(model, 1) if stale_gradient else torch.zeros(model.numel)
+    assert agg.apply(g, samples=1, round_version=agg.version - tau) == pytest.approx(1 / (1 + tau))
+    for _ in range(then):
+        agg.apply(torch.zeros(model.numel), samples=1, round_version=agg.version)
+    return model.params - start
+
+
+@pytest.mark.parametrize("tau", [1, 3, 9])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_stale_gradient_moves_the_model_w_times_as_far_over_later_steps(name, tau):
+    # less the way the model moves with no gradient at all (AdamW's decay), which is no one's
+    def influence(tau):
+        return (displacement(OPTIMIZERS[name], tau=tau)
+                - displacement(OPTIMIZERS[name], tau=tau, stale_gradient=False))
+
+    fresh, stale = influence(0), influence(tau)
+    w = 1 / (1 + tau)
+    ratio = float(stale.norm() / fresh.norm())
+    assert ratio == pytest.approx(w, rel=0.05)
+    assert torch.allclose(stale, w * fresh, rtol=0.05, atol=1e-6)  # and in the same direction
+
+
+@pytest.mark.parametrize("name", sorted(set(OPTIMIZERS) - {"sgd"}))  # SGD has no history
+def test_stale_round_does_not_damp_the_history_it_joins(name):
+    """A stale round of zero gradient leaves momentum and moments to move the model exactly as a
+    fresh one would: the weight touches the stale gradient, never the steps' other terms."""
+    fresh = displacement(OPTIMIZERS[name], tau=0, history=5, stale_gradient=False, then=3)
+    stale = displacement(OPTIMIZERS[name], tau=3, history=5, stale_gradient=False, then=3)
+    assert fresh.abs().max() > 1e-4  # there is a history to damp
+    assert torch.allclose(stale, fresh, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("history", [0, 3])
+def test_adam_moments_first_weighted_second_as_fresh(history):
+    def moments(tau):
+        torch.manual_seed(0)
+        model = FlatModel(nn.Linear(3, 2))
+        opt = torch.optim.Adam(model.module.parameters(), lr=0.01)
+        agg = Aggregator(model, opt, StalenessRule("inverse", 8))
+        for i in range(history):
+            agg.apply(gradient(model, 100 + i), samples=1, round_version=agg.version)
+        agg.version += tau
+        # the history's part of the first moment, as it will be after one more step
+        before = [0.9 * opt.state[p]["exp_avg"].clone() if history else 0
+                  for p in model.module.parameters()]
+        agg.apply(gradient(model, 1), samples=1, round_version=agg.version - tau)
+        states = [opt.state[p] for p in model.module.parameters()]
+        return ([s["exp_avg"] - b for s, b in zip(states, before)],
+                [s["exp_avg_sq"] for s in states], [int(s["step"]) for s in states])
+
+    fresh_share, fresh_sq, fresh_steps = moments(0)
+    stale_share, stale_sq, stale_steps = moments(3)
+    for f, s in zip(fresh_share, stale_share):
+        assert torch.allclose(s, 0.25 * f, rtol=1e-5, atol=1e-9)
+    for f, s in zip(fresh_sq, stale_sq):
+        assert torch.allclose(s, f, rtol=1e-5, atol=1e-12)
+    assert stale_steps == fresh_steps == [history + 1] * 2  # bias corrections as fresh
+
+
+def test_adam_state_made_for_a_stale_first_step_is_adams_own():
+    """The state created before a stale first step has the layout Adam's own first step gives
+    it, so a checkpoint of it loads into a new Adam and training goes on identically."""
+    def first(tau):
+        torch.manual_seed(0)
+        model = FlatModel(nn.Linear(3, 2))
+        opt = torch.optim.Adam(model.module.parameters(), lr=0.01)
+        agg = Aggregator(model, opt, StalenessRule("inverse", 8), version=tau)
+        agg.apply(gradient(model), samples=1, round_version=0)
+        return model, opt
+
+    _, fresh = first(0)
+    model, stale = first(2)
+    for p_fresh, p_stale in zip(fresh.state.values(), stale.state.values()):
+        assert p_fresh.keys() == p_stale.keys()
+        for key in p_fresh:
+            assert (p_fresh[key].dtype, p_fresh[key].device, p_fresh[key].shape) == \
+                (p_stale[key].dtype, p_stale[key].device, p_stale[key].shape)
+    copy = FlatModel(nn.Linear(3, 2))
+    copy.load(model.params)
+    reloaded = torch.optim.Adam(copy.module.parameters(), lr=0.01)
+    saved = io.BytesIO()
+    torch.save(stale.state_dict(), saved)  # as a checkpoint does: load_state_dict would share
+    saved.seek(0)
+    reloaded.load_state_dict(torch.load(saved, weights_only=True))
+    a = Aggregator(model, stale, StalenessRule("inverse", 8), version=3)
+    b = Aggregator(copy, reloaded, StalenessRule("inverse", 8), version=3)
+    for i in range(3):
+        a.apply(gradient(model, 20 + i), samples=1, round_version=2)
+        b.apply(gradient(copy, 20 + i), samples=1, round_version=2)
+    assert torch.equal(model.params, copy.params)
+
+
+def test_adam_with_l2_decay_never_gets_a_negative_second_moment():
+    """With Adam's L2 decay the stale square can exceed the fresh one (the gradient and the decay
+    opposed); the second moment then takes the larger, and stays a square."""
+    model = FlatModel(nn.Linear(1, 1, bias=False))
+    opt = torch.optim.Adam(model.module.parameters(), lr=0.01, weight_decay=1.0)
+    agg = Aggregator(model, opt, StalenessRule("inverse", 8), version=1)
+    model.load(torch.tensor([2.0]))
+    # w = 1/2: Adam takes g + 1.0 * p, fresh -2 + 2 = 0, stale -1 + 2 = 1
+    agg.apply(torch.tensor([-2.0]), samples=1, round_version=0)
+    (state,) = opt.state.values()
+    assert float(state["exp_avg_sq"]) == pytest.approx(0.001 * 1.0)
+    assert math.isfinite(float(model.params[0]))
+
+
+def test_optimizers_not_known_to_be_exact_are_named_in_a_warning(caplog):
+    model = FlatModel(nn.Linear(2, 1))
+    Aggregator(model, torch.optim.RMSprop(model.module.parameters()), StalenessRule())
+    assert "RMSprop" in caplog.text
+    caplog.clear()
+    Aggregator(model, torch.optim.SGD(model.module.parameters(), lr=0.1), StalenessRule())
+    Aggregator(model, torch.optim.AdamW(model.module.parameters()), StalenessRule())
+    assert caplog.text == ""
+
+
+def test_adam_without_a_second_moment_history_is_refused():
+    model = FlatModel(nn.Linear(2, 1))
+    with pytest.raises(ConfigError):
+        Aggregator(model, torch.optim.Adam(model.module.parameters(), betas=(0.9, 0.0)),
+                   StalenessRule())
 
 
 # weighted terms in chunks (the frames a gradient arrived in) -----------------------------------

@@ -169,3 +169,63 @@ def test_weights_only_refuses_pickled_objects(tmp_path):
     torch.save({"format": checkpoint.FORMAT, "model": nn.Linear(2, 2)}, path)
     with pytest.raises(CheckpointError):
         checkpoint.load(str(tmp_path))
+
+
+# temporary files orphaned by a crash mid-save ------------------------------------------------
+
+ORPHANS = [".checkpoint-k2j_x9a1.tmp", ".checkpoint-Q.tmp"]  # as mkstemp names them
+LOOKALIKES = [".checkpoint-k2j_x9a1.tmp.keep", "checkpoint-k2j_x9a1.tmp", ".checkpoint-.tmp",
+              ".checkpoint-a b.tmp", ".checkpoint-k2j.tmpx", "notes.tmp", "x.checkpoint-ab.tmp"]
+
+
+def litter(d):
+    os.makedirs(d, exist_ok=True)
+    for name in ORPHANS + LOOKALIKES:
+        with open(os.path.join(d, name), "wb") as fh:
+            fh.write(b"half a checkpoint")
+    os.mkdir(os.path.join(d, ".checkpoint-folder1.tmp"))  # not a file save makes
+    outside = os.path.join(os.path.dirname(d), "kept.bin")
+    with open(outside, "wb") as fh:
+        fh.write(b"not ours")
+    os.symlink(outside, os.path.join(d, ".checkpoint-link1.tmp"))
+    return outside
+
+
+NOT_OURS = LOOKALIKES + [".checkpoint-folder1.tmp", ".checkpoint-link1.tmp"]
+
+
+@pytest.mark.parametrize("how", ["save", "load", "load-empty"])
+def test_orphaned_temporary_files_are_removed_and_nothing_else(tmp_path, how):
+    d = str(tmp_path / "ckpt")
+    if how != "load-empty":
+        checkpoint.save(d, {"version": 1, "params": torch.zeros(3)})
+    outside = litter(d)
+    if how == "save":
+        checkpoint.save(d, {"version": 2, "params": torch.ones(3)})
+    else:
+        checkpoint.load(d)
+    expected = NOT_OURS + ([] if how == "load-empty" else [checkpoint.FILENAME])
+    assert listing(d) == sorted(expected)
+    assert os.path.exists(outside)
+    if how != "load-empty":
+        assert checkpoint.load(d)["version"] == (2 if how == "save" else 1)
+
+
+def test_a_save_still_being_written_here_is_not_an_orphan(tmp_path, monkeypatch):
+    """A load (or another save) while this process writes a checkpoint leaves its file alone."""
+    d = str(tmp_path)
+    real_save = torch.save
+    seen = []
+
+    def save_while_cleaning(obj, fh, *args, **kwargs):
+        seen.append(listing(d))
+        checkpoint.load(d)  # cleans the folder mid-save
+        seen.append(listing(d))
+        real_save(obj, fh, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save_while_cleaning)
+    checkpoint.save(d, {"version": 3, "params": torch.ones(2)})
+    monkeypatch.undo()
+    assert seen[0] == seen[1] and len(seen[0]) == 1 and seen[0][0].startswith(".checkpoint-")
+    assert listing(d) == [checkpoint.FILENAME]
+    assert checkpoint.load(d)["version"] == 3

@@ -140,14 +140,14 @@ def test_local_refuses_gradient_coding_adaptive_and_sync_in_one_line():
 
 def reference_outer(params, changes, samples, staleness, lr, momentum, rule):
     """Nesterov SGD written out by hand, on plain Python floats: for each round,
-    g = change / samples, v = m v + g, p -= lr * w(tau) * (g + m v)."""
+    g = w(tau) * change / samples, v = m v + g, p -= lr * (g + m v)."""
     p = [float(x) for x in params]
     v = [0.0] * len(p)
     for change, n, tau in zip(changes, samples, staleness):
         w = rule.weight(tau)
-        g = [float(c) / n for c in change]
+        g = [w * float(c) / n for c in change]
         v = [momentum * vi + gi for vi, gi in zip(v, g)]
-        p = [pi - lr * w * (gi + momentum * vi) for pi, gi, vi in zip(p, g, v)]
+        p = [pi - lr * (gi + momentum * vi) for pi, gi, vi in zip(p, g, v)]
     return p
 
 
