@@ -33,6 +33,11 @@ class RunRecords:
         if self._metrics is not None:
             self._metrics.write(json.dumps(record) + "\n")
 
+    def sync(self) -> None:
+        """The ledger on disk, before a checkpoint is: never behind it, even after a power loss."""
+        if self.ledger is not None:
+            self.ledger.sync()
+
     def write(self, event: str, **fields) -> None:
         """A ledger record (nothing without a ledger)."""
         if self.ledger is not None:

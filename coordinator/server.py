@@ -221,6 +221,7 @@ class Coordinator:
         self._event("stop", f"stopped: {self.stop_reason}")
 
     def save_checkpoint(self) -> Optional[str]:
+        self.records.sync()
         path = self.training.save_checkpoint(time.monotonic())
         if path is not None:
             self.records.write("checkpoint", version=self.version)
