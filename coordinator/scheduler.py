@@ -206,7 +206,8 @@ class WorkerRecord:
     def free(self) -> int:
         if self.paused_since is not None:
             return 0  # whatever credits it announced, a paused worker takes nothing new
-        return self.limit - len(self.assigned)
+        # `limit`, without a second property call: this is read on every fill and answer
+        return self.speed.slots_allowed(self.capacity) - len(self.assigned)
 
     @property
     def limit(self) -> int:
@@ -682,8 +683,8 @@ class Scheduler:
             return
         prediction = self.speed.prediction(worker.speed)
         due = math.inf
-        if prediction is None or (self.speed.judged_by_fleet(worker.speed)
-                                  and len(self.workers) <= _RECHECK_FLEET):
+        if prediction is None or (len(self.workers) <= _RECHECK_FLEET
+                                  and self.speed.judged_by_fleet(worker.speed)):
             due = now  # the next tick
         if prediction is not None:
             queued = max(1, len(worker.assigned))
