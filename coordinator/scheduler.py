@@ -28,7 +28,16 @@ copies of it, from different workers, agree. The first copy's result is held (th
 and its replicas go on; the second yields `CompareCopies`, and the server's verdict comes back
 through `copies_agreed`, or `copies_disagreed` and then `copies_settled` (with what the
 coordinator's own computation found right). The sender of a held copy never takes a copy of the
-same row, so two copies always come from two workers.
+same row, so two copies always come from two workers. Which copies are held, whose they are and
+which rows are in dispute is a round's `VerifiedRows` (verified_rows.py).
+
+Speeds (speed.py): a worker's seconds per sample, the fleet's recent readings, and what follows
+from them (deadlines, the moment a slot turns late, `size_factor`) are the `SpeedModel`'s; the
+scheduler feeds it readings and asks it.
+
+Tasks: the `task_mode` (local.TaskMode) says what a slot computes. Gradient slots (the default)
+are sized by the configured batch; local slots by the task mode, for the worker that opens the
+round, and each carries its number of inner steps. `Assign` and `slot_task` say both.
 
 Scale (issue 8): no call walks the whole fleet. `tick` takes from heaps of due times (a worker's
 silence, a pause's grace, a slot's deadline, the moment a worker's slot may turn late) only the
@@ -45,14 +54,18 @@ import itertools
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import numpy as np
 
 from ..common import coding
 from ..common.coding import Code, Redundancy
+from ..common.errors import ConfigError
 from . import adaptive
+from .local import TaskMode, check_redundancy, inner_steps
 from .sampler import Part, Sampler
+from .speed import SpeedModel, WorkerSpeed
+from .verified_rows import VerifiedRows
 
 
 _RECHECK_FLEET = 256  # fleets up to this size look at a newcomer's slots every tick
@@ -82,6 +95,25 @@ class SchedulerConfig:
     # A row arrives only once two copies of it agree (CompareCopies); needs replicate:R, R >= 2
     verify_replicas: bool = False
 
+    def __post_init__(self):
+        # The rules between these options live here and nowhere else: whoever drives a
+        # scheduler builds this, so an impossible combination is refused the same way, in one
+        # line (a ConfigError, which the CLI prints as it is), whoever asked for it.
+        if self.verify_replicas:
+            if self.redundancy.kind != "replicate" or self.redundancy.level < 2:
+                raise ConfigError(f"--verify-replicas compares the copies of a replicated slot: "
+                                  f"it needs --redundancy replicate:R with R >= 2, not "
+                                  f"{self.redundancy}")
+            if self.sync:
+                raise ConfigError("--verify-replicas cannot be used with --sync (its rounds have "
+                                  "no copies to compare)")
+
+    @property
+    def speculating(self) -> bool:
+        """Whether late slots are duplicated: never in sync rounds, which wait for every worker
+        by design."""
+        return self.speculate and not self.sync
+
 
 # actions ----------------------------------------------------------------------------------------
 
@@ -96,6 +128,8 @@ class Assign:
     coefficients: list[float]
     deadline_s: float
     send_model: bool  # the worker's cached model is not at `version`
+    kind: str = "gradient"  # gradient | local (local.TaskMode)
+    steps: int = 0  # local: inner steps; gradient: 0
 
 
 @dataclass(frozen=True)
@@ -156,19 +190,10 @@ class WorkerRecord:
     model_version: Optional[int] = None  # the model version the worker has cached
     paused_since: Optional[float] = None  # when it said "paused" (None: it is not paused)
     pauses: int = 0
-    s_per_sample: Optional[float] = None
-    s_var: float = 0.0  # EWMA variance of seconds per sample
-    observed: int = 0
-    recent: deque = field(default_factory=lambda: deque(maxlen=32))  # seconds per sample
-    size_factor: float = 1.0  # < 1: it keeps missing predictions, so it holds fewer slots
-    late: int = 0  # slots of its that were speculated (late past its prediction)
-    late_streak: int = 0
+    speed: WorkerSpeed = field(default_factory=WorkerSpeed)  # the speed model's record of it
     done: int = 0
     samples: int = 0
     compute_s: float = 0.0  # seconds of compute its results report
-    # Seconds its recent slots that came with a model spent on the link (down and up): from task
-    # sent to result arrived, less compute and the wait in its queue. Local tasks size H from it.
-    link_times: deque = field(default_factory=lambda: deque(maxlen=8))
     cancelled: int = 0
     missed: int = 0
     failed: int = 0
@@ -181,24 +206,23 @@ class WorkerRecord:
     def free(self) -> int:
         if self.paused_since is not None:
             return 0  # whatever credits it announced, a paused worker takes nothing new
-        return self.limit - len(self.assigned)
+        # `limit`, without a second property call: this is read on every fill and answer
+        return self.speed.slots_allowed(self.capacity) - len(self.assigned)
 
     @property
     def limit(self) -> int:
         """Slots it may hold at once: its credits, fewer while it keeps missing predictions."""
-        if self.capacity <= 0:
-            return 0
-        return max(1, int(self.capacity * self.size_factor + 1e-9))
+        return self.speed.slots_allowed(self.capacity)
+
+    @property
+    def s_per_sample(self) -> Optional[float]:
+        """Its seconds per sample (EWMA); None before its first result."""
+        return self.speed.s_per_sample
 
     @property
     def link_s(self) -> Optional[float]:
-        """The median of `link_times`: a result resent after a lost connection, or a coordinator
-        busy when it arrived, makes one slot's reading far too long."""
-        if not self.link_times:
-            return None
-        ordered = sorted(self.link_times)
-        mid = len(ordered) // 2
-        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        """Its typical link seconds per slot sent with a model; None before one is measured."""
+        return self.speed.link_s
 
 
 @dataclass
@@ -215,8 +239,18 @@ class Slot:
     started: dict[str, float] = field(default_factory=dict)  # holder -> when it was assigned
     with_model: set[str] = field(default_factory=set)  # holders it was sent to with the model
     index: int = 0  # its row in the round's code
-    held_from: Optional[str] = None  # verified rounds: its result arrived from this worker and
-    # is held until a second copy of its row agrees (or a settle decides)
+    kind: str = "gradient"  # what its holder computes: gradient | local (local.TaskMode)
+    steps: int = 0  # local: inner steps; gradient: 0
+
+
+class SlotTask(NamedTuple):
+    """What computing a slot means, as its holders were told: enough to compute it again."""
+
+    version: int
+    parts: list[Part]
+    coefficients: list[float]
+    kind: str
+    steps: int
 
 
 @dataclass
@@ -229,10 +263,7 @@ class Round:
     arrived: set[int] = field(default_factory=set)  # code rows that arrived
     covered: set[int] = field(default_factory=set)  # partitions some arrived row covers
     copies: dict[tuple, list[int]] = field(default_factory=dict)  # row -> slots computing it
-    # verified rounds: row -> its slots whose results are held, in arrival order; and the rows
-    # whose first two held copies are being compared (or settled)
-    opinions: dict[tuple, list[int]] = field(default_factory=dict)
-    disputed: set[tuple] = field(default_factory=set)
+    verified: Optional[VerifiedRows] = None  # verify_replicas: its held copies, by row
 
     @property
     def samples(self) -> int:
@@ -241,12 +272,17 @@ class Round:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, sampler: Sampler, version: int = 0,
-                 next_id: int = 1):
-        if config.verify_replicas and (config.sync or config.redundancy.kind != "replicate"
-                                       or config.redundancy.level < 2):
-            raise ValueError("verify_replicas needs replicate:R with R >= 2, and no sync")
+                 next_id: int = 1, *, task_mode: Optional[TaskMode] = None):
+        """`task_mode`: what a slot computes (local.parse_task); None: coded gradients."""
+        self.task_mode = task_mode if task_mode is not None else TaskMode()
+        check_redundancy(self.task_mode, config.redundancy, config.sync)
         self.config = config
         self.sampler = sampler
+        self.speed = SpeedModel(
+            alpha=config.speed_alpha, min_deadline_s=config.min_deadline_s,
+            deadline_factor=config.deadline_factor, spec_sd=config.spec_sd,
+            spec_floor_s=config.spec_floor_s, min_results=config.spec_min_results)
+        self._speculate = config.speculating
         self.version = version
         self.workers: dict[str, WorkerRecord] = {}
         self.rounds: dict[int, Round] = {}
@@ -259,15 +295,13 @@ class Scheduler:
         self._rounds_at: Counter[int] = Counter()  # open rounds per model version
         self._next_id = next_id
         self.stats: Counter[str] = Counter()
-        self.times: deque[float] = deque(maxlen=256)  # recent seconds per sample, fleet-wide
         self._choice: tuple[Redundancy, int] = (Redundancy(), -1)  # adaptive: choice, at obs #
-        self._observations = 0
         self._choice_key: tuple[int, int] = (0, 0)
         self.last_code = "none"  # the code of the newest round
         self.last_costs: dict[str, float] = {}  # adaptive: the predictions behind the choice
-        # Local tasks (local.py): a slot's samples for the worker opening a round, from its
-        # seconds per sample and its link seconds per slot (None: not measured yet). None:
-        # rounds are the configured batch.
+        # Deprecated, for coordinator/server.py until it passes `task_mode`: a slot's samples
+        # from the opening worker's seconds per sample and link seconds per slot; it overrides
+        # the task mode's sizing (not its kind or steps).
         self.slot_samples: Optional[Callable[[Optional[float], Optional[float]], int]] = None
         # Due times, so that a tick touches only what is due rather than every worker (lazy:
         # an entry is checked against the record when it comes up, stale ones are dropped).
@@ -276,7 +310,6 @@ class Scheduler:
         self._grace_due: list[tuple[float, int, str, int, float]] = []  # ... paused since
         self._deadline_due: list[tuple[float, int, str, int]] = []  # (deadline, seq, worker, slot)
         self._late_due: list[tuple[float, int, str]] = []  # (when a slot may be late, seq, worker)
-        self._times_sum = self._times_sq = 0.0  # of `times`, kept as it slides
 
     # queries --------------------------------------------------------------------------------
 
@@ -320,6 +353,27 @@ class Scheduler:
     def open_parts(self) -> list[list[Part]]:
         """The parts of every open round: what a checkpoint must replan on resume."""
         return [r.parts for r in sorted(self.rounds.values(), key=lambda r: r.id)]
+
+    def slot_task(self, slot_id: int) -> Optional[SlotTask]:
+        """The task of an open slot, as its holders got it; None once its round has closed."""
+        slot = self.slots.get(slot_id)
+        round_ = self.rounds.get(slot.round) if slot is not None else None
+        if round_ is None:
+            return None
+        return SlotTask(round_.version, [round_.parts[j] for j, _ in slot.row],
+                        [c for _, c in slot.row], slot.kind, slot.steps)
+
+    def slot_scale(self, worker_id: str, slot_id: int) -> Optional[float]:
+        """sum |coefficient| x samples over the slot's parts (what a result's size is judged
+        against), if `worker_id` holds the slot; else None."""
+        worker = self.workers.get(worker_id)
+        slot = self.slots.get(slot_id)
+        if worker is None or slot is None or slot_id not in worker.assigned:
+            return None
+        round_ = self.rounds.get(slot.round)
+        if round_ is None:
+            return None
+        return sum(abs(c) * round_.parts[j][2] for j, c in slot.row)
 
     # events ---------------------------------------------------------------------------------
 
@@ -371,26 +425,26 @@ class Scheduler:
         del worker.assigned[slot_id]
         worker.last_seen = now
         slot = self.slots[slot_id]
+        round_ = self.rounds[slot.round]
         slot.holders.discard(worker_id)
         worker.done += 1
-        worker.staleness += max(0, self.version - self.rounds[slot.round].version)
+        worker.staleness += max(0, self.version - round_.version)
         worker.samples += slot.samples
         worker.compute_s += max(0.0, compute_s)
         if slot.samples and compute_s > 0:
-            self._observe_speed(worker, compute_s / slot.samples)
+            self.speed.observe_result(worker.speed, compute_s / slot.samples)
         if worker_id in slot.with_model and worker_id in slot.started:
-            link_s = now - slot.started[worker_id] - max(0.0, compute_s) - max(0.0, waited_s)
-            if link_s >= 0:  # below: the worker misreports its times
-                worker.link_times.append(link_s)
-        if not slot.speculated or worker.late_streak == 0:
-            worker.late_streak = 0
-            worker.size_factor = min(1.0, worker.size_factor * 1.5)
+            self.speed.observe_link(worker.speed, now - slot.started[worker_id], compute_s,
+                                    waited_s)
+        self.speed.slot_answered(worker.speed, slot.speculated)
         self._update_hunger(worker)
         self._watch_late(worker, now)
-        if slot.arrived or slot.dead or slot.held_from is not None:
+        verified = round_.verified
+        if (slot.arrived or slot.dead
+                or (verified is not None and verified.sender(slot_id) is not None)):
             self.stats["results_duplicate"] += 1
             return False, self._fill(now)
-        if self.config.verify_replicas:
+        if verified is not None:
             return True, self._hold(slot, worker_id, now)
         self.stats["results_used"] += 1
         return True, self._arrive(slot, now)
@@ -425,11 +479,10 @@ class Scheduler:
         """A copy's result arrived: keep it until a copy from another worker is compared with it.
         The row's other copies keep computing (they are the second opinion); only this slot's
         other holders (a deadline handed it out twice) are cancelled: it has its answer."""
-        slot.held_from = worker_id
-        actions = self._cancel_holders(slot)
         round_ = self.rounds[slot.round]
         row = tuple(slot.row)
-        round_.opinions.setdefault(row, []).append(slot.id)
+        round_.verified.hold(row, slot.id, worker_id)
+        actions = self._cancel_holders(slot)
         self.stats["replicas_held"] += 1
         return actions + self._compare_or_fill(round_, row, now)
 
@@ -438,23 +491,21 @@ class Scheduler:
         verdict may close the round (and release its model) before the caller gets to slots
         handed out here, so the fill waits for the verdict (`copies_agreed`, `copies_disagreed`,
         `copies_settled`)."""
-        held = round_.opinions.get(row, [])
-        if row in round_.disputed or len(held) < 2:
+        pair = round_.verified.next_pair(row)
+        if pair is None:
             return self._fill(now)
-        round_.disputed.add(row)
-        first, second = self.slots[held[0]], self.slots[held[1]]
-        return [CompareCopies(round_.id, (first.id, second.id),
-                              (first.held_from, second.held_from))]
+        first, second = pair
+        return [CompareCopies(round_.id, pair, (round_.verified.sender(first),
+                                                round_.verified.sender(second)))]
 
     def _disputed_pair(self, first: int, second: int) -> Optional[tuple[Round, tuple]]:
         """The round and row of a `CompareCopies` still awaiting its verdict, else None."""
-        a, b = self.slots.get(first), self.slots.get(second)
-        if a is None or b is None or a.round != b.round or a.round not in self.rounds:
+        slot = self.slots.get(first)
+        round_ = self.rounds.get(slot.round) if slot is not None else None
+        if round_ is None or round_.verified is None:
             return None
-        round_, row = self.rounds[a.round], tuple(a.row)
-        if row not in round_.disputed or round_.opinions.get(row, [])[:2] != [first, second]:
-            return None
-        return round_, row
+        row = round_.verified.row_in_dispute(first, second)
+        return None if row is None else (round_, row)
 
     def copies_agreed(self, first: int, second: int, now: float) -> list[Action]:
         """The two compared copies agree: the row arrives (the first copy is used)."""
@@ -462,7 +513,7 @@ class Scheduler:
         if pair is None:
             return []
         round_, row = pair
-        round_.disputed.discard(row)
+        round_.verified.end_dispute(row)
         self.stats["replicas_agreed"] += 1
         self.stats["results_used"] += 1
         return self._arrive(self.slots[first], now)
@@ -485,28 +536,17 @@ class Scheduler:
         if pair is None:
             return []
         round_, row = pair
-        round_.disputed.discard(row)
+        round_.verified.end_dispute(row)
         use = next((s for s in (first, second) if s in correct), None)
         if use is not None:
             self.stats["results_used"] += 1
             return self._arrive(self.slots[use], now)
-        held = round_.opinions[row]
-        for slot_id in (first, second):
-            if slot_id == kept:
-                continue
-            held.remove(slot_id)
-            slot = self.slots[slot_id]
-            slot.held_from = None
-            self._requeue(slot)
+        refused = [s for s in (first, second) if s != kept]
+        round_.verified.release(refused)
+        for slot_id in refused:
+            self._requeue(self.slots[slot_id])
             self.stats["replicas_refused"] += 1
         return self._compare_or_fill(round_, row, now)
-
-    def _answered(self, worker_id: str, slot: Slot) -> bool:
-        """Whether `worker_id`'s result for a copy of `slot`'s row is held: a second opinion must
-        come from someone else."""
-        round_ = self.rounds.get(slot.round)
-        held = round_.opinions.get(tuple(slot.row)) if round_ is not None else None
-        return bool(held) and any(self.slots[s].held_from == worker_id for s in held)
 
     def failed(self, worker_id: str, slot_id: int, now: float) -> list[Action]:
         """A worker's answer that could not be used (bad gradient): the slot goes back."""
@@ -625,7 +665,7 @@ class Scheduler:
                 worker=worker.id, slot=slot.id, round=round_.id, version=round_.version,
                 parts=[list(round_.parts[j]) for j, _ in slot.row],
                 coefficients=[c for _, c in slot.row], deadline_s=max(0.0, wait),
-                send_model=True))
+                send_model=True, kind=slot.kind, steps=slot.steps))
         return out
 
     def replan(self, decoded: Decoded) -> None:
@@ -646,43 +686,6 @@ class Scheduler:
 
     # internals ------------------------------------------------------------------------------
 
-    def _observe_speed(self, worker: WorkerRecord, s_per_sample: float) -> None:
-        a = self.config.speed_alpha
-        old = worker.s_per_sample
-        if old is None:
-            worker.s_per_sample = s_per_sample
-        else:
-            diff = s_per_sample - old
-            worker.s_per_sample = old + a * diff
-            worker.s_var = (1 - a) * (worker.s_var + a * diff * diff)
-        worker.observed += 1
-        self._observe(s_per_sample, worker)
-
-    def _observe(self, s_per_sample: float, worker: Optional[WorkerRecord] = None) -> None:
-        if len(self.times) == self.times.maxlen:
-            old = self.times[0]
-            self._times_sum -= old
-            self._times_sq -= old * old
-        self.times.append(s_per_sample)
-        self._times_sum += s_per_sample
-        self._times_sq += s_per_sample * s_per_sample
-        if self._observations % self.times.maxlen == 0:  # shed the rounding of the sliding sums
-            self._times_sum = math.fsum(self.times)
-            self._times_sq = math.fsum(t * t for t in self.times)
-        if worker is not None:
-            worker.recent.append(s_per_sample)
-        self._observations += 1
-
-    def _prediction(self, worker: WorkerRecord) -> Optional[tuple[float, float]]:
-        """(mean, sd) of the worker's seconds per sample; the fleet's while it has few results."""
-        if worker.observed >= self.config.spec_min_results and worker.s_per_sample is not None:
-            return worker.s_per_sample, math.sqrt(max(0.0, worker.s_var))
-        if len(self.times) >= self.config.spec_min_results:
-            n = len(self.times)
-            mean = self._times_sum / n
-            return mean, math.sqrt(max(0.0, self._times_sq / n - mean * mean))
-        return None
-
     def _watch_silence(self, worker: WorkerRecord, after: float = -math.inf) -> None:
         """Queue the moment `worker` would have been silent too long, unless heard from again."""
         due = max(worker.last_seen + self.config.heartbeat_s * self.config.liveness,
@@ -697,24 +700,23 @@ class Scheduler:
         worker judged by the fleet's times (few results of its own) is looked at every tick in a
         fleet of up to `_RECHECK_FLEET` workers; in a larger one when the fleet's times of the
         moment say it is due (they drift between its own events)."""
-        if not self.config.speculate or not worker.assigned:
+        if not self._speculate or not worker.assigned:
             worker.late_check = None
             return
-        prediction = self._prediction(worker)
+        prediction = self.speed.prediction(worker.speed)
         due = math.inf
-        if prediction is None or (worker.observed < self.config.spec_min_results
-                                  and len(self.workers) <= _RECHECK_FLEET):
+        if prediction is None or (len(self.workers) <= _RECHECK_FLEET
+                                  and self.speed.judged_by_fleet(worker.speed)):
             due = now  # the next tick
         if prediction is not None:
-            mean, sd = prediction
             queued = max(1, len(worker.assigned))
             for slot_id in worker.assigned:
                 slot = self.slots.get(slot_id)
                 if (slot is None or slot.speculated or slot.arrived or slot.dead
                         or worker.id not in slot.started):
                     continue
-                predicted = (mean + self.config.spec_sd * sd) * slot.samples * queued
-                due = min(due, slot.started[worker.id] + predicted + self.config.spec_floor_s)
+                due = min(due, self.speed.late_at(prediction, slot.samples, queued,
+                                                  slot.started[worker.id]))
         if due == math.inf:
             worker.late_check = None
             return
@@ -725,10 +727,9 @@ class Scheduler:
 
     def _speculate_late(self, worker: WorkerRecord, now: float) -> None:
         """Append a duplicate row for every slot of `worker` that is late past its prediction."""
-        prediction = self._prediction(worker)
+        prediction = self.speed.prediction(worker.speed)
         if prediction is None:
             return
-        mean, sd = prediction
         queued = max(1, len(worker.assigned))  # it computes its slots one after another
         for slot_id in list(worker.assigned):
             slot = self.slots.get(slot_id)
@@ -736,13 +737,12 @@ class Scheduler:
                     or slot.round not in self.rounds or worker.id not in slot.started):
                 continue
             elapsed = now - slot.started[worker.id]
-            predicted = (mean + self.config.spec_sd * sd) * slot.samples * queued
-            if elapsed <= predicted + self.config.spec_floor_s:
+            if not self.speed.is_late(prediction, slot.samples, queued, elapsed):
                 continue
             round_ = self.rounds[slot.round]
             round_.code = coding.speculate(round_.code, slot.index)
             copy = Slot(self._take_id(), round_.id, list(slot.row), slot.samples, speculated=True,
-                        index=len(round_.slots))
+                        index=len(round_.slots), kind=slot.kind, steps=slot.steps)
             self.slots[copy.id] = copy
             round_.slots.append(copy.id)
             round_.copies[tuple(copy.row)].append(copy.id)
@@ -750,19 +750,9 @@ class Scheduler:
             self._pending.appendleft(copy.id)
             slot.speculated = True
             self.stats["slots_speculated"] += 1
-            if slot.samples:
-                self._observe(elapsed / slot.samples, worker)  # a bound: it has not answered yet
-            worker.late += 1
-            worker.late_streak += 1
-            if worker.late_streak >= 2:
-                worker.size_factor = max(0.25, worker.size_factor / 2)
-
-    def _deadline(self, worker: WorkerRecord, slot: Slot, now: float) -> float:
-        wait = self.config.min_deadline_s
-        if worker.s_per_sample is not None:
-            predicted = worker.s_per_sample * slot.samples * max(1, worker.capacity)
-            wait = max(wait, self.config.deadline_factor * predicted)
-        return now + wait
+            if slot.samples:  # a bound: it has not answered yet
+                self.speed.observe(elapsed / slot.samples, worker.speed)
+            self.speed.slot_late(worker.speed)
 
     def _update_hunger(self, worker: WorkerRecord) -> None:
         if worker.free > 0 and not worker.draining:
@@ -780,8 +770,8 @@ class Scheduler:
         actions: list[Action] = []
         for holder in sorted(slot.holders):
             worker = self.workers[holder]
-            if now is not None and slot.samples and holder in slot.started:
-                self._observe((now - slot.started[holder]) / slot.samples, worker)  # censored
+            if now is not None and slot.samples and holder in slot.started:  # censored
+                self.speed.observe((now - slot.started[holder]) / slot.samples, worker.speed)
             del worker.assigned[slot.id]
             worker.cancelled += 1
             self._update_hunger(worker)
@@ -859,15 +849,20 @@ class Scheduler:
         for r, c, v in zip(r_idx.tolist(), c_idx.tolist(), code.matrix[r_idx, c_idx].tolist()):
             rows[r].append((c, v))  # code.row(r) for every row at once
         counts = [p[2] for p in parts]
+        kind, local_task = self.task_mode.kind, self.task_mode.local
         for row in _queue_order(code):
             entries = rows[row]
             samples = (counts[entries[0][0]] if len(entries) == 1
                        else sum(counts[j] for j, _ in entries))
-            slot = Slot(self._take_id(), round_id, entries, samples, queued=True, index=row)
+            # A short slot (an epoch's end) takes fewer inner steps, never smaller ones.
+            steps = inner_steps(samples, self.config.batch_size) if local_task else 0
+            slot = Slot(self._take_id(), round_id, entries, samples, queued=True, index=row,
+                        kind=kind, steps=steps)
             self.slots[slot.id] = slot
             slot_ids[row] = slot.id
             self._pending.append(slot.id)
-        round_ = Round(round_id, self.version, list(parts), code, slot_ids)
+        round_ = Round(round_id, self.version, list(parts), code, slot_ids,
+                       verified=VerifiedRows() if self.config.verify_replicas else None)
         for slot_id in slot_ids:
             round_.copies.setdefault(tuple(self.slots[slot_id].row), []).append(slot_id)
         self.rounds[round_id] = round_
@@ -880,6 +875,10 @@ class Scheduler:
             if worker is None:
                 return k * self.slot_samples(None, None)
             return k * self.slot_samples(worker.s_per_sample, worker.link_s)
+        if self.task_mode.local:  # a slot as long as the worker opening the round should run
+            speed = worker.speed if worker is not None else WorkerSpeed()
+            return k * self.task_mode.slot_samples(speed.s_per_sample, self.config.batch_size,
+                                                   speed.link_s)
         batch = self.config.batch_size
         if self.config.max_batch:
             batch = max(1, min(batch, self.config.max_batch))
@@ -911,7 +910,7 @@ class Scheduler:
             return Redundancy()
         if policy.kind != "adaptive":
             return policy
-        if len(self.times) < 8:
+        if len(self.speed.times) < 8:
             # Nothing measured yet: assume the fleet straggles (volunteers' machines do). A
             # replicated first round or two costs little where nobody is slow, and where one is,
             # a first round without redundancy waits for it.
@@ -921,16 +920,17 @@ class Scheduler:
         active = self._adaptive_sample()
         choice, at = self._choice
         key = (k, len(active))
-        if self._observations - at >= self.config.adaptive_every or self._choice_key != key:
+        observations = self.speed.observations
+        if observations - at >= self.config.adaptive_every or self._choice_key != key:
             speculation = None
-            if self.config.speculate:
+            if self._speculate:
                 speculation = adaptive.Speculation(self.config.spec_sd, self.config.spec_floor_s)
             choice, self.last_costs = adaptive.choose(
-                [list(w.recent) for w in active] or [list(self.times)], k,
+                [list(w.speed.recent) for w in active] or [list(self.speed.times)], k,
                 samples_per_partition=self._round_batch() / k,
-                max_level=self.config.adaptive_max_level, seed=self._observations,
+                max_level=self.config.adaptive_max_level, seed=observations,
                 open_rounds=self.config.open_rounds, speculation=speculation)
-            self._choice = (choice, self._observations)
+            self._choice = (choice, observations)
             self._choice_key = key
         return choice
 
@@ -958,12 +958,14 @@ class Scheduler:
             slot = self.slots.get(slot_id)
             if slot is None or slot.arrived or slot.dead:
                 continue  # its round closed while it waited, or a copy of it arrived
-            if slot.held_from is not None:  # answered by a holder it was requeued from
-                slot.queued = False
-                continue
-            if self.config.verify_replicas and self._answered(worker.id, slot):
-                skipped.append(slot_id)
-                continue
+            if self.config.verify_replicas:
+                verified = self.rounds[slot.round].verified
+                if verified.sender(slot_id) is not None:  # answered by a holder it came back from
+                    slot.queued = False
+                    continue
+                if not verified.may_take(worker.id, tuple(slot.row)):
+                    skipped.append(slot_id)
+                    continue
             if mine and (worker.id in slot.holders or (slot.round, tuple(slot.row)) in rows
                     or (slot.round in rounds and (
                         self.config.sync or self.rounds[slot.round].code.tolerance > 0))):
@@ -1035,7 +1037,7 @@ class Scheduler:
 
     def _assign(self, worker: WorkerRecord, slot: Slot, now: float) -> Assign:
         round_ = self.rounds[slot.round]
-        deadline = self._deadline(worker, slot, now)
+        deadline = now + self.speed.deadline_s(worker.speed, slot.samples, worker.capacity)
         worker.assigned[slot.id] = deadline
         heapq.heappush(self._deadline_due, (deadline, next(self._seq), worker.id, slot.id))
         slot.holders.add(worker.id)
@@ -1051,7 +1053,7 @@ class Scheduler:
             worker=worker.id, slot=slot.id, round=round_.id, version=round_.version,
             parts=[list(round_.parts[j]) for j, _ in slot.row],
             coefficients=[c for _, c in slot.row], deadline_s=deadline - now,
-            send_model=send_model)
+            send_model=send_model, kind=slot.kind, steps=slot.steps)
 
 
 def _queue_order(code: Code) -> list[int]:

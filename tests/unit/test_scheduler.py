@@ -792,24 +792,14 @@ def test_a_worker_late_twice_holds_fewer_slots():
         slot = sorted(held(s, "a"))[0]
         now += 0.4
         answer(s, "a", slot, 0.4, now)
-    assert s.workers["a"].size_factor == 1.0 and len(held(s, "a")) == 4
+    assert s.workers["a"].speed.size_factor == 1.0 and len(held(s, "a")) == 4
     s.tick(now + 100.0)  # all four late
-    assert s.workers["a"].late == 4 and s.workers["a"].size_factor < 1.0
+    assert s.workers["a"].speed.late == 4 and s.workers["a"].speed.size_factor < 1.0
     assert s.workers["a"].limit < 4
     for slot in sorted(held(s, "a")):
         answer(s, "a", slot, 0.4, now + 101)
     assert held(s, "a")  # refilled after each step ...
     assert len(held(s, "a")) <= s.workers["a"].limit  # ... but only up to its smaller limit
-
-
-def test_ewma_variance():
-    s = make(speed_alpha=0.5)
-    start(s, "a", 1)
-    w = s.workers["a"]
-    s._observe_speed(w, 1.0)
-    assert w.s_per_sample == 1.0 and w.s_var == 0.0
-    s._observe_speed(w, 3.0)
-    assert w.s_per_sample == pytest.approx(2.0) and w.s_var == pytest.approx(0.5 * (0 + 0.5 * 4))
 
 
 def test_max_batch_caps_the_round():
@@ -870,7 +860,7 @@ def test_adaptive_scheduler_starts_replicated_then_follows_the_record():
     assert {r.code.name for r in s.rounds.values()} == {"replicate:2"}  # nothing measured yet
     for t in [0.01] * 40 + [0.5] * 10:
         for w in "abc":
-            s._observe(t, s.workers[w])
+            s.speed.observe(t, s.workers[w].speed)
     assert s._policy(3).kind != "none"
     assert s.last_costs and "none" in s.last_costs
 
@@ -917,6 +907,51 @@ def test_coded_rounds_applied_once_and_every_sample_once(n, batch, partitions, o
     h.play(credits, script, max_open_rounds=1 if sync else open_rounds)
     h.applied_once_each(n)
     assert all(v <= 1 for v in h.accepted.values())
+
+
+def test_slot_scale_is_the_coded_samples_of_a_slot_its_caller_holds():
+    s = coded("cyclic:1", n=60, batch=6, partitions=3, open_rounds=1, min_deadline_s=1000.0,
+              heartbeat_s=1000.0)
+    got = assigns(start(s, "a", 1) + start(s, "b", 1) + start(s, "c", 1))
+    assert len(got) == 3 and any(c < 0 for x in got for c in x.coefficients)
+    for x in got:
+        expected = sum(abs(c) * p[2] for p, c in zip(x.parts, x.coefficients))
+        assert s.slot_scale(x.worker, x.slot) == pytest.approx(expected)
+    x, y = got[:2]
+    assert s.slot_scale(y.worker, x.slot) is None  # not its slot
+    assert s.slot_scale("nobody", x.slot) is None and s.slot_scale(x.worker, 10 ** 6) is None
+    s.result(x.worker, x.slot, 0.1, 1.0)
+    assert s.slot_scale(x.worker, x.slot) is None  # answered: no longer held
+
+
+def test_slot_task_reads_back_what_the_holders_were_sent_until_the_round_closes():
+    s = coded("cyclic:1", n=60, batch=6, partitions=3, open_rounds=1, min_deadline_s=1000.0,
+              heartbeat_s=1000.0)
+    got = assigns(start(s, "a", 1) + start(s, "b", 1) + start(s, "c", 1))
+    for x in got:
+        task = s.slot_task(x.slot)
+        assert task == (x.version, [tuple(p) for p in x.parts], x.coefficients, "gradient", 0)
+        assert (task.kind, task.steps) == (x.kind, x.steps)
+    decoded = []
+    for x in got:
+        decoded += of(Decoded, s.result(x.worker, x.slot, 0.1, 1.0)[1])
+    assert decoded and all(s.slot_task(x.slot) is None for x in got)
+
+
+def test_sync_rounds_are_never_speculated():
+    assert SchedulerConfig(batch_size=4, speculate=True).speculating
+    assert not SchedulerConfig(batch_size=4, speculate=True, sync=True).speculating
+    s = make(n=400, batch=4, sync=True, speculate=True, spec_min_results=1, spec_floor_s=0.0,
+             min_deadline_s=1000.0, heartbeat_s=1000.0)
+    (first,) = assigns(start(s, "fast", 1))
+    assert not assigns(start(s, "slow", 1))  # one round at a time
+    _, actions = answer(s, "fast", first.slot, 0.1, 0.1)
+    fast, slow = sorted(assigns(actions), key=lambda a: a.worker)  # a partition each
+    answer(s, "fast", fast.slot, 0.1, 0.2)
+    for now in (1.0, 10.0, 100.0):  # slow is far past the fleet's prediction
+        s.seen("slow", now)
+        s.tick(now)
+    assert s.stats["slots_speculated"] == 0
 
 
 def test_resend_reassigns_every_held_slot_with_its_model():

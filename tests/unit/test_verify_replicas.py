@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from idlegrad.common.coding import parse_redundancy
+from idlegrad.common.errors import ConfigError
 from idlegrad.coordinator.sampler import Sampler
 from idlegrad.coordinator.scheduler import (
     Assign, CancelSlots, CompareCopies, Decoded, Scheduler, SchedulerConfig)
@@ -79,6 +80,11 @@ def test_a_disagreement_settled_uses_the_copy_that_matches():
     assert set(decoded.weights) == {y.slot, p.slot}
 
 
+def sender(s: Scheduler, copy: Assign):
+    """Whose result for `copy` the scheduler holds (None: none)."""
+    return s.rounds[copy.round].verified.sender(copy.slot)
+
+
 def disputed(s: Scheduler):
     """Workers a and b each answer a copy of one row, and the copies disagree."""
     (a,) = start(s, "a")
@@ -102,7 +108,7 @@ def test_a_disagreement_with_no_copy_right_sends_both_back_to_the_pool():
         s.result(x.worker, x.slot, 0.1, 3.0)
     compare = of(CompareCopies, s.copies_settled(a.slot, b.slot, [], 3.0)) or None
     assert compare is None  # the old verdict is stale: nothing happens
-    assert s.slots[a.slot].held_from and s.slots[b.slot].held_from
+    assert sender(s, a) and sender(s, b)
 
 
 def test_a_vanished_holder_of_the_second_copy_is_replaced():
@@ -137,7 +143,7 @@ def test_a_late_copy_speculated_can_be_the_second_opinion():
     (b,) = start(s, "b")
     s.result("a", a.slot, 0.1, 0.1)  # a measured: 0.025 s per sample
     _, actions = s.result("a", 0, 0.0, 0.1)  # noise: refused, changes nothing
-    s.workers["b"].s_per_sample, s.workers["b"].observed = 0.025, 5
+    s.workers["b"].speed.s_per_sample, s.workers["b"].speed.observed = 0.025, 5
     s.seen("a", 5.0)
     s.seen("b", 5.0)
     s.tick(5.0)  # b is far past its prediction: its copy is speculated ...
@@ -170,9 +176,10 @@ def test_three_copies_the_third_waits_while_the_first_two_are_settled():
 @pytest.mark.parametrize("redundancy, sync", [("none", False), ("cyclic:1", False),
                                               ("adaptive", False), ("replicate:2", True)])
 def test_verification_needs_replicas(redundancy, sync):
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError) as info:
         Scheduler(SchedulerConfig(batch_size=4, redundancy=parse_redundancy(redundancy),
                                   verify_replicas=True, sync=sync), Sampler(40, None))
+    assert "--verify-replicas" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_distance_reads_chunks_cut_anywhere():
@@ -192,7 +199,6 @@ def test_distance_reads_chunks_cut_anywhere():
 
 
 def test_verify_replicas_is_refused_in_one_line_where_it_cannot_work():
-    from idlegrad.common.errors import ConfigError
     from idlegrad.coordinator.trust import check_verify_replicas
 
     check_verify_replicas(parse_redundancy("replicate:2"), False, "float32")
@@ -209,7 +215,7 @@ def test_a_copy_kept_from_a_refused_pair_waits_for_the_next_copy():
     a, b = disputed(s)
     s.leave("b", 1.5)  # banned, say: its copy is refused, a's is neither right nor wrong
     actions = s.copies_settled(a.slot, b.slot, [], 2.0, kept=a.slot)
-    assert s.slots[a.slot].held_from == "a" and s.slots[b.slot].held_from is None
+    assert sender(s, a) == "a" and sender(s, b) is None
     assert not of(Assign, actions)  # a answered the row: it may not take b's copy
     (c,) = start(s, "c", now=3.0)
     assert c.slot == b.slot
