@@ -154,12 +154,14 @@ def run_simulate(args) -> int:
         raise ConfigError(f"--modes: {str(exc).removeprefix('--redundancy ')}") from None
     if not modes:
         raise ConfigError("--modes names no mode")
-    if args.verify_replicas:
+    if args.verify_replicas:  # the scheduler's rule, for every mode before any runs
+        from ..common.coding import parse_redundancy
+        from ..coordinator.scheduler import SchedulerConfig
+
         for mode in modes:
-            kind, _, level = mode.partition(":")
-            if kind != "replicate" or int(level) < 2:
-                raise ConfigError(f"--verify-replicas compares the copies of a replicated slot: "
-                                  f"every mode must be replicate:R with R >= 2, not {mode}")
+            sync = mode == "sync"
+            SchedulerConfig(batch_size=1, redundancy=parse_redundancy("none" if sync else mode),
+                            sync=sync, verify_replicas=True)
     if args.bye_fraction > 1:
         raise ConfigError("--bye-fraction must be at most 1")
     if args.target and not args.job:

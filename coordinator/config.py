@@ -17,6 +17,7 @@ from . import local
 from .aggregator import StalenessRule
 from .local import TaskMode
 from .outer import OuterConfig
+from .scheduler import SchedulerConfig
 from .target import Target
 from .trust import TrustConfig, check_verify_replicas
 
@@ -83,8 +84,12 @@ def check(config: CoordinatorConfig) -> Checked:
                                  link_factor=config.local_link_factor)
     redundancy = coding.parse_redundancy(config.redundancy)
     local.check_redundancy(task_mode, redundancy, config.sync)
+    # the scheduler's own rules between its options, before the job is built (the real
+    # SchedulerConfig needs the job's batch size)
+    SchedulerConfig(batch_size=1, redundancy=redundancy, sync=config.sync,
+                    verify_replicas=config.verify_replicas)
     if config.verify_replicas:
-        check_verify_replicas(redundancy, config.sync, config.result_dtype)
+        check_verify_replicas(config.result_dtype)
     _check_paths(config)
     return Checked(task_mode, redundancy, keypair, allowed)
 

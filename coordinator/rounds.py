@@ -54,12 +54,10 @@ class RoundCore:
     key, or its worker id without keys): the driver names it when the worker joins."""
 
     def __init__(self, scheduler: Scheduler, backend: Backend, trust: TrustPolicy,
-                 task_shape: Callable[[Any], tuple[str, int]] = lambda parts: ("gradient", 0),
                  samples_applied: int = 0):
         self.scheduler = scheduler
         self.backend = backend
         self.trust = trust
-        self.task_shape = task_shape  # a slot's parts -> (kind, inner steps)
         self.store: dict[int, Stored] = {}  # slot -> its arrived result, while its round is open
         self.identities: dict[str, str] = {}  # worker id -> its identity
         self.identity_names: dict[str, str] = {}  # identity -> the worker id it last used
@@ -205,10 +203,13 @@ class RoundCore:
             return out  # the id is someone else's now (the banned one left; another key took it)
         return out + [Ban(worker_id)] + self._leave(worker_id, "banned", now)
 
-    def compute_request(self, slot_id: int) -> Compute:
-        version, parts, coefficients = self.scheduler.slot_task(slot_id)
-        kind, steps = self.task_shape(parts)
-        return Compute(slot_id, version, parts, coefficients, kind, steps)
+    def compute_request(self, slot_id: int) -> Optional[Compute]:
+        """What computing slot `slot_id` here takes; None once its round has closed."""
+        task = self.scheduler.slot_task(slot_id)
+        if task is None:
+            return None
+        return Compute(slot_id, task.version, task.parts, task.coefficients, task.kind,
+                       task.steps)
 
     def _leave(self, worker_id: str, reason: str, now: float) -> list:
         if worker_id not in self.scheduler.workers:

@@ -299,10 +299,6 @@ class Scheduler:
         self._choice_key: tuple[int, int] = (0, 0)
         self.last_code = "none"  # the code of the newest round
         self.last_costs: dict[str, float] = {}  # adaptive: the predictions behind the choice
-        # Deprecated, for coordinator/server.py until it passes `task_mode`: a slot's samples
-        # from the opening worker's seconds per sample and link seconds per slot; it overrides
-        # the task mode's sizing (not its kind or steps).
-        self.slot_samples: Optional[Callable[[Optional[float], Optional[float]], int]] = None
         # Due times, so that a tick touches only what is due rather than every worker (lazy:
         # an entry is checked against the record when it comes up, stale ones are dropped).
         self._seq = itertools.count()
@@ -327,28 +323,6 @@ class Scheduler:
     def pending(self) -> int:
         """Slots waiting for a (further) holder."""
         return len(self._pending)
-
-    def holds(self, worker_id: str, slot_id: int) -> bool:
-        """Whether `slot_id` is assigned to `worker_id` now."""
-        record = self.workers.get(worker_id)
-        return record is not None and slot_id in record.assigned
-
-    def slot_scale(self, worker_id: str, slot_id: int) -> Optional[float]:
-        """sum |coefficient| x samples over the slot's parts, if the slot is this worker's."""
-        slot = self.slots.get(slot_id)
-        if slot is None or not self.holds(worker_id, slot_id):
-            return None
-        round_ = self.rounds.get(slot.round)
-        if round_ is None:
-            return None
-        return sum(abs(c) * round_.parts[j][2] for j, c in slot.row)
-
-    def slot_task(self, slot_id: int) -> tuple[int, list[Part], list[float]]:
-        """What slot `slot_id` computes: (model version, parts, coefficients)."""
-        slot = self.slots[slot_id]
-        round_ = self.rounds[slot.round]
-        return (round_.version, [round_.parts[j] for j, _ in slot.row],
-                [c for _, c in slot.row])
 
     def open_parts(self) -> list[list[Part]]:
         """The parts of every open round: what a checkpoint must replan on resume."""
@@ -871,10 +845,6 @@ class Scheduler:
         return True
 
     def _round_batch(self, k: int = 1, worker: Optional[WorkerRecord] = None) -> int:
-        if self.slot_samples is not None:
-            if worker is None:
-                return k * self.slot_samples(None, None)
-            return k * self.slot_samples(worker.s_per_sample, worker.link_s)
         if self.task_mode.local:  # a slot as long as the worker opening the round should run
             speed = worker.speed if worker is not None else WorkerSpeed()
             return k * self.task_mode.slot_samples(speed.s_per_sample, self.config.batch_size,

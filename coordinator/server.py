@@ -451,12 +451,10 @@ class Coordinator:
         # A small model is copied into ZeroMQ at once: a tracker costs more than the copy
         track = model is not None and model.numel > model_state.copy_numel
         ack = self._acks_due.pop(action.worker, None)
-        kind, steps = self.core.task_shape(action.parts)
-        shape = {} if kind == "gradient" else {"kind": kind, "steps": steps}
         tracker = await self._send(self.gate.routes[action.worker], proto.Task(
             slot=action.slot, round=action.round, version=action.version, parts=action.parts,
             coefficients=action.coefficients, deadline_s=min(action.deadline_s, 1e9), model=model,
-            acks=[] if ack is None else [ack], **shape), track=track)
+            acks=[] if ack is None else [ack], kind=action.kind, steps=action.steps), track=track)
         if track:
             model_state.tracked(action.version, tracker)
 

@@ -402,8 +402,7 @@ class Simulation:
             open_rounds=config.open_rounds, heartbeat_s=config.heartbeat_s,
             liveness=config.liveness, min_deadline_s=config.task_timeout_s,
             redundancy=coding.parse_redundancy(redundancy), sync=sync,
-            speculate=config.speculate and not sync,
-            verify_replicas=config.verify_replicas), self.sampler)
+            speculate=config.speculate, verify_replicas=config.verify_replicas), self.sampler)
         # the server's own round core: the same decode, step, replan, compare and settle
         self.core = RoundCore(self.scheduler, self.gradients, TrustPolicy(TrustConfig()))
         self.rng = np.random.default_rng(config.seed)

@@ -134,7 +134,7 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
         "predicted_s_per_sample": {k: round(v, 9) for k, v in scheduler.last_costs.items()},
         "policy": "sync" if config.sync else str(scheduler.config.redundancy),
         "partitions": config.partitions, "max_batch": config.max_batch,
-        "speculate": scheduler.config.speculate,
+        "speculate": scheduler.config.speculating,
         "slots_speculated": stats["slots_speculated"],
         "slots_redundant": stats["slots_redundant"],
         "rounds_by_code": {k: stats["rounds_" + k] for k in ("none", "replicate", "cyclic")

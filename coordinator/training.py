@@ -17,7 +17,7 @@ import torch
 from ..common.errors import CheckpointError, ConfigError, JobError
 from ..common.job import build, evaluate, load_job, reference_gradient_norm
 from ..common.job import FlatModel
-from . import checkpoint, local, outer
+from . import checkpoint, outer
 from .config import Checked, CoordinatorConfig, naming_job_args
 from .effects import Event
 from .evaluation import BAD_TARGET, CONTINUE, TARGET, EvaluationPlan
@@ -71,15 +71,9 @@ class Training:
                             liveness=config.liveness, min_deadline_s=config.min_deadline_s,
                             pause_grace_s=config.pause_grace_s, redundancy=checked.redundancy,
                             sync=config.sync, max_batch=config.max_batch,
-                            speculate=config.speculate and not config.sync,
-                            verify_replicas=config.verify_replicas),
-            self.sampler, version=version, next_id=next_id)
-        task_mode, batch = self.task_mode, job.batch_size
-        if task_mode.local:
-            scheduler.slot_samples = lambda s_per_sample, link_s: (
-                task_mode.slot_samples(s_per_sample, batch, link_s))
-        self.core = RoundCore(scheduler, self.model, self._trust(), self._task_shape,
-                              samples_applied=samples)
+                            speculate=config.speculate, verify_replicas=config.verify_replicas),
+            self.sampler, version=version, next_id=next_id, task_mode=self.task_mode)
+        self.core = RoundCore(scheduler, self.model, self._trust(), samples_applied=samples)
         self.plan = EvaluationPlan(config.eval_every, config.target)
         self.bad_messages: Counter[str] = Counter()  # by reason
         self.events: deque[dict] = deque(maxlen=self.EVENTS_KEPT)
@@ -106,11 +100,6 @@ class Training:
 
     def elapsed(self, now: float) -> float:
         return self.elapsed_before + now - self.started
-
-    def _task_shape(self, parts) -> tuple[str, int]:
-        if not self.task_mode.local:
-            return "gradient", 0
-        return "local", local.inner_steps(sum(p[2] for p in parts), self.built.job.batch_size)
 
     def _trust(self) -> TrustPolicy:
         """Trust screening seeded with the norm of an honest gradient, computed here."""

@@ -26,7 +26,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..common.coding import Redundancy
 from ..common.errors import ConfigError
 
 # Copies of one slot, and a copy against the coordinator's own computation, agree when their L2
@@ -39,14 +38,9 @@ def matches(distance: float, size: float) -> bool:
     return distance <= MATCH_TOLERANCE * max(size, 1e-12)
 
 
-def check_verify_replicas(redundancy: Redundancy, sync: bool, result_dtype: str) -> None:
-    """Refuse, with one line, a --verify-replicas that cannot work."""
-    if redundancy.kind != "replicate" or redundancy.level < 2:
-        raise ConfigError(f"--verify-replicas compares the copies of a replicated slot: it needs "
-                          f"--redundancy replicate:R with R >= 2, not {redundancy}")
-    if sync:
-        raise ConfigError("--verify-replicas cannot be used with --sync (its rounds have no "
-                          "copies to compare)")
+def check_verify_replicas(result_dtype: str) -> None:
+    """Refuse, with one line, results that verified replicas could not compare (the code and
+    sync rules are the scheduler's: SchedulerConfig)."""
     if result_dtype != "float32":
         raise ConfigError(f"--verify-replicas needs --result-dtype float32: {result_dtype} "
                           "results carry each worker's own rounding error (fed back from its "

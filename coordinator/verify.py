@@ -64,8 +64,7 @@ class Settlement:
             return core.interpret(core.scheduler.failed(stored.worker, slot, now), now)
         self.busy = ("suspect", slot, stored, scale)
         return [Event("suspected", f"{detail} from {stored.worker} for slot {slot}: computing it "
-                                   "here to settle it", stored.worker),
-                core.compute_request(slot)]
+                                   "here to settle it", stored.worker)] + self._compute(slot, now)
 
     def compare(self, action: CompareCopies, now: float) -> list:
         """Two copies of a row: used if they agree; if not, settled by a computation here."""
@@ -128,7 +127,13 @@ class Settlement:
                                                 f"{action.round} disagree: both computed again")
                     ] + self._drop(first, second, [], now)
         self.busy = ("copies", first, second)
-        return [core.compute_request(first)]
+        return self._compute(first, now)
+
+    def _compute(self, slot: int, now: float) -> list:
+        request = self.core.compute_request(slot)
+        if request is None:  # (its round closed meanwhile: nothing to settle it against)
+            return self.computed(None, "its round has closed", now)
+        return [request]
 
     def _settle_suspect(self, busy: tuple, reference: Any, error: Optional[str],
                         now: float) -> list:

@@ -361,15 +361,6 @@ def test_the_scheduler_refuses_what_local_tasks_cannot_decode():
     assert "cyclic" in one_line(info)
 
 
-def test_the_deprecated_slot_samples_hook_still_sizes_rounds():
-    # coordinator/server.py sets it until it passes task_mode: remove this test with the hook
-    s = Scheduler(SchedulerConfig(batch_size=8), Sampler(100_000, None))
-    s.slot_samples = lambda s_per_sample, link_s: 24
-    s.join("w", {}, 0.0)
-    (a,) = [x for x in s.ready("w", 1, 0.0) if isinstance(x, Assign)]
-    assert sum(p[2] for p in a.parts) == 24
-
-
 # wire economy: bfloat16 results with error feedback ------------------------------------------------
 
 

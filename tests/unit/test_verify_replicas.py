@@ -199,14 +199,15 @@ def test_distance_reads_chunks_cut_anywhere():
 
 
 def test_verify_replicas_is_refused_in_one_line_where_it_cannot_work():
-    from idlegrad.coordinator.trust import check_verify_replicas
+    from idlegrad.coordinator.config import CoordinatorConfig, check
 
-    check_verify_replicas(parse_redundancy("replicate:2"), False, "float32")
+    check(CoordinatorConfig(job="digits", redundancy="replicate:2", verify_replicas=True))
     for redundancy, sync, dtype, says in [("none", False, "float32", "replicate:R"),
                                           ("replicate:2", True, "float32", "--sync"),
                                           ("replicate:3", False, "bfloat16", "float32")]:
         with pytest.raises(ConfigError) as info:
-            check_verify_replicas(parse_redundancy(redundancy), sync, dtype)
+            check(CoordinatorConfig(job="digits", redundancy=redundancy, sync=sync,
+                                    result_dtype=dtype, verify_replicas=True))
         assert says in str(info.value) and "\n" not in str(info.value)
 
 
