@@ -74,6 +74,9 @@ def add_simulate_parser(sub, add_common: Callable, positive: Callable,
                      help="rounds staler than this are replanned (default: 32)")
     run.add_argument("--no-speculate", dest="speculate", action="store_false",
                      help="do not duplicate late tasks to free workers")
+    run.add_argument("--task", default="gradient", metavar="KIND",
+                     help="what a slot computes, as the coordinator's --task: gradient, local:H "
+                          "or local:auto (default: gradient)")
     run.add_argument("--verify-replicas", action="store_true",
                      help="a replicated row counts once copies from two workers agree, as the "
                           "coordinator's --verify-replicas (every mode must be replicate:R, R >= 2)")
@@ -144,8 +147,10 @@ def _fleet(args, rng):
 def run_simulate(args) -> int:
     import numpy as np
 
+    from ..common.coding import parse_redundancy
     from ..coordinator import simulator as sim
     from ..coordinator.aggregator import StalenessRule
+    from ..coordinator.local import check_redundancy, parse_task
     from ..coordinator.target import Target
 
     try:
@@ -154,8 +159,11 @@ def run_simulate(args) -> int:
         raise ConfigError(f"--modes: {str(exc).removeprefix('--redundancy ')}") from None
     if not modes:
         raise ConfigError("--modes names no mode")
+    task_mode = parse_task(args.task)
+    for mode in modes:  # what local tasks cannot decode, before any mode runs
+        check_redundancy(task_mode, parse_redundancy("none" if mode == "sync" else mode),
+                         mode == "sync")
     if args.verify_replicas:  # the scheduler's rule, for every mode before any runs
-        from ..common.coding import parse_redundancy
         from ..coordinator.scheduler import SchedulerConfig
 
         for mode in modes:
@@ -178,7 +186,7 @@ def run_simulate(args) -> int:
     config = sim.SimConfig(
         duration_s=args.duration, batch_size=args.batch, partitions=args.partitions,
         open_rounds=args.open_rounds, speculate=args.speculate, heartbeat_s=args.heartbeat,
-        verify_replicas=args.verify_replicas,
+        verify_replicas=args.verify_replicas, task=args.task,
         task_timeout_s=args.task_timeout, staleness=args.staleness,
         max_staleness=args.max_staleness, model_bytes=4 * args.params,
         train_samples=args.train_samples,
@@ -193,7 +201,7 @@ def run_simulate(args) -> int:
         rule = StalenessRule(args.staleness, args.max_staleness)
 
         def make_gradients():
-            return sim.RealGradients(args.job, job_args, args.seed, rule)
+            return sim.RealGradients(args.job, job_args, args.seed, rule, local=task_mode.local)
 
         probe = make_gradients()  # bad job specs fail here, once, before any mode runs
         config.model_bytes = probe.aggregator.model.numel * probe.aggregator.model.params.element_size()

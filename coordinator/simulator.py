@@ -48,6 +48,7 @@ from ..common import coding
 from ..common.errors import ConfigError
 from .aggregator import StalenessRule
 from .effects import Applied, Compute, Replanned, Used
+from .local import parse_task
 from .rounds import RoundCore
 from .sampler import Sampler
 from .scheduler import Assign, CancelSlots, Evicted, Scheduler, SchedulerConfig
@@ -227,6 +228,7 @@ class SimConfig:
     startup_s: float = 0.0  # from a session's start to its hello (process start-up)
     warmup_s: float = 0.0  # the scheduler's cost per slot and per heartbeat is counted after this
     verify_replicas: bool = False  # with replicate:R, a row counts once two copies agree
+    task: str = "gradient"  # what a slot computes: gradient | local:H | local:auto
     seed: int = 0
 
 
@@ -245,7 +247,7 @@ class _Worker:
         self.online = False
         self.session = 0  # the connection: a new hello starts a new one
         self.available = 0  # the availability session: ends only when the machine goes away
-        self.queue: deque = deque()  # (slot, samples, parts, coefficients, version)
+        self.queue: deque = deque()  # (slot, samples, its Assign)
         self.current = None
         self.started = 0.0
         self.rng = rng
@@ -296,7 +298,7 @@ class CostlessGradients:
         self.rule = rule
         self.version = 0
 
-    def result(self, version: int, parts, coefficients) -> tuple[None, float]:
+    def result(self, task) -> tuple[None, float]:
         return None, 0.0
 
     def compute(self, request: Compute) -> None:
@@ -323,10 +325,13 @@ class RealGradients:
     slot's model version, with the workers' kernel, and decoded rounds go through the real
     `Aggregator`."""
 
-    def __init__(self, job_spec: str, job_args: dict, seed: int, rule: StalenessRule):
+    def __init__(self, job_spec: str, job_args: dict, seed: int, rule: StalenessRule,
+                 local: bool = False, outer_config=None):
+        """`local`: slots are local tasks, and the coordinator's optimizer is the outer one."""
         import torch
 
         from ..common.job import FlatModel, build, load_job
+        from . import outer
         from .aggregator import Aggregator
 
         self._torch = torch
@@ -334,7 +339,9 @@ class RealGradients:
         self.built = build(job, seed=seed)
         self.seed = seed
         model = self.built.model
-        self.aggregator = Aggregator(model, job.build_optimizer(model.module.parameters()), rule)
+        optimizer = (outer.build(model.module.parameters(), outer_config or outer.OuterConfig())
+                     if local else job.build_optimizer(model.module.parameters()))
+        self.aggregator = Aggregator(model, optimizer, rule)
         self.worker = FlatModel(job.build_model())
         self.train_samples = len(self.built.train)
         self.batch_size = job.batch_size
@@ -344,16 +351,24 @@ class RealGradients:
     def version(self) -> int:
         return self.aggregator.version
 
-    def result(self, version: int, parts, coefficients) -> tuple[list, float]:
-        from ..common.job import coded_gradient
+    def result(self, task) -> tuple[list, float]:
+        """A slot's result as a worker computes it, with the workers' kernels: `task` has the
+        fields of an `Assign` (or a `Compute`)."""
+        from ..common.job import coded_gradient, local_change
         from ..common.tensors import finite_norm
 
-        gradient = [coded_gradient(self.built.job, self.worker, self.snapshots[version],
-                                   self.built.train, self.seed, parts, coefficients)]
-        return gradient, finite_norm(gradient)
+        job, params = self.built.job, self.snapshots[task.version]
+        if task.kind == "local":
+            (part,), (coefficient,) = task.parts, task.coefficients
+            result = local_change(job, self.worker, params, self.built.train, self.seed, part,
+                                  coefficient, task.steps).change
+        else:
+            result = coded_gradient(job, self.worker, params, self.built.train, self.seed,
+                                    task.parts, task.coefficients)
+        return [result], finite_norm([result])
 
     def compute(self, request: Compute) -> list:
-        return self.result(request.version, request.parts, request.coefficients)[0]
+        return self.result(request)[0]
 
     def apply(self, terms, norms, samples: int, round_version: int, in_use) -> Optional[float]:
         weight = self.aggregator.apply_terms(terms, samples, round_version, norms)
@@ -402,7 +417,8 @@ class Simulation:
             open_rounds=config.open_rounds, heartbeat_s=config.heartbeat_s,
             liveness=config.liveness, min_deadline_s=config.task_timeout_s,
             redundancy=coding.parse_redundancy(redundancy), sync=sync,
-            speculate=config.speculate, verify_replicas=config.verify_replicas), self.sampler)
+            speculate=config.speculate, verify_replicas=config.verify_replicas), self.sampler,
+            task_mode=parse_task(config.task))
         # the server's own round core: the same decode, step, replan, compare and settle
         self.core = RoundCore(self.scheduler, self.gradients, TrustPolicy(TrustConfig()))
         self.rng = np.random.default_rng(config.seed)
@@ -617,10 +633,10 @@ class Simulation:
         # Sent before its worker left, it still counts if the scheduler still expects it.
         costs = self.config.costs
         self._charge(costs.per_message_s + self.config.model_bytes / costs.bytes_per_s, "results")
-        slot, _, parts, coefficients, version = task
+        slot, _, assign = task
         gradient, norm = None, 0.0
         if self.scheduler.slot_scale(w.spec.id, slot) is not None:  # else it is dropped anyway
-            gradient, norm = self.gradients.result(version, parts, coefficients)
+            gradient, norm = self.gradients.result(assign)
         t0 = time.perf_counter()
         effects = self.core.result(w.spec.id, slot, gradient, norm, compute, self.now)
         if self.now >= self.config.warmup_s:
@@ -657,7 +673,7 @@ class Simulation:
                 if size:
                     self._charge(size / costs.bytes_per_s, "models out")
                 samples = sum(p[2] for p in effect.parts)
-                task = (effect.slot, samples, effect.parts, effect.coefficients, effect.version)
+                task = (effect.slot, samples, effect)
                 arrive = max(self.now, self.coord_free) + w.spec.latency_s + size / w.spec.bandwidth
                 self._at(arrive, _TASK, w, w.session, task)
             elif isinstance(effect, CancelSlots):

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from idlegrad.common import protocol as proto
-from idlegrad.common.job import FlatModel, coded_gradient
+from idlegrad.common.job import FlatModel, coded_gradient, local_change
 from idlegrad.common.tensors import from_blob, to_blob
 from idlegrad.coordinator import simulator as sim
 from idlegrad.coordinator.effects import Applied, Replanned, Used
@@ -109,8 +109,13 @@ class ScriptedFleet:
             if (isinstance(sent, proto.Task) and sent.model is not None
                     and (to, sent.version) not in self.models):
                 self.models[to, sent.version] = from_blob(sent.model).clone()
-        return to_blob(coded_gradient(self.job, self.scratch, self.models[route, task.version],
-                                      self.train, self.seed, task.parts, task.coefficients))
+        params = self.models[route, task.version]
+        if task.kind == "local":
+            (part,), (coefficient,) = task.parts, task.coefficients
+            return to_blob(local_change(self.job, self.scratch, params, self.train, self.seed,
+                                        part, coefficient, task.steps).change)
+        return to_blob(coded_gradient(self.job, self.scratch, params, self.train, self.seed,
+                                      task.parts, task.coefficients))
 
     async def say(self, route: bytes, msg: proto.Message) -> None:
         await self.coordinator.handle([route, *proto.encode(msg)])
@@ -142,13 +147,15 @@ class ScriptedFleet:
                 await self.coordinator.perform(self.coordinator.core.tick(now))
 
 
-@pytest.mark.parametrize("redundancy,verify", [
-    ("none", False), ("replicate:2", False), ("cyclic:1", False), ("replicate:2", True)])
-def test_the_server_keeps_the_round_contract(tmp_path, redundancy, verify):
+@pytest.mark.parametrize("redundancy,verify,task", [
+    ("none", False, "gradient"), ("replicate:2", False, "gradient"),
+    ("cyclic:1", False, "gradient"), ("replicate:2", True, "gradient"),
+    ("replicate:2", False, "local:3")])
+def test_the_server_keeps_the_round_contract(tmp_path, redundancy, verify, task):
     ledger = tmp_path / "ledger.jsonl"
     coordinator = Coordinator(CoordinatorConfig(
         job="synthetic", job_args={"params": 400, "samples": 2048}, redundancy=redundancy,
-        verify_replicas=verify, partitions=4, open_rounds=3, heartbeat_s=1000,
+        verify_replicas=verify, task=task, partitions=4, open_rounds=3, heartbeat_s=1000,
         speculate=False, ledger_path=str(ledger), min_deadline_s=1e6))
     trace = record(coordinator.core)
     coordinator.open_logs()
@@ -197,17 +204,19 @@ def test_a_cancelled_slots_late_result_is_not_used():
 # the simulator ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode,verify", [
-    ("none", False), ("replicate:2", False), ("cyclic:1", False), ("adaptive", False),
-    ("replicate:2", True), ("sync", False)])
-def test_the_simulator_keeps_the_round_contract(mode, verify):
+@pytest.mark.parametrize("mode,verify,task", [
+    ("none", False, "gradient"), ("replicate:2", False, "gradient"),
+    ("cyclic:1", False, "gradient"), ("adaptive", False, "gradient"),
+    ("replicate:2", True, "gradient"), ("sync", False, "gradient"),
+    ("replicate:2", False, "local:4"), ("none", False, "local:auto")])
+def test_the_simulator_keeps_the_round_contract(mode, verify, task):
     rng = np.random.default_rng(3)
     fleet = sim.lognormal_fleet(12, 0.002, 0.6, rng, jitter=0.2, stall_p=0.05, stall_s=2.0)
     for w in fleet[:3]:  # churn: three workers leave for good
         w.sessions = [(0.0, 5.0)]
     simulation = sim.Simulation(fleet, sim.SimConfig(
         duration_s=30.0, batch_size=128, partitions=4, train_samples=4096, task_timeout_s=1.0,
-        verify_replicas=verify, seed=1), mode)
+        verify_replicas=verify, task=task, seed=1), mode)
     trace = record(simulation.core)
     result = simulation.run()
     figures = check_contract(trace, result.samples_applied)
