@@ -14,10 +14,22 @@ worker processes on loopback, once clean and once per fault:
 
 Per fault it prints, from the coordinator's ledger (coordinator/ledger.py): samples the final model
 never saw (`lost`: an acknowledged result whose samples vanished would show here), extra
-appearances of samples (`duplicates`), the recovery seconds after each injection (until the model
-version moves past where it was), the slowdown against the clean run (span from the first to the
-last step), the final accuracy and whether it reached the target. With --json the last line is
-{"faults": {"<name>": {"lost": int, "duplicates": int, "reached": bool, "slowdown": float}, ...}}.
+appearances of samples (`duplicates`), the recovery after each injection, the slowdown against
+the clean run (span from the first to the last step), the final accuracy and whether it reached
+the target.
+
+Recovery is the time from the fault (the first signal sent) to the first status snapshot showing
+a model version strictly greater than the version at the fault, itself read from a status poll
+made just before the fault (polled every 0.05 s: that, plus one status round trip, is the
+resolution). For `restart` that is the version the killed process had reached: the new process
+has recovered once it is past it (start-up, checkpoint loading and redoing the lost steps
+included), not when it first answers. An injection after which no such version shows within
+`--recovery-deadline` seconds (or before training ends) never recovered: a FAILURE, counted in
+the table's `unrecovered` column (the median and max are over the others), listed on a FAILURE
+line, and the exit status is 1. With --json the last line is
+{"faults": {"<name>": {"lost": int, "duplicates": int, "reached": bool, "slowdown": float,
+"recovery_s": max, "recovery_median_s": ..., "recoveries_s": [s or null, ...],
+"unrecovered": int, ...}, ...}, "ok": bool, "failures": [str, ...]}.
 
     python benchmarks/chaos.py [--faults kill9,restart] [--epochs 20] [--json]
 """
@@ -34,7 +46,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +76,8 @@ class Run:
     coordinator: Optional[subprocess.Popen] = None
     workers: dict = field(default_factory=dict)  # name -> Popen (the live one)
     pace: float = 1.0  # fault intervals are multiplied by this
-    recoveries: list = field(default_factory=list)
+    recovery_deadline: float = 60.0  # a fault not recovered from within this is a failure
+    recoveries: list = field(default_factory=list)  # seconds, or None: never recovered
     injections: int = 0
     _logs: list = field(default_factory=list)
 
@@ -127,13 +139,14 @@ def prepare_keys(run: Run) -> None:
 
 
 class Watcher:
-    """Polls the coordinator's version, so recoveries can be timed."""
+    """Polls the coordinator's status for its model version, so recoveries can be timed."""
+
+    POLL_S = 0.05  # between polls while timing a recovery: the resolution of a recovery time
 
     def __init__(self, run: Run):
         self.run = run
         self.version = 0
         self.source = run.status()
-        self.lock = threading.Lock()
 
     def poll(self) -> Optional[int]:
         snap = self.source.fetch(timeout=0.5)
@@ -146,17 +159,43 @@ class Watcher:
         self.source.close()
         self.source = self.run.status()
 
-    def recovery(self, since: float, past: int, deadline: float = 120.0) -> Optional[float]:
-        """Seconds from `since` until the version passes `past` (None: training ended first)."""
-        end = time.monotonic() + deadline
+    def version_now(self, timeout: float = 120.0) -> Optional[int]:
+        """A fresh reading of the version, taken now (never the last one seen, which may be
+        seconds old): the caller injects its fault as soon as this returns. None: training ended
+        (the coordinator exited) first. A coordinator still starting (restarted) is waited for."""
+        end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.run.coordinator.poll() is not None:
                 return None
             version = self.poll()
-            if version is not None and version > past:
-                return time.monotonic() - since
-            time.sleep(0.1)
-        return None
+            if version is not None:
+                return version
+        raise RuntimeError(f"{self.run.fault}: no status from the coordinator within "
+                           f"{timeout:g}s to time a fault by")
+
+    def recovery(self, fault_t: float, fault_version: int, deadline: float,
+                 tick=None) -> Optional[float]:
+        """Seconds from the fault (`fault_t`, monotonic) to the first status showing a model
+        version strictly greater than `fault_version` (the version polled just before the
+        fault); None when none shows within `deadline` seconds, or the coordinator exits
+        without having gone past it (a failure). `tick` is called between polls."""
+        end = fault_t + deadline
+        while True:
+            if tick is not None:
+                tick()
+            if self.run.coordinator.poll() is not None:
+                # Training ended meanwhile: it recovered if its final version is past the fault
+                # (the time is then an upper bound: when the exit was noticed).
+                final = _final_metrics(self.run.ckpt / "metrics.jsonl")
+                if int(final.get("version", -1)) > fault_version:
+                    return time.monotonic() - fault_t
+                return None
+            version = self.poll()
+            if version is not None and version > fault_version:
+                return time.monotonic() - fault_t
+            if time.monotonic() >= end:
+                return None
+            time.sleep(self.POLL_S)
 
     def close(self) -> None:
         self.source.close()
@@ -175,53 +214,72 @@ def wait_started(watcher: Watcher, run: Run, timeout: float = 180.0) -> None:
 
 
 def inject(run: Run, watcher: Watcher, rng: random.Random) -> None:
-    """Drive the run's fault until training ends."""
+    """Drive the run's fault until training ends. Each injection appends its recovery to
+    `run.recoveries`: seconds from the fault to the first model version past the one polled just
+    before it, or None when training never got past it (within `run.recovery_deadline`)."""
     fault = run.fault
     honest = [f"w{i}" for i in range(1, WORKERS + 1)]
     victims = max(1, round(0.3 * WORKERS))
+    deadline = run.recovery_deadline
     if fault == "kill9":
         while run.coordinator.poll() is None:
             if _sleep_or_end(run, 10.0 * run.pace):
                 return
-            before, t0 = watcher.version, time.monotonic()
-            for name in rng.sample(honest, victims):
+            names = rng.sample(honest, victims)
+            before = watcher.version_now()
+            if before is None:
+                return
+            t0 = time.monotonic()
+            for name in names:
                 os.kill(run.workers[name].pid, signal.SIGKILL)
+            for name in names:
                 run.workers[name].wait(timeout=10)
                 run.start_worker(name)
             run.injections += 1
-            run.recoveries.append(watcher.recovery(t0, before))
+            run.recoveries.append(watcher.recovery(t0, before, deadline))
     elif fault == "sigstop":
         while run.coordinator.poll() is None:
             if _sleep_or_end(run, 3.0 * run.pace):
                 return
             names = rng.sample(honest, victims)
-            before, t0 = watcher.version, time.monotonic()
+            before = watcher.version_now()
+            if before is None:
+                return
+            t0 = time.monotonic()
             for name in names:
                 os.kill(run.workers[name].pid, signal.SIGSTOP)
             run.injections += 1
-            # Training goes on without them (the rest of the fleet carries it).
-            recovered = watcher.recovery(t0, before, deadline=3.0)
-            time.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))
-            for name in names:
-                os.kill(run.workers[name].pid, signal.SIGCONT)
+            stopped = set(names)
+
+            def resume_when_due() -> None:  # stopped for 3 s, whether recovered or not
+                if stopped and time.monotonic() - t0 >= 3.0:
+                    for name in sorted(stopped):
+                        os.kill(run.workers[name].pid, signal.SIGCONT)
+                    stopped.clear()
+
+            # Training should go on without them (the rest of the fleet carries it).
+            recovered = watcher.recovery(t0, before, deadline, tick=resume_when_due)
+            while stopped:
+                time.sleep(max(0.0, 3.0 - (time.monotonic() - t0)))
+                resume_when_due()
             run.recoveries.append(recovered)
     elif fault == "restart":
         for _ in range(3):
             if _sleep_or_end(run, 8.0 * run.pace):
                 return
-            before = watcher.version
+            # The version at the kill; the new process resumes from its last checkpoint, at or
+            # below it, and has recovered once its version is strictly past it: start-up,
+            # loading and redoing the lost steps all count.
+            before = watcher.version_now()
+            if before is None:
+                return
+            t0 = time.monotonic()
             os.kill(run.coordinator.pid, signal.SIGKILL)
             run.coordinator.wait(timeout=10)
-            t0 = time.monotonic()
             run.start_coordinator()
             watcher.reconnect()
             run.injections += 1
-            # Progress again: past the version it resumed at (itself at most `before`).
-            resumed = None
-            while resumed is None and run.coordinator.poll() is None:
-                resumed = watcher.poll()
-                time.sleep(0.1)
-            run.recoveries.append(watcher.recovery(t0, min(before, resumed or before)))
+            run.recoveries.append(watcher.recovery(t0, before, deadline))
     # the other faults are in the workers themselves: nothing to drive
 
 
@@ -243,8 +301,9 @@ def train_size(job: tuple[str, ...]) -> int:
 
 
 def run_one(fault: str, root: Path, job: tuple[str, ...], epochs: int, n_train: int,
-            seed: int, timeout: float, pace: float = 1.0) -> dict:
-    run = Run(fault, root / fault, job, epochs, curve=fault == "unknown_key", pace=pace)
+            seed: int, timeout: float, pace: float = 1.0, recovery_deadline: float = 60.0) -> dict:
+    run = Run(fault, root / fault, job, epochs, curve=fault == "unknown_key", pace=pace,
+              recovery_deadline=recovery_deadline)
     run.directory.mkdir(parents=True)
     if run.curve:
         prepare_keys(run)
@@ -290,7 +349,7 @@ def run_one(fault: str, root: Path, job: tuple[str, ...], epochs: int, n_train: 
         "wall_s": time.monotonic() - started,
         "accuracy": metrics.get("metrics", {}).get("accuracy"),
         "reason": metrics.get("reason"), "injections": run.injections,
-        "recoveries": [r for r in run.recoveries if r is not None],
+        "recoveries": list(run.recoveries),  # None: never recovered (a failure)
         "banned": logs.count("banned: "), "rejected": logs.count("rejected: "),
         "intruder_joined": "intruder joined" in logs,
         "tracebacks": sum((run.directory / f).read_text(errors="replace").count("Traceback")
@@ -319,6 +378,9 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="per run")
     parser.add_argument("--pace", type=float, default=1.0,
                         help="multiply every fault interval by this (the tests' fast subset: <1)")
+    parser.add_argument("--recovery-deadline", type=float, default=60.0, metavar="S",
+                        help="a fault after which the model version has not moved within S "
+                             "seconds never recovered: a failure (default: 60)")
     parser.add_argument("--keep", metavar="DIR", help="keep logs and ledgers in DIR")
     parser.add_argument("--json", action="store_true", help="the summary as JSON on the last line")
     args = parser.parse_args(argv)
@@ -334,18 +396,26 @@ def main(argv=None) -> int:
     for i, fault in enumerate(["clean", *faults]):
         print(f"[{fault}] running ...", file=sys.stderr, flush=True)
         results[fault] = run_one(fault, root, job, args.epochs, n_train, args.seed + i, args.timeout,
-                                 args.pace)
+                                 args.pace, args.recovery_deadline)
         r = results[fault]
         print(f"[{fault}] {json.dumps(r, default=str)}", file=sys.stderr, flush=True)
     clean_span = results["clean"]["span_s"]
     summary = {}
-    print(f"{'fault':<12} {'lost':>5} {'dup':>4} {'recovery s (median/max)':>24} {'slowdown':>8} "
-          f"{'accuracy':>8} {'reached':>7}  notes")
+    failures = []
+    print(f"{'fault':<12} {'lost':>5} {'dup':>4} {'recovery s (median/max)':>24} {'unrecovered':>11} "
+          f"{'slowdown':>8} {'accuracy':>8} {'reached':>7}  notes")
     for fault in ["clean", *faults]:
         r = results[fault]
         a = r["account"]
-        recov = r["recoveries"]
-        recovery = (f"{statistics.median(recov):.1f}/{max(recov):.1f}" if recov else "-")
+        recov = [t for t in r["recoveries"] if t is not None]
+        unrecovered = sum(t is None for t in r["recoveries"])
+        recovery = (f"{statistics.median(recov):.2f}/{max(recov):.2f}" if recov else "-")
+        failed = f"FAIL {unrecovered}/{len(r['recoveries'])}" if unrecovered else (
+            f"0/{len(r['recoveries'])}" if r["recoveries"] else "-")
+        if unrecovered:
+            failures.append(f"{fault}: {unrecovered} of {len(r['recoveries'])} injections never "
+                            f"recovered (no model version past the fault's within "
+                            f"{args.recovery_deadline:g}s or before training ended)")
         slowdown = r["span_s"] / clean_span if clean_span and clean_span > 0 else math.nan
         reached = (r["accuracy"] is not None and r["accuracy"] >= args.target
                    and r["reason"] == "epochs")
@@ -360,22 +430,31 @@ def main(argv=None) -> int:
             notes.append("intruder joined!" if r["intruder_joined"] else "intruder kept out")
         if r["tracebacks"]:
             notes.append(f"{r['tracebacks']} tracebacks")
-        print(f"{fault:<12} {a['lost']:>5} {a['duplicates']:>4} {recovery:>24} {slowdown:>8.2f} "
-              f"{(r['accuracy'] or 0):>8.4f} {str(reached):>7}  {'; '.join(notes)}")
+        print(f"{fault:<12} {a['lost']:>5} {a['duplicates']:>4} {recovery:>24} {failed:>11} "
+              f"{slowdown:>8.2f} {(r['accuracy'] or 0):>8.4f} {str(reached):>7}  {'; '.join(notes)}")
         if fault != "clean":
             summary[fault] = {"lost": a["lost"], "duplicates": a["duplicates"], "reached": reached,
                               "slowdown": round(slowdown, 3),
-                              "recovery_s": round(max(recov), 2) if recov else None,
+                              # over the injections that recovered; `unrecovered` counts the rest
+                              "recovery_s": round(max(recov), 3) if recov else None,
+                              "recovery_median_s": round(statistics.median(recov), 3)
+                              if recov else None,
+                              "recoveries_s": [None if t is None else round(t, 3)
+                                               for t in r["recoveries"]],
+                              "unrecovered": unrecovered,
                               "accuracy": r["accuracy"], "clean_accuracy": results["clean"]["accuracy"],
                               "acknowledged": a["acknowledged"], "sent": a["sent"],
                               "applied_rounds": a["applied_rounds"],
                               "injections": r["injections"], "banned": bool(r["banned"]),
                               "intruder_joined": r["intruder_joined"],
                               "tracebacks": r["tracebacks"]}
+    for line in failures:  # on stderr too: a caller that shows only stderr sees why
+        print(f"FAILURE: {line}")
+        print(f"FAILURE: {line}", file=sys.stderr)
     print(f"logs and ledgers in {root}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"faults": summary}))
-    return 0
+        print(json.dumps({"faults": summary, "ok": not failures, "failures": failures}))
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
