@@ -7,7 +7,8 @@ decoded rounds. Each call takes what happened and `now`, and returns what the dr
 - to a worker: `Assign` (send a task), `CancelSlots`, `Drained` (send it home), `Ban` (refuse and
   forget it), `Evicted` (forget its connection);
 - here: `Compute` (compute a slot exactly as a worker would, then call `computed`);
-- to record: `Applied` (a step taken: ledger, rate), `Replanned`, `Event` (the event log).
+- to record: `Used` (a result taken into its round), `Applied` (a step taken), `Replanned`,
+  `Event` (the event log).
 
 No sockets, no clock, no threads. The server (`server.py`) runs it against ZeroMQ and real time,
 the simulator (`simulator.py`) against a fleet in virtual time: both get the same interpretation
@@ -77,10 +78,12 @@ class RoundCore:
     # what happened (each call returns what the driver must do) ------------------------------
 
     def join(self, worker_id: str, info: dict, identity: str, now: float) -> list:
+        # a reconnect evicts the worker's old session first (and forgets who that was)
+        out = self.interpret(self.scheduler.join(worker_id, info, now), now)
         self.identities[worker_id] = identity
         if identity != worker_id:  # keys (a bounded set) are shown by the name they last used
             self.identity_names[identity] = worker_id
-        return self.interpret(self.scheduler.join(worker_id, info, now), now)
+        return out
 
     def ready(self, worker_id: str, credits: int, now: float) -> list:
         return self.interpret(self.scheduler.ready(worker_id, credits, now), now)

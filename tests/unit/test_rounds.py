@@ -1,0 +1,50 @@
+"""The round core's own decisions, with a scheduler and a costless backend (no tensors)."""
+
+from __future__ import annotations
+
+import math
+
+from idlegrad.coordinator.aggregator import StalenessRule
+from idlegrad.coordinator.effects import Applied, Ban, Used
+from idlegrad.coordinator.rounds import RoundCore
+from idlegrad.coordinator.sampler import Sampler
+from idlegrad.coordinator.scheduler import Assign, SchedulerConfig, Scheduler
+from idlegrad.coordinator.simulator import CostlessGradients
+from idlegrad.coordinator.trust import TrustConfig, TrustPolicy
+
+
+def core(**config) -> RoundCore:
+    scheduler = Scheduler(SchedulerConfig(batch_size=8, **config), Sampler(1000, None))
+    return RoundCore(scheduler, CostlessGradients(1000, 8, StalenessRule()),
+                     TrustPolicy(TrustConfig(ban_after=2)))
+
+
+def test_a_worker_that_reconnects_keeps_its_identity():
+    c = core()
+    c.join("w", {}, "key:A", 0.0)
+    c.join("w", {}, "key:A", 1.0)  # its old session is evicted first
+    assert c.identity("w") == "key:A"
+
+
+def test_a_result_is_used_then_applied_once():
+    c = core()
+    c.join("w", {}, "w", 0.0)
+    (task,) = [a for a in c.ready("w", 1, 0.0) if isinstance(a, Assign)]
+    out = c.result("w", task.slot, None, 0.0, 0.1, 1.0, samples=8, loss=2.0)
+    assert [e.slot for e in out if isinstance(e, Used)] == [task.slot]
+    (applied,) = [e for e in out if isinstance(e, Applied)]
+    assert applied.samples == 8 and c.samples_applied == 8 and c.train_loss == 2.0
+    again = c.result("w", task.slot, None, 0.0, 0.1, 2.0)  # a duplicate: dropped, not counted
+    assert not [e for e in again if isinstance(e, (Used, Applied))]
+    assert c.counters["results_dropped"] == 1
+
+
+def test_non_finite_results_are_refused_and_their_sender_banned():
+    c = core()
+    c.join("w", {}, "key:A", 0.0)
+    for t in (1.0, 2.0):
+        (task,) = [a for a in c.ready("w", 1, t) if isinstance(a, Assign)] or [
+            a for a in c.resend("w", t) if isinstance(a, Assign)]
+        out = c.result("w", task.slot, None, math.nan, 0.1, t)
+    assert Ban("w") in out and "w" not in c.scheduler.workers
+    assert c.trust.is_banned("key:A") and c.counters["rejected_non_finite"] == 2
