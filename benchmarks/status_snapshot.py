@@ -29,14 +29,14 @@ def main() -> None:
         wid = f"worker-{i:05d}"
         s.join(wid, {"host": f"host-{i}", "cores": 8, "threads": 8, "device": "cpu",
                      "memory_mb": 16000, "versions": {}, "job": None}, now)
-        c._event("join", f"{wid} joined from host-{i} (cpu, 8 threads)", worker=wid)
+        c.training.event("join", f"{wid} joined from host-{i} (cpu, 8 threads)", worker=wid)
         s.ready(wid, 2, now)
     for i in range(0, args.workers, 2):
         w = s.workers[f"worker-{i:05d}"]
         if w.assigned:
             s.result(w.id, next(iter(w.assigned)), 0.5, now)
     for v in range(300):
-        c.curve.append({"t": float(v), "version": v, "samples": v * 64, "loss": 1.0,
+        c.training.curve.append({"t": float(v), "version": v, "samples": v * 64, "loss": 1.0,
                         "metrics": {"accuracy": 0.5, "loss": 1.0}})
     times, size = [], 0
     for _ in range(args.repeat):
