@@ -108,7 +108,8 @@ class Run:
                 *COORDINATOR_ARGS]
         if self.curve:
             args += ["--secret-key", str(self.directory / "keys" / "coord.key_secret"),
-                     "--allow-keys", str(self.directory / "allow")]
+                     "--allow-keys", str(self.directory / "allow"),
+                     "--monitor-keys", str(self.directory / "monitors")]
         self.coordinator = self._spawn("coordinator", args)
 
     def start_worker(self, name: str, *extra: str) -> None:
@@ -131,11 +132,14 @@ class Run:
 
 def prepare_keys(run: Run) -> None:
     keys, allow = run.directory / "keys", run.directory / "allow"
+    monitors = run.directory / "monitors"
     allow.mkdir(parents=True)
+    monitors.mkdir(parents=True)
     for name in ("coord", "monitor", "intruder", *(f"w{i}" for i in range(1, WORKERS + 1))):
         generate(name, str(keys))
-    for name in ("monitor", *(f"w{i}" for i in range(1, WORKERS + 1))):
+    for name in (f"w{i}" for i in range(1, WORKERS + 1)):
         (allow / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    (monitors / "monitor.key").write_bytes((keys / "monitor.key").read_bytes())
 
 
 class Watcher:

@@ -156,16 +156,20 @@ def _watch(coordinator, workers, address: str, target: Target, timeout: float, s
 
 
 def _demo_keys(workdir: str, workers: int):
-    """CURVE key pairs for the demo's coordinator, workers and monitor, all listed."""
+    """CURVE key pairs for the demo's coordinator, workers and monitor; the monitor's is an
+    operator's (the demo's terminal UI may pause and drain)."""
     from ..common.security import client_keys, generate
 
     keys, allow = os.path.join(workdir, "keys"), os.path.join(workdir, "allowed")
+    operators = os.path.join(workdir, "operators")
     os.makedirs(allow, exist_ok=True)
-    names = ["monitor", *(f"demo-{i + 1}" for i in range(workers))]
-    for name in ["coordinator", *names]:
+    os.makedirs(operators, exist_ok=True)
+    names = [f"demo-{i + 1}" for i in range(workers)]
+    for name in ["coordinator", "monitor", *names]:
         generate(name, keys)
     for name in names:
         shutil.copy(os.path.join(keys, f"{name}.key"), allow)
+    shutil.copy(os.path.join(keys, "monitor.key"), operators)
     public = os.path.join(keys, "coordinator.key")
 
     def worker_flags(i: int) -> list[str]:
@@ -173,7 +177,7 @@ def _demo_keys(workdir: str, workers: int):
                 "--secret-key", os.path.join(keys, f"demo-{i}.key_secret")]
 
     coordinator_flags = ["--secret-key", os.path.join(keys, "coordinator.key_secret"),
-                         "--allow-keys", allow]
+                         "--allow-keys", allow, "--operator-keys", operators]
     return (client_keys(public, os.path.join(keys, "monitor.key_secret")), coordinator_flags,
             worker_flags)
 

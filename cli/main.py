@@ -163,8 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CURVE: this coordinator's NAME.key_secret (from `idlegrad keys generate`); "
                         "with --allow-keys, traffic is encrypted and only listed keys may talk")
     c.add_argument("--allow-keys", metavar="DIR",
-                   help="CURVE: directory of the NAME.key public keys of the workers and monitors "
-                        "allowed in; re-read on SIGHUP (a removed key is cut off)")
+                   help="CURVE: directory of the NAME.key public keys of the workers allowed to "
+                        "work (and only to work); re-read on SIGHUP (a removed key is cut off)")
+    c.add_argument("--monitor-keys", metavar="DIR",
+                   help="CURVE: directory of the NAME.key public keys that may read the status "
+                        "(idlegrad status, top, credits); re-read on SIGHUP")
+    c.add_argument("--operator-keys", metavar="DIR",
+                   help="CURVE: directory of the NAME.key public keys that may read the status "
+                        "and command: pause, resume, drain; re-read on SIGHUP")
     c.add_argument("--insecure", action="store_true",
                    help="without keys, listen beyond loopback anyway (anyone who reaches the port "
                         "may join)")
@@ -290,7 +296,8 @@ def _run_coordinator(args) -> int:
         min_deadline_s=args.task_timeout, threads=args.threads, pause_grace_s=args.pause_grace,
         redundancy=str(parse_redundancy(args.redundancy)), sync=args.sync,
         max_batch=args.max_batch, speculate=args.speculate, secret_key=args.secret_key,
-        allow_keys=args.allow_keys, insecure=args.insecure, ledger_path=args.ledger,
+        allow_keys=args.allow_keys, monitor_keys=args.monitor_keys,
+        operator_keys=args.operator_keys, insecure=args.insecure, ledger_path=args.ledger,
         trust=_trust_config(TrustConfig, args.reject_norm, args.ban_after), task=args.task,
         outer=OuterConfig(args.outer_lr, args.outer_momentum), local_slot_s=args.local_slot_s,
         local_max_steps=args.local_max_steps, local_link_factor=args.local_link_factor,

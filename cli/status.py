@@ -19,6 +19,10 @@ def run_status(args) -> int:
     keys = client_keys(args.coordinator_key, args.secret_key)
     with ZmqStatusSource(args.coordinator, keys=keys) as source:
         snap = source.fetch(timeout=args.timeout)
+    if snap is None and source.refused is not None:
+        print(f"idlegrad status: error: the coordinator at {view.shown(args.coordinator)} "
+              f"refused: {view.shown(source.refused)}", file=sys.stderr)
+        return 1
     if snap is None:
         print(f"idlegrad status: error: no answer from the coordinator at {args.coordinator} "
               f"within {args.timeout:g}s (is it running? is the address right?"

@@ -85,24 +85,25 @@ def load_keypair(path: str, what: str = "--secret-key") -> tuple[bytes, bytes]:
     return public, secret
 
 
-def load_allowed(directory: str) -> frozenset[bytes]:
-    """The Z85 public keys of every NAME.key file in `directory` (the --allow-keys list)."""
+def load_allowed(directory: str, flag: str = "--allow-keys") -> frozenset[bytes]:
+    """The Z85 public keys of every NAME.key file in `directory` (a key folder: `flag` is the
+    option that named it, for the messages)."""
     import zmq.auth
 
     if not os.path.isdir(directory):
-        raise ConfigError(f"--allow-keys {directory}: no such directory")
+        raise ConfigError(f"{flag} {directory}: no such directory")
     try:
         keys = frozenset(zmq.auth.load_certificates(directory))
         secrets = sorted(n for n in os.listdir(directory) if n.endswith(SECRET_SUFFIX))
     except (OSError, ValueError, KeyError, IndexError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--allow-keys {directory}: unreadable key file ({exc})"[:300]) from None
+        raise ConfigError(f"{flag} {directory}: unreadable key file ({exc})"[:300]) from None
     if secrets:
-        log.warning("--allow-keys %s holds secret keys (%s): only the public NAME%s files "
-                    "belong there, and a secret key is not one", directory,
-                    ", ".join(secrets[:3]), PUBLIC_SUFFIX)
+        log.warning("%s %s holds secret keys (%s): only the public NAME%s files belong there, "
+                    "and a secret key is not one", flag, directory, ", ".join(secrets[:3]),
+                    PUBLIC_SUFFIX)
     if not keys:
-        log.warning("--allow-keys %s holds no NAME%s file: no worker or monitor can connect "
-                    "until one is added (then send SIGHUP)", directory, PUBLIC_SUFFIX)
+        log.warning("%s %s holds no NAME%s file: no key holds its role until one is added "
+                    "(then send SIGHUP)", flag, directory, PUBLIC_SUFFIX)
     return keys
 
 

@@ -15,6 +15,7 @@ from ..common.coding import Redundancy
 from ..common.errors import ConfigError, JobError
 from . import local
 from .aggregator import StalenessRule
+from .gate import KeyLists
 from .local import TaskMode
 from .outer import OuterConfig
 from .scheduler import SchedulerConfig
@@ -49,7 +50,9 @@ class CoordinatorConfig:
     max_batch: Optional[int] = None  # cap on a round's batch
     speculate: bool = True  # duplicate late slots to free workers (never with sync)
     secret_key: Optional[str] = None  # CURVE: this coordinator's NAME.key_secret file
-    allow_keys: Optional[str] = None  # CURVE: directory of the workers' and monitors' NAME.key files
+    allow_keys: Optional[str] = None  # CURVE: directory of the workers' NAME.key files
+    monitor_keys: Optional[str] = None  # CURVE: keys that may read the status
+    operator_keys: Optional[str] = None  # CURVE: keys that may read the status and command
     insecure: bool = False  # without keys, listen beyond loopback anyway
     trust: TrustConfig = field(default_factory=TrustConfig)  # outlier gradients, offences, bans
     ledger_path: Optional[str] = None  # JSON lines: slots sent, results acknowledged, rounds applied
@@ -69,12 +72,17 @@ class Checked:
     task_mode: TaskMode
     redundancy: Redundancy
     keypair: Optional[tuple[bytes, bytes]]  # CURVE: (public, secret); None without keys
-    allowed: Optional[frozenset[bytes]]  # CURVE: the keys that may connect; None without keys
+    keys: Optional[KeyLists]  # CURVE: who holds which role; None without keys
+
+    @property
+    def allowed(self) -> Optional[frozenset[bytes]]:
+        """The worker keys; None without keys."""
+        return None if self.keys is None else self.keys.workers
 
 
 def check(config: CoordinatorConfig) -> Checked:
     """Every setting, in the order a user would fix them; ConfigError with one line."""
-    keypair, allowed = _check_security(config)
+    keypair, keys = _check_security(config)
     low, high = proto.HEARTBEAT_S_RANGE
     if not low <= config.heartbeat_s <= high:
         raise ConfigError(f"--heartbeat must be from {low:g} to {high:g} seconds (workers "
@@ -91,7 +99,7 @@ def check(config: CoordinatorConfig) -> Checked:
     if config.verify_replicas:
         check_verify_replicas(config.result_dtype)
     _check_paths(config)
-    return Checked(task_mode, redundancy, keypair, allowed)
+    return Checked(task_mode, redundancy, keypair, keys)
 
 
 def _check_paths(config: CoordinatorConfig) -> None:
@@ -112,13 +120,27 @@ def _check_paths(config: CoordinatorConfig) -> None:
         raise ConfigError(f"{flag} {path}: cannot write there: {exc.strerror or exc}") from None
 
 
+def load_key_lists(config: CoordinatorConfig) -> KeyLists:
+    """The key folders, read now (at start and on SIGHUP); ConfigError with one line."""
+    return KeyLists(
+        workers=security.load_allowed(config.allow_keys, "--allow-keys"),
+        monitors=(security.load_allowed(config.monitor_keys, "--monitor-keys")
+                  if config.monitor_keys else frozenset()),
+        operators=(security.load_allowed(config.operator_keys, "--operator-keys")
+                   if config.operator_keys else frozenset()))
+
+
 def _check_security(config: CoordinatorConfig):
-    """The CURVE key pair and allow-list, or (None, None) for a plain loopback coordinator."""
+    """The CURVE key pair and key folders, or (None, None) for a plain loopback coordinator."""
     security.check_address(config.bind, "--bind", bind=True)
     if (config.secret_key is None) != (config.allow_keys is None):
         raise ConfigError("--secret-key and --allow-keys go together: give both or neither")
+    if config.secret_key is None and (config.monitor_keys or config.operator_keys):
+        flag = "--operator-keys" if config.operator_keys else "--monitor-keys"
+        raise ConfigError(f"{flag} needs --secret-key and --allow-keys: roles belong to CURVE "
+                          "keys (without keys anyone on this machine may do anything)")
     if config.secret_key is not None:
-        return security.load_keypair(config.secret_key), security.load_allowed(config.allow_keys)
+        return security.load_keypair(config.secret_key), load_key_lists(config)
     if not security.is_loopback(config.bind):
         if not config.insecure:
             raise ConfigError(

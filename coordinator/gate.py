@@ -1,18 +1,49 @@
-"""Who may say what to the coordinator: keys, bans, and which key holds which worker id. Pure.
+"""Who may say what to the coordinator: keys and their roles, bans, and which key holds which
+worker id. Pure.
 
 The policy is this one class; the drivers are tiny: the ZAP callback of the CURVE handshake
 (`handshake`) and the server's check of every message (`admit`). Fails closed twice over: a key
-not on the allow-list cannot finish its handshake, and every message's key is checked again, so
-a key revoked after its handshake (SIGHUP) is not heard from its next message on.
+in none of the key folders cannot finish its handshake, and every message's key is checked
+again, so a key revoked after its handshake (SIGHUP) is not heard from its next message on.
 
-Without keys (a loopback coordinator) a worker's identity is its worker id; with keys it is its
-key, so a worker name is held by one key and bans apply to the key.
+Roles, with keys: a key in `--allow-keys` may work (hello, results, heartbeats); one in
+`--monitor-keys` may read the status; one in `--operator-keys` may read the status and command
+(pause, resume, drain, and any command to come). A key in several folders holds each of their
+roles, so an operator who lends their own machine lists its key twice. Without keys (a loopback
+coordinator) whoever can reach the socket is already on this machine: anyone may do anything.
+
+Without keys a worker's identity is its worker id; with keys it is its key, so a worker name is
+held by one key and bans apply to the key.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Optional
+
+from ..common import protocol as proto
+
+WORK, READ, OPERATE = "work", "read", "operate"  # what a message asks to do
+
+# What each message to the coordinator asks to do; anything else is not for the coordinator.
+NEEDS: dict[type, str] = {
+    proto.Hello: WORK, proto.Ready: WORK, proto.Result: WORK, proto.Heartbeat: WORK,
+    proto.Bye: WORK, proto.StatusRequest: READ, proto.Control: OPERATE,
+}
+
+
+@dataclass(frozen=True)
+class KeyLists:
+    """The public keys (Z85) in each key folder: who holds which role."""
+
+    workers: frozenset[bytes] = frozenset()  # --allow-keys
+    monitors: frozenset[bytes] = frozenset()  # --monitor-keys
+    operators: frozenset[bytes] = frozenset()  # --operator-keys
+
+    def describe(self) -> str:
+        counts = ((len(self.workers), "worker"), (len(self.monitors), "monitor"),
+                  (len(self.operators), "operator"))
+        return ", ".join(f"{n} {role} key{'' if n == 1 else 's'}" for n, role in counts)
 
 
 @dataclass(frozen=True)
@@ -22,46 +53,91 @@ class Refusal:
     reason: str = ""
     bad_message: bool = False  # counted and logged as a bad message
 
+    def reply(self, msg: proto.Message) -> proto.Message:
+        """What the refused sender is told: a command gets its own answer (a monitor waits for
+        that), anything else a Reject."""
+        if isinstance(msg, proto.Control):
+            return proto.ControlReply(action=msg.action, ok=False, detail=self.reason)
+        return proto.Reject(code=self.code or "refused", reason=self.reason)
+
 
 BANNED = "banned by this coordinator for repeated bad gradients"
 
+_ROLE_REFUSALS = {
+    WORK: Refusal("work_refused", "role", "this key may not work here: only keys in the "
+                                          "coordinator's --allow-keys may"),
+    READ: Refusal("status_refused", "role", "this key may not read the status: only keys in the "
+                                            "coordinator's --monitor-keys or --operator-keys may"),
+    OPERATE: Refusal("controls_refused", "role", "this key may not pause, resume or drain: only "
+                                                 "keys in the coordinator's --operator-keys may"),
+}
+
 
 class Gate:
-    def __init__(self, allowed: Optional[frozenset[bytes]], is_banned: Callable[[str], bool]):
-        """`allowed`: the keys that may connect; None for a coordinator without keys."""
-        self.allowed = allowed
+    def __init__(self, keys: Optional[KeyLists], is_banned: Callable[[str], bool]):
+        """`keys`: who holds which role; None for a coordinator without keys."""
+        self.keys = keys
+        self._listed = self._every(keys)
         self.is_banned = is_banned
         self.key_of: dict[str, bytes] = {}  # worker id -> the key that holds it
         self.routes: dict[str, bytes] = {}  # worker id -> its connection's routing id
         self.peers: dict[bytes, str] = {}  # routing id -> the worker id it said hello as
 
+    @staticmethod
+    def _every(keys: Optional[KeyLists]) -> Optional[frozenset[bytes]]:
+        # asked of every message: one set, not three
+        return None if keys is None else keys.workers | keys.monitors | keys.operators
+
     @property
     def secure(self) -> bool:
-        return self.allowed is not None
+        return self.keys is not None
+
+    @property
+    def allowed(self) -> Optional[frozenset[bytes]]:
+        """The worker keys (--allow-keys); None without keys."""
+        return None if self.keys is None else self.keys.workers
+
+    def describe(self) -> str:
+        return self.keys.describe() if self.keys is not None else "no keys"
 
     def handshake(self, key: bytes) -> bool:
-        return self.allowed is not None and key in self.allowed
+        return self._listed is not None and key in self._listed
 
     def listed(self, key: Optional[bytes]) -> bool:
         """Whether a message under `key` may be read at all."""
-        return not self.secure or (key is not None and key in self.allowed)
+        return not self.secure or (key is not None and key in self._listed)
+
+    def may(self, key: Optional[bytes], need: str) -> bool:
+        """Whether `key` holds a role that may `need` (WORK, READ, OPERATE)."""
+        keys = self.keys
+        if keys is None:
+            return True
+        if need == WORK:
+            return key in keys.workers
+        if need == READ:
+            return key in keys.monitors or key in keys.operators
+        return need == OPERATE and key in keys.operators
 
     def identity(self, worker_id: str, key: Optional[bytes] = None) -> str:
         """Who is judged and banned: the key when there are keys, else the worker id."""
         key = key if key is not None else self.key_of.get(worker_id)
         return "key:" + key.decode("ascii") if key is not None else worker_id
 
-    def admit(self, key: Optional[bytes], hello_id: Optional[str],
-              sender: Optional[str]) -> Optional[Refusal]:
-        """A decoded message from a listed key: `hello_id` the worker id a HELLO claims (None for
-        any other message), `sender` the worker id its connection said hello as (None: none).
-        None: it may be handled."""
+    def admit(self, key: Optional[bytes], msg: proto.Message,
+              route: bytes) -> Optional[Refusal]:
+        """A decoded message from a listed key, on the connection `route`. None: it may be
+        handled."""
+        hello_id = msg.worker_id if isinstance(msg, proto.Hello) else None
         if hello_id is not None and self.is_banned(self.identity(hello_id, key)):
             return Refusal("hello_banned", "banned", BANNED)
         if key is not None and self.is_banned(self.identity("", key)):
-            # A banned key still in --allow-keys: a monitor's commands (pause, drain) need no
-            # hello, and a ban is of the key, whatever it says next.
+            # A banned key still listed: a monitor's commands (pause, drain) need no hello, and
+            # a ban is of the key, whatever it says next or whichever roles it holds.
             return Refusal("messages_banned_key")
+        need = NEEDS.get(type(msg))
+        if need is not None and not self.may(key, need):
+            return _ROLE_REFUSALS[need]
+        sender = None if hello_id is not None else self.peers.get(route)
         if key is not None and hello_id is not None:
             owner = self.key_of.get(hello_id)
             if owner is not None and owner != key:
@@ -93,8 +169,9 @@ class Gate:
             self.peers.pop(route, None)
         self.key_of.pop(worker_id, None)
 
-    def reload(self, allowed: frozenset[bytes]) -> tuple[list[str], int]:
-        """A new allow-list: the worker ids whose key it revokes, and how many keys it revokes."""
-        revoked = (self.allowed or frozenset()) - allowed
-        self.allowed = allowed
-        return [w for w, key in self.key_of.items() if key not in allowed], len(revoked)
+    def reload(self, keys: KeyLists) -> tuple[list[str], int]:
+        """New key folders: the worker ids whose key may no longer work (each is to be evicted),
+        and how many keys lost every role."""
+        revoked = (self._listed or frozenset()) - self._every(keys)
+        self.keys, self._listed = keys, self._every(keys)
+        return [w for w, key in self.key_of.items() if key not in keys.workers], len(revoked)

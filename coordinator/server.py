@@ -21,14 +21,13 @@ import zmq
 
 from .. import __version__
 from ..common import protocol as proto
-from ..common import security
 from ..common.aio import on_reload_signal, on_stop_signals
 from ..common.errors import ConfigError, ProtocolError
 from ..common.throttle import Throttle
 from . import evaluation
-from .config import CoordinatorConfig, check
+from .config import CoordinatorConfig, check, load_key_lists
 from .effects import Applied, Ban, Compute, Event, Used
-from .gate import BANNED, Gate
+from .gate import BANNED, Gate, KeyLists
 from .records import RunRecords
 from .scheduler import Assign, CancelSlots, Drained, Evicted
 from .status import EVENTS_PER_STATUS, coordinator_snapshot
@@ -56,7 +55,7 @@ class Coordinator:
         self.keypair = checked.keypair
         self.training = Training(config, checked, zmq.COPY_THRESHOLD)
         self.core = self.training.core
-        self.gate = Gate(checked.allowed, self.core.trust.is_banned)
+        self.gate = Gate(checked.keys, self.core.trust.is_banned)
         self._acks_due: dict[str, int] = {}  # worker id -> the slot of the result being taken
         self._computing: Optional[asyncio.Future] = None  # the core's Compute in flight
         self._bad_logged = Throttle()  # bad messages, however hostile the peer
@@ -92,7 +91,7 @@ class Coordinator:
         if self.gate.secure:
             on_reload_signal(lambda: asyncio.ensure_future(self.reload_keys()))
         self.open_logs()
-        security_note = (f"CURVE, {len(self.gate.allowed)} keys allowed" if self.gate.secure
+        security_note = (f"CURVE, {self.gate.describe()}" if self.gate.secure
                          else "no keys: unencrypted")
         self._event("start", f"job {self.training.job.name} at version {self.version}, "
                              f"listening on {self.config.bind} ({security_note})")
@@ -117,8 +116,9 @@ class Coordinator:
         if not allowed:
             self.counters["handshakes_refused"] += 1
             if self._refused_logged.ready(time.monotonic()):
-                self._event("refused", f"a handshake from key {short(key)}, which is not in "
-                                       "--allow-keys (copy its NAME.key there and send SIGHUP)",
+                self._event("refused", f"a handshake from key {short(key)}, which is in no key "
+                                       "folder (copy its NAME.key into --allow-keys, "
+                                       "--monitor-keys or --operator-keys and send SIGHUP)",
                             level=logging.WARNING)
         return allowed
 
@@ -271,16 +271,14 @@ class Coordinator:
         if handler is None:
             self._bad(route, ProtocolError("unexpected", f"{msg.TYPE} is not for the coordinator"))
             return
-        hello = isinstance(msg, proto.Hello)
-        refusal = self.gate.admit(key, msg.worker_id if hello else None,
-                                  None if hello else self.gate.peers.get(route))
+        refusal = self.gate.admit(key, msg, route)
         if refusal is not None:
             if refusal.bad_message:
                 self._bad(route, ProtocolError(refusal.counter, refusal.reason))
                 return
             self.counters[refusal.counter] += 1
             if refusal.code is not None:
-                await self._send(route, proto.Reject(code=refusal.code, reason=refusal.reason))
+                await self._send(route, refusal.reply(msg))
             return
         try:
             await handler(self, route, msg, key)
@@ -397,19 +395,20 @@ class Coordinator:
                  proto.StatusRequest: _on_status, proto.Control: _on_control}
 
     async def reload_keys(self) -> None:
-        """Re-read --allow-keys (SIGHUP): new keys may connect; a removed key's connections
-        are cut off from the next message on, and its worker is evicted."""
+        """Re-read the key folders (SIGHUP): new keys may connect; a removed key's connections
+        are cut off from the next message on, and a key no longer in --allow-keys has its
+        worker evicted."""
         if not self.gate.secure:
             self._event("keys", "SIGHUP ignored: this coordinator runs without keys")
             return
         try:
-            allowed = security.load_allowed(self.config.allow_keys)
+            keys = load_key_lists(self.config)
         except ConfigError as exc:
-            # Fail closed: an unreadable list admits nobody until it is fixed and re-read.
-            allowed = frozenset()
+            # Fail closed: an unreadable folder admits nobody until it is fixed and re-read.
+            keys = KeyLists()
             self._event("keys", f"{exc}; admitting nobody", level=logging.ERROR)
-        revoked_workers, revoked = self.gate.reload(allowed)
-        self._event("keys", f"--allow-keys re-read: {len(allowed)} keys, {revoked} revoked")
+        revoked_workers, revoked = self.gate.reload(keys)
+        self._event("keys", f"key folders re-read: {keys.describe()}; {revoked} revoked")
         for worker_id in revoked_workers:
             self.counters["workers_revoked"] += 1
             self._event("revoked", f"{worker_id}: key revoked", worker_id, logging.WARNING)

@@ -52,6 +52,9 @@ class ZmqStatusSource:
         self.cursor = 0
         self.instance: Optional[str] = None
         self.restarted = False
+        # The coordinator's reason when it refused the last request (a key without the role
+        # to read the status): data from the network, shown as text only.
+        self.refused: Optional[str] = None
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -115,7 +118,11 @@ class ZmqStatusSource:
             except ProtocolError:
                 continue
             if isinstance(msg, kind):
+                self.refused = None
                 return msg
+            if isinstance(msg, proto.Reject) and msg.code == "role":
+                self.refused = msg.reason
+                return None
         self._drop()
         return None
 

@@ -1,5 +1,6 @@
-"""CurveZMQ: only listed keys talk to the coordinator; a key revoked by SIGHUP is cut off; without
-keys the coordinator will not listen beyond loopback unless told --insecure.
+"""CurveZMQ: only listed keys talk to the coordinator, each in its role (a worker key only works,
+a monitor key reads the status, an operator key also commands); a key revoked by SIGHUP is cut
+off; without keys the coordinator will not listen beyond loopback unless told --insecure.
 
 Keys come from the real `idlegrad keys generate`; the coordinator, the workers and the monitor
 are real processes and sockets on loopback.
@@ -43,16 +44,19 @@ def key_flags(keys: Path, name: str) -> list[str]:
 
 
 def test_only_listed_keys_train_and_a_revoked_key_is_cut_off(cluster):
-    keys, allow = cluster.dir / "keys", cluster.dir / "allow"
+    keys, allow, monitors = cluster.dir / "keys", cluster.dir / "allow", cluster.dir / "monitors"
     allow.mkdir()
+    monitors.mkdir()
     for name in ("coord", "w1", "w2", "intruder", "monitor"):
         keys_generate(name, keys)
-    for name in ("w1", "w2", "monitor"):
+    for name in ("w1", "w2"):
         (allow / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    (monitors / "monitor.key").write_bytes((keys / "monitor.key").read_bytes())
 
     coordinator = cluster.coordinator(
         "--job", "digits", "--job-arg", f"hidden={HIDDEN}", "--epochs", "500",
-        "--secret-key", str(keys / "coord.key_secret"), "--allow-keys", str(allow))
+        "--secret-key", str(keys / "coord.key_secret"), "--allow-keys", str(allow),
+        "--monitor-keys", str(monitors))
     w1 = cluster.worker("w1", *key_flags(keys, "w1"))
     w2 = cluster.worker("w2", *key_flags(keys, "w2"))
     intruder = cluster.worker("intruder", *key_flags(keys, "intruder"), connect_timeout=600)
@@ -112,6 +116,82 @@ def test_only_listed_keys_train_and_a_revoked_key_is_cut_off(cluster):
     cluster.assert_no_tracebacks()
 
 
+def test_a_worker_key_may_only_work_and_an_operator_key_commands(cluster):
+    """Real keys and processes: a worker's key asking to pause or drain is refused (and counted),
+    a monitor's key reads the status but may not command, an operator's key pauses, resumes and
+    drains; SIGHUP re-reads the operator and monitor folders too."""
+    keys = cluster.dir / "keys"
+    folders = {name: cluster.dir / name for name in ("allow", "monitors", "operators")}
+    for folder in folders.values():
+        folder.mkdir()
+    for name in ("coord", "w1", "w2", "watcher", "alice"):
+        keys_generate(name, keys)
+    for name, folder in (("w1", "allow"), ("w2", "allow"), ("watcher", "monitors"),
+                         ("alice", "operators")):
+        (folders[folder] / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    coordinator = cluster.coordinator(
+        "--job", "digits", "--job-arg", f"hidden={HIDDEN}", "--epochs", "500",
+        "--secret-key", str(keys / "coord.key_secret"), "--allow-keys", str(folders["allow"]),
+        "--monitor-keys", str(folders["monitors"]),
+        "--operator-keys", str(folders["operators"]))
+    w1 = cluster.worker("w1", *key_flags(keys, "w1"))
+    w2 = cluster.worker("w2", *key_flags(keys, "w2"))
+    watcher = cluster.status(keys=client_keys(str(keys / "coord.key"),
+                                              str(keys / "watcher.key_secret")))
+    as_w1 = cluster.status(keys=client_keys(str(keys / "coord.key"), str(keys / "w1.key_secret")))
+    alice = cluster.status(keys=client_keys(str(keys / "coord.key"),
+                                            str(keys / "alice.key_secret")))
+    ids = lambda s: {w["id"] for w in s["workers"]}  # noqa: E731
+    watcher.wait_for(lambda s: ids(s) == {"w1", "w2"} and s["version"] >= 3,
+                     "w1 and w2 training", alive=[coordinator, w1, w2])
+
+    # w1's own key, on a connection of its own: it may work, nothing else
+    for action, worker in (("pause", None), ("drain", "w2"), ("resume", None)):
+        ok, detail = as_w1.source.control(action, worker, timeout=10)
+        assert not ok and "--operator-keys" in detail, (action, detail)
+    assert as_w1.fetch(timeout=5) is None and "--monitor-keys" in as_w1.source.refused
+    # the monitor's key reads, but may not command
+    ok, detail = watcher.source.control("pause", timeout=10)
+    assert not ok and "--operator-keys" in detail
+    snap = watcher.wait_for(lambda s: s["counters"].get("controls_refused", 0) == 4,
+                            "the refused commands counted", timeout=30, alive=[coordinator])
+    assert not snap["paused"] and ids(snap) == {"w1", "w2"}
+    assert snap["counters"].get("status_refused", 0) == 1
+    assert w1.running() and w2.running()
+
+    # the operator's key: pause, resume, drain
+    ok, detail = alice.source.control("pause", timeout=10)
+    assert ok, detail
+    alice.wait_for(lambda s: s["paused"], "training paused", timeout=30, alive=[coordinator])
+    ok, detail = alice.source.control("resume", timeout=10)
+    assert ok, detail
+    version = alice.wait_for(lambda s: not s["paused"], "training resumed", timeout=30,
+                             alive=[coordinator])["version"]
+    alice.wait_for(lambda s: s["version"] > version, "training going on", timeout=60,
+                   alive=[coordinator])
+    ok, detail = alice.source.control("drain", "w2", timeout=10)
+    assert ok, detail
+    assert w2.wait(timeout=60) == 0
+    alice.wait_for(lambda s: ids(s) == {"w1"}, "w2 drained", timeout=30, alive=[coordinator, w1])
+
+    # SIGHUP re-reads every folder: alice is now a monitor only, the watcher an operator
+    (folders["operators"] / "alice.key").rename(folders["monitors"] / "alice.key")
+    (folders["monitors"] / "watcher.key").rename(folders["operators"] / "watcher.key")
+    os.kill(coordinator.pid, signal.SIGHUP)
+    alice.wait_for(lambda s: any("1 monitor key, 1 operator key" in e["text"]
+                                 for e in alice.events_of("keys")),
+                   "the key folders re-read", timeout=30, alive=[coordinator])
+    ok, detail = alice.source.control("pause", timeout=10)
+    assert not ok and "--operator-keys" in detail
+    ok, detail = watcher.source.control("pause", timeout=10)
+    assert ok, detail
+    snap = watcher.wait_for(lambda s: s["paused"], "paused by the new operator", timeout=30,
+                            alive=[coordinator])
+    assert snap["counters"]["controls_refused"] == 5
+    assert w1.running()
+    cluster.assert_no_tracebacks()
+
+
 def test_no_keys_means_loopback_only(cluster):
     port = cluster.address.rsplit(":", 1)[1]
     for bind in (f"tcp://*:{port}", f"tcp://0.0.0.0:{port}"):
@@ -126,7 +206,11 @@ def test_no_keys_means_loopback_only(cluster):
             (["--secret-key", str(keys / "coord.key"), "--allow-keys", str(keys)],
              "holds no secret key"),
             (["--secret-key", str(keys / "coord.key_secret"), "--allow-keys",
-              str(cluster.dir / "nowhere")], "no such directory")):
+              str(cluster.dir / "nowhere")], "no such directory"),
+            (["--operator-keys", str(keys)], "--operator-keys needs --secret-key"),
+            (["--secret-key", str(keys / "coord.key_secret"), "--allow-keys", str(keys),
+              "--monitor-keys", str(cluster.dir / "nowhere")],
+             "--monitor-keys " + str(cluster.dir / "nowhere") + ": no such directory")):
         proc = cluster.spawn("badkeys", "coordinator", "--job", "digits", "--bind",
                              cluster.address, *args)
         assert proc.wait(timeout=DEADLINE) == 2
@@ -145,7 +229,7 @@ def test_demo_with_curve_keys(tmp_path):
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["reached"] and summary["workers_seen"] == 2
     log = (tmp_path / "demo" / "coordinator.log").read_text()
-    assert "(CURVE, 3 keys allowed)" in log
+    assert "(CURVE, 2 worker keys, 0 monitor keys, 1 operator key)" in log
 
 
 def test_half_open_connections_are_shed(cluster):

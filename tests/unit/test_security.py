@@ -110,9 +110,65 @@ def test_worker_config_takes_key_paths(tmp_path):
     assert "coordinator_key" in config.to_toml(settings)
 
 
+def test_keys_of_other_roles_need_keys_and_readable_folders(tmp_path):
+    security.generate("coord", str(tmp_path / "k"))
+    security.generate("w", str(tmp_path / "allow"))
+    curve = dict(secret_key=str(tmp_path / "k" / "coord.key_secret"),
+                 allow_keys=str(tmp_path / "allow"))
+    for flag, field in (("--operator-keys", "operator_keys"), ("--monitor-keys", "monitor_keys")):
+        with pytest.raises(ConfigError, match=f"^{flag} needs --secret-key and --allow-keys"):
+            _check(tmp_path, **{field: str(tmp_path / "allow")})
+        with pytest.raises(ConfigError, match=f"^{flag} .*nowhere: no such directory$"):
+            _check(tmp_path, **curve, **{field: str(tmp_path / "nowhere")})
+    security.generate("op", str(tmp_path / "ops"))
+    security.generate("mon", str(tmp_path / "mons"))
+    checked = check(CoordinatorConfig(job="digits", **curve, operator_keys=str(tmp_path / "ops"),
+                                      monitor_keys=str(tmp_path / "mons")))
+    assert checked.keys.operators == {security.load_public(str(tmp_path / "ops" / "op.key"))}
+    assert checked.keys.monitors == {security.load_public(str(tmp_path / "mons" / "mon.key"))}
+    assert checked.keys.workers == checked.allowed
+
+
+def _control(coordinator, key: bytes, action: str = "pause"):
+    import asyncio
+
+    import zmq
+
+    from idlegrad.common import protocol as proto
+
+    frames = [zmq.Frame(f) for f in (b"route", *proto.encode(proto.Control(action=action)))]
+    asyncio.run(coordinator.handle(frames, key=key))
+
+
+def test_a_worker_keys_pause_is_refused_and_counted_an_operators_is_done(tmp_path):
+    from idlegrad.common import protocol as proto
+
+    keys, allowed, operators = tmp_path / "keys", tmp_path / "allowed", tmp_path / "operators"
+    security.generate("coordinator", keys)
+    security.generate("w1", allowed)
+    security.generate("alice", operators)
+    coordinator = Coordinator(CoordinatorConfig(
+        job="digits", secret_key=str(keys / "coordinator.key_secret"), allow_keys=str(allowed),
+        operator_keys=str(operators)))
+    (worker_key,) = coordinator.gate.keys.workers
+    (operator_key,) = coordinator.gate.keys.operators
+    coordinator.transport = transport = RecordingTransport()
+    _control(coordinator, worker_key)
+    (_, reply), = transport.sent
+    assert isinstance(reply, proto.ControlReply) and not reply.ok and reply.action == "pause"
+    assert "--operator-keys" in reply.detail
+    assert not coordinator.scheduler.paused
+    assert coordinator.counters["controls_refused"] == 1
+    assert coordinator.snapshot()["counters"]["controls_refused"] == 1
+    transport.sent.clear()
+    _control(coordinator, operator_key)
+    (_, reply), = transport.sent
+    assert reply.ok and coordinator.scheduler.paused
+
+
 def test_a_banned_key_still_listed_is_not_heard(tmp_path):
     """A ban is of the key: a monitor's commands need no hello, so without this a banned worker
-    whose key is still in --allow-keys could pause training or drain the others."""
+    whose key is still an operator's could pause training or drain the others."""
     import asyncio
 
     import zmq
@@ -123,7 +179,8 @@ def test_a_banned_key_still_listed_is_not_heard(tmp_path):
     security.generate("coordinator", keys)
     security.generate("evil", allowed)
     coordinator = Coordinator(CoordinatorConfig(
-        job="digits", secret_key=str(keys / "coordinator.key_secret"), allow_keys=str(allowed)))
+        job="digits", secret_key=str(keys / "coordinator.key_secret"), allow_keys=str(allowed),
+        operator_keys=str(allowed)))
     (evil_key,) = coordinator.gate.allowed
     coordinator.transport = transport = RecordingTransport()
 
