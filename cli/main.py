@@ -216,6 +216,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(st)
     st.set_defaults(func=_run_status)
 
+    cr = sub.add_parser("credits", help="what each worker has earned: samples, compute, verified",
+                        description="Per worker (per key, or worker id without keys): samples "
+                                    "of applied rounds, compute seconds of used results, slots "
+                                    "verified, results refused, first and last seen. Offline "
+                                    "from a checkpoint, or live from a coordinator (the 100 with "
+                                    "the most samples).")
+    where = cr.add_mutually_exclusive_group(required=True)
+    where.add_argument("--checkpoint-dir", metavar="DIR",
+                       help="read the credits saved in this coordinator checkpoint")
+    where.add_argument("--coordinator", metavar="ADDR", help="ask this running coordinator")
+    cr.add_argument("--json", action="store_true",
+                    help='print {"workers": {NAME: {samples, compute_s, verified, refused, '
+                         'first_seen, last_seen}}} as one line')
+    _add_client_keys(cr)
+    cr.add_argument("--timeout", type=_positive(float), default=3.0, metavar="SECONDS",
+                    help="live: give up when the coordinator does not answer this long "
+                         "(default: 3)")
+    _add_common(cr)
+    cr.set_defaults(func=_run_credits, log_level="warning")
+
     t = sub.add_parser("top", help="the fleet, the curve and the events in a terminal UI",
                        description="Watch a coordinator: workers, loss and metric, rounds, events. "
                                    "Keys: q quit, s sort, / filter, p pause/resume, d drain.")
@@ -321,6 +341,12 @@ def _run_status(args) -> int:
     from .status import run_status
 
     return run_status(args)
+
+
+def _run_credits(args) -> int:
+    from .credits import run_credits
+
+    return run_credits(args)
 
 
 def _run_top(args) -> int:

@@ -18,6 +18,16 @@ class Event:
 
 
 @dataclass(frozen=True)
+class Contribution:
+    """What one result used in an applied round earns its sender (credits.py)."""
+
+    identity: str  # who earns it: its key, or its worker id without keys
+    samples: int  # its share of the round's samples: the shares add up to the round's
+    compute_s: float  # as its sender reported it
+    verified_by: tuple = ()  # identities whose copies of its row were verified right
+
+
+@dataclass(frozen=True)
 class Applied:
     round: int
     version: int  # the model's version after the step
@@ -27,6 +37,7 @@ class Applied:
     weight: float
     terms: int  # results summed
     slots: list  # every slot of the round
+    credits: tuple = ()  # a Contribution per result the step used
 
 
 @dataclass(frozen=True)
@@ -62,3 +73,22 @@ class Used:
     """A worker's result for `slot` was taken into its round (the ledger's acknowledgement)."""
 
     slot: int
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A worker said hello as `worker`, judged as `identity` (for the credits' names)."""
+
+    worker: str
+    identity: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A result was refused (non-finite, outlandish, malformed, a wrong copy): it earns its
+    sender nothing, and counts against it in the credits."""
+
+    worker: str
+    identity: str
+    slot: int
+    reason: str

@@ -7,8 +7,9 @@ decoded rounds. Each call takes what happened and `now`, and returns what the dr
 - to a worker: `Assign` (send a task), `CancelSlots`, `Drained` (send it home), `Ban` (refuse and
   forget it), `Evicted` (forget its connection);
 - here: `Compute` (compute a slot exactly as a worker would, then call `computed`);
-- to record: `Used` (a result taken into its round), `Applied` (a step taken), `Replanned`,
-  `Event` (the event log).
+- to record: `Used` (a result taken into its round), `Applied` (a step taken: ledger, rate, and
+  what each result it used earns), `Replanned`, `Event` (the event log), `Joined` and `Refused`
+  (for the credits).
 
 No sockets, no clock, no threads. The server (`server.py`) runs it against ZeroMQ and real time,
 the simulator (`simulator.py`) against a fleet in virtual time: both get the same interpretation
@@ -28,7 +29,8 @@ from collections import Counter, deque
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from ..common.errors import GradientRejected
-from .effects import Applied, Ban, Compute, Event, Replanned, Used
+from .credits import shares
+from .effects import Applied, Ban, Compute, Contribution, Event, Joined, Refused, Replanned, Used
 from .scheduler import Assign, CompareCopies, Decoded, Drained, Evicted, Scheduler
 from .trust import TrustPolicy
 from .verify import Settlement, Stored
@@ -83,7 +85,7 @@ class RoundCore:
         self.identities[worker_id] = identity
         if identity != worker_id:  # keys (a bounded set) are shown by the name they last used
             self.identity_names[identity] = worker_id
-        return out
+        return [Joined(worker_id, identity)] + out
 
     def ready(self, worker_id: str, credits: int, now: float) -> list:
         return self.interpret(self.scheduler.ready(worker_id, credits, now), now)
@@ -138,7 +140,8 @@ class RoundCore:
     def malformed(self, worker_id: str, slot: int, now: float) -> list:
         """A result whose gradient could not be read: the slot goes to someone else, and it is
         an offence of its sender."""
-        out = self.interpret(self.scheduler.failed(worker_id, slot, now), now)
+        out = [Refused(worker_id, self.identity(worker_id), slot, "malformed")]
+        out += self.interpret(self.scheduler.failed(worker_id, slot, now), now)
         if self.trust.offence(self.identity(worker_id), "malformed", now):
             out += self.ban(worker_id, now)
         return out
@@ -184,11 +187,13 @@ class RoundCore:
         return [Used(slot)] + self.interpret(actions, now)
 
     def refuse(self, worker_id: str, slot: int, reason: str, detail: str, banned: bool,
-               now: float) -> list:
+               now: float, identity: Optional[str] = None) -> list:
+        """`identity`: the sender's, where it may have left meanwhile."""
+        identity = identity if identity is not None else self.identity(worker_id)
         self.counters["gradients_rejected"] += 1
         self.counters["rejected_" + reason.replace("-", "_")] += 1
         out = [Event("rejected", f"{detail} from {worker_id} for slot {slot}", worker_id,
-                     logging.WARNING)]
+                     logging.WARNING), Refused(worker_id, identity, slot, reason)]
         out += self.interpret(self.scheduler.failed(worker_id, slot, now), now)
         if banned:
             out += self.ban(worker_id, now)
@@ -250,6 +255,7 @@ class RoundCore:
         store = self.store
         terms = [(store[s].gradient, w) for s, w in decoded.weights.items()]
         norms = [store[s].norm for s in decoded.weights]
+        credits = self._contributions(decoded)
         for slot in decoded.slots:
             store.pop(slot, None)
         staleness = self.backend.version - decoded.version
@@ -271,8 +277,18 @@ class RoundCore:
             self.samples_applied += decoded.samples
             self.rate.append((now, self.samples_applied))
             out.append(Applied(decoded.round, self.backend.version, decoded.parts,
-                               decoded.samples, staleness, weight, len(terms), decoded.slots))
+                               decoded.samples, staleness, weight, len(terms), decoded.slots,
+                               credits))
         return out + self.interpret(self.scheduler.applied(self.backend.version, now), now)
+
+    def _contributions(self, decoded: Decoded) -> tuple[Contribution, ...]:
+        """What each result a decoded round uses earns, should it be applied: the round's
+        samples shared out by the samples each used slot covers (a slot of a cyclic code covers
+        several parts, so its share is not its own count), whole numbers that add up."""
+        used = [s for s, w in decoded.weights.items() if w] or list(decoded.weights)
+        split = shares(decoded.samples, [decoded.slot_samples.get(s, 0) for s in used])
+        return tuple(Contribution(self.store[s].identity, n, self.store[s].compute_s,
+                                  self.store[s].verified_by) for s, n in zip(used, split))
 
     # figures ----------------------------------------------------------------------------------
 

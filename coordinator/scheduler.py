@@ -146,6 +146,7 @@ class Decoded:
     samples: int
     weights: dict[int, float]  # slot id -> decoding weight
     slots: list[int]  # every slot of the round: their stored gradients can be released
+    slot_samples: dict[int, int] = field(default_factory=dict)  # of the slots in `weights`
 
 
 @dataclass(frozen=True)
@@ -757,8 +758,12 @@ class Scheduler:
     def _close_round(self, round_: Round, weights: dict[int, float],
                      now: Optional[float] = None) -> list[Action]:
         actions: list[Action] = []
+        used = {round_.slots[row]: w for row, w in weights.items()}
+        slot_samples = {}
         for row, slot_id in enumerate(round_.slots):
             slot = self.slots.pop(slot_id)
+            if slot_id in used:
+                slot_samples[slot_id] = slot.samples
             if not slot.arrived:
                 actions += self._cancel_holders(slot, now)
         del self.rounds[round_.id]
@@ -768,7 +773,7 @@ class Scheduler:
         self.stats["rounds_decoded"] += 1
         actions.append(Decoded(
             round=round_.id, version=round_.version, parts=round_.parts, samples=round_.samples,
-            weights={round_.slots[row]: w for row, w in weights.items()}, slots=list(round_.slots)))
+            weights=used, slots=list(round_.slots), slot_samples=slot_samples))
         return actions
 
     def _withdraw(self, worker: WorkerRecord) -> list[Action]:

@@ -423,6 +423,7 @@ class Coordinator:
     # what the core asks for -------------------------------------------------------------------
 
     async def perform(self, effects: list) -> None:
+        self.training.credits.take(effects, time.time())
         for effect in effects:
             if isinstance(effect, Assign):
                 await self._send_task(effect)

@@ -13,6 +13,7 @@ import socket
 from collections import deque
 from typing import Any, Iterable, Optional, Sequence
 
+from .credits import SHOWN_PER_STATUS
 from .scheduler import Scheduler, WorkerRecord
 
 CURVE_POINTS = 300  # evaluations kept for the monitor's chart
@@ -126,6 +127,7 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
         "host": _HOST,
         "task": str(training.task_mode),
         "bytes_per_sample": training.bytes_per_sample(),
+        "credits": training.credits.table(SHOWN_PER_STATUS),
     }
     staleness = config.staleness
     stats = scheduler.stats

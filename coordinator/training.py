@@ -19,6 +19,7 @@ from ..common.job import build, evaluate, load_job, reference_gradient_norm
 from ..common.job import FlatModel
 from . import checkpoint, outer
 from .config import Checked, CoordinatorConfig, naming_job_args
+from .credits import Credits
 from .effects import Event
 from .evaluation import BAD_TARGET, CONTINUE, TARGET, EvaluationPlan
 from .model_state import ModelState
@@ -74,6 +75,8 @@ class Training:
                             speculate=config.speculate, verify_replicas=config.verify_replicas),
             self.sampler, version=version, next_id=next_id, task_mode=self.task_mode)
         self.core = RoundCore(scheduler, self.model, self._trust(), samples_applied=samples)
+        # saved with the model, so that after a crash they are the checkpoint's, as the samples
+        self.credits = Credits.from_state(state.get("credits") if state is not None else None)
         self.plan = EvaluationPlan(config.eval_every, config.target)
         self.bad_messages: Counter[str] = Counter()  # by reason
         self.events: deque[dict] = deque(maxlen=self.EVENTS_KEPT)
@@ -229,6 +232,7 @@ class Training:
             "next_id": self.scheduler.next_id(),
             "elapsed": self.elapsed(now),
             "metrics": dict(self.metrics),
+            "credits": self.credits.state_dict(),
         })
         self.core.counters["checkpoints"] += 1
         self.event("checkpoint", f"version {self.version} saved")

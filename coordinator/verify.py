@@ -21,10 +21,10 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from .effects import Event
+from .effects import Event, Refused
 from .scheduler import CompareCopies
 from .trust import matches
 
@@ -43,6 +43,9 @@ class Stored:
     waited_s: float = 0.0
     samples: int = 0
     loss: float = math.nan
+    # identities whose copies of this row agreed or were settled right: each earns a verified
+    # slot if the row's round is applied
+    verified_by: tuple = ()
 
 
 class Settlement:
@@ -78,6 +81,7 @@ class Settlement:
         size = max(a.norm, b.norm)
         # One identity under two worker ids would agree with itself: a third opinion decides.
         if matches(off, size) and a.identity != b.identity:
+            store[first] = replace(a, verified_by=(a.identity, b.identity))
             out = core.interpret(core.scheduler.copies_agreed(first, second, now), now)
             store.pop(second, None)  # not used: the first copy is
             return out
@@ -154,7 +158,7 @@ class Settlement:
         banned = core.trust.confirmed(stored.identity, now)
         return core.refuse(stored.worker, slot, "norm",
                            f"gradient {off / max(size, 1e-12):.3g}x off the slot's true one "
-                           "(computed here)", banned, now)
+                           "(computed here)", banned, now, stored.identity)
 
     def _settle_copies(self, busy: tuple, reference: Any, error: Optional[str],
                        now: float) -> list:
@@ -174,6 +178,9 @@ class Settlement:
         out = [Event("verified", f"slot {slot} from {store[slot].worker}: computed here, it "
                                  f"matches; {'used' if slot == correct[0] else 'agrees'}",
                      store[slot].worker) for slot in correct]
+        if correct:
+            store[correct[0]] = replace(store[correct[0]], verified_by=tuple(dict.fromkeys(
+                store[s].identity for s in correct)))
         banned = []
         for slot, copy in zip(wrong_slots, wrong):
             core.counters["gradients_rejected"] += 1
@@ -183,6 +190,7 @@ class Settlement:
             out.append(Event("rejected", f"result for slot {slot} from {copy.worker}: differs "
                                          "from the slot computed here (its copy disagreed)",
                              copy.worker, logging.WARNING))
+            out.append(Refused(copy.worker, copy.identity, slot, "replica"))
         out += self._drop(first, second, correct, now)
         for copy in banned:
             out += core.ban(copy.worker, now, copy.identity)
@@ -202,7 +210,8 @@ class Settlement:
         out = [Event("replicas_disagreed", f"{detail}: {names} is banned: its copy refused, not "
                                            "computed here")]
         for slot in banned:
-            store.pop(slot, None)
+            copy = store.pop(slot)
+            out.append(Refused(copy.worker, copy.identity, slot, "banned"))
         return out + core.interpret(core.scheduler.copies_settled(
             first, second, [], now, kept=kept[0] if kept else None), now)
 

@@ -88,6 +88,7 @@ class MonitorApp(App):
     #middle { height: 11; }
     #chart { width: 1fr; height: 11; padding: 0 1; border-right: solid $primary-darken-2; }
     #rounds { width: 44; height: 11; padding: 0 1; }
+    #leaderboard { width: 40; height: 11; padding: 0 1; border-left: solid $primary-darken-2; }
     #workers { height: 1fr; }
     #filter { dock: bottom; display: none; }
     #filter.shown { display: block; }
@@ -128,6 +129,7 @@ class MonitorApp(App):
         with Horizontal(id="middle"):
             yield Chart(id="chart")
             yield Static("", id="rounds", markup=False)
+            yield Static("", id="leaderboard", markup=False)
         table = DataTable(id="workers", cursor_type="row", zebra_stripes=True)
         yield table
         yield Input(placeholder="filter workers (id, host, device, state); enter to keep, "
@@ -167,7 +169,11 @@ class MonitorApp(App):
     def apply(self, snap: Optional[dict], restarted: bool = False) -> None:
         """Show a snapshot (None: the coordinator did not answer)."""
         address = view.shown(self.source.address)
-        if snap is None:
+        refused = getattr(self.source, "refused", None)  # a key without the monitor's role
+        if snap is None and refused is not None:
+            self.connection = Text(f"the coordinator at {address} refused: "
+                                   f"{view.shown(refused)}", style="red")
+        elif snap is None:
             if self.connected:
                 self.connected = False
                 self.lost_at = time.monotonic()
@@ -206,6 +212,9 @@ class MonitorApp(App):
         self.query_one("#chart", Chart).show(snap)
         self.query_one("#rounds", Static).update(Text.assemble(
             ("rounds and redundancy", "bold"), *(f"\n{line}" for line in view.rounds_lines(snap))))
+        self.query_one("#leaderboard", Static).update(Text.assemble(
+            ("credits: samples, verified", "bold"),
+            *(f"\n{line}" for line in view.leaderboard_lines(snap))))
         self.query_one("#events", Static).update(
             Text("\n".join(self.events.tail(6)), no_wrap=True, overflow="ellipsis"))
         self._fill_table()

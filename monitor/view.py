@@ -427,6 +427,69 @@ def summary_rows(snap: dict) -> list[tuple[str, str]]:
     return rows
 
 
+# credits ----------------------------------------------------------------------------------------
+
+CREDIT_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("samples", "samples"), ("compute_s", "compute"), ("verified", "verified"),
+    ("refused", "refused"), ("first_seen", "first seen"), ("last_seen", "last seen"),
+)
+
+
+def _moment(value: Any) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(value))
+    except (OverflowError, OSError, ValueError):
+        return "-"
+
+
+def _credits_of(section: Any) -> list[tuple[str, dict]]:
+    """The rows of a credits section ({"workers": {name: {...}}}), the most samples first,
+    whatever the section holds."""
+    workers = section.get("workers") if isinstance(section, dict) else None
+    if not isinstance(workers, dict):
+        return []
+    rows = [(str(name), row) for name, row in workers.items() if isinstance(row, dict)]
+
+    def most_samples_first(item: tuple[str, dict]):
+        samples = item[1].get("samples")
+        return (-samples if isinstance(samples, int) else 0, item[0])
+    return sorted(rows, key=most_samples_first)
+
+
+def credit_rows(section: Any) -> list[tuple[str, ...]]:
+    """`idlegrad credits`: (worker, then one cell per CREDIT_COLUMNS entry), plain text."""
+    out = []
+    for name, row in _credits_of(section):
+        cells = [shown(name)]
+        for key, _ in CREDIT_COLUMNS:
+            value = row.get(key)
+            if key in ("first_seen", "last_seen"):
+                cells.append(_moment(value))
+            elif key == "compute_s":
+                cells.append(duration(value) if isinstance(value, (int, float)) else "-")
+            else:
+                cells.append(number(value))
+        out.append(tuple(cells))
+    return out
+
+
+def leaderboard_lines(snap: Optional[dict], rows: int = 9, width: int = 36) -> list[str]:
+    """The monitor's leaderboard: who has earned the most samples, and slots verified."""
+    credits = _credits_of((snap or {}).get("credits"))
+    if not credits:
+        return ["no credit earned yet"]
+    lines = []
+    for name, row in credits[:rows]:
+        figures = f" {number(row.get('samples'))}"
+        if row.get("verified"):
+            figures += f" v{number(row.get('verified'))}"
+        room = max(4, width - len(figures))
+        lines.append(shown(name, room).ljust(room) + figures)
+    return lines
+
+
 def as_json(snap: dict) -> dict:
     """The `idlegrad status --json` document: the snapshot, minus the event ring's bulk."""
     keep = dict(snap)

@@ -38,6 +38,14 @@ from idlegrad.coordinator.target import Target
     (["coordinator", "--job", "digits", "--job-arg", "hidden=abc"], "(given --job-arg hidden='abc')"),
     # a target on a metric the job lacks: before starting, not after the first evaluation
     (["coordinator", "--job", "digits", "--target", "foo=0.5"], "its metrics are accuracy, loss"),
+    # roles belong to keys
+    (["coordinator", "--job", "digits", "--operator-keys", "."], "--operator-keys needs --secret-key"),
+    (["coordinator", "--job", "digits", "--monitor-keys", "."], "--monitor-keys needs --secret-key"),
+    (["credits"], "one of the arguments --checkpoint-dir --coordinator is required"),
+    (["credits", "--checkpoint-dir", ".", "--coordinator", "tcp://127.0.0.1:1"], "not allowed with"),
+    (["credits", "--coordinator", "127.0.0.1:5555"], "not a ZeroMQ address"),
+    (["credits", "--checkpoint-dir", "/no/such/dir"], "--checkpoint-dir /no/such/dir: no checkpoint"),
+    (["credits", "--coordinator", "tcp://127.0.0.1:1", "--secret-key", "x"], "go together"),
 ])
 def test_usage_errors(run_cli, argv, needle):
     result = run_cli(argv)

@@ -251,6 +251,8 @@ def test_snapshot_of_a_fleet_past_the_row_limit_with_the_longest_names_still_dec
     """Every monitor refuses a header over 1 MiB: a large fleet, or workers that name themselves
     at the protocol's limits, must not make the status unreadable."""
     from idlegrad.common.protocol import MAX_NAME, MAX_WORKER_ID
+    from idlegrad.coordinator.credits import SHOWN_PER_STATUS, Credits
+    from idlegrad.coordinator.effects import Applied, Contribution, Joined
     from idlegrad.coordinator.status import WORKERS_PER_STATUS
 
     n = WORKERS_PER_STATUS + 500
@@ -261,7 +263,16 @@ def test_snapshot_of_a_fleet_past_the_row_limit_with_the_longest_names_still_dec
                            "threads": 2}, 0.0)
     events = deque(({"id": i, "time": 0.0, "kind": "join", "worker": "w" * MAX_WORKER_ID,
                      "text": "x" * 400} for i in range(1, 201)), maxlen=1000)
-    snap = build_snapshot(s, 1.0, {"job": "x", "state": "training"}, events=events)
+    credits = Credits()
+    for i in range(n):  # every one has earned: the most samples are shown, a bounded few
+        identity = f"key:{i:040d}"
+        credits.take([Joined(f"{i:06d}".ljust(MAX_WORKER_ID, "é"), identity),
+                      Applied(i, i, [], i + 1, 0, 1.0, 1, [i],
+                              (Contribution(identity, i + 1, 1e9, (identity,)),))], 1e9 + i)
+    snap = build_snapshot(s, 1.0, {"job": "x", "state": "training",
+                                   "credits": credits.table(SHOWN_PER_STATUS)}, events=events)
+    assert len(snap["credits"]["workers"]) == SHOWN_PER_STATUS
+    assert snap["credits"]["identities"] == n
     assert len(snap["workers"]) == WORKERS_PER_STATUS and snap["workers_total"] == n
     assert snap["workers"][0]["id"].startswith("000000")  # the first to join come first
     frames = proto.encode(proto.Status(snapshot=snap))

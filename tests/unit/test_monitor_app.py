@@ -221,6 +221,31 @@ def test_never_connected_says_so_and_q_quits():
     asyncio.run(go())
 
 
+def test_a_key_without_the_monitors_role_is_told_why():
+    async def go():
+        source = FakeSource()
+        source.refused = "this key may not read the status: [bold]only keys in --monitor-keys"
+        app = MonitorApp(source, interval=10)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot, app)
+            assert "refused: this key may not read the status" in app.connection
+            assert "[bold]only" in str(app.query_one("#connection").render())  # text, not markup
+    asyncio.run(go())
+
+
+def test_the_leaderboard_shows_the_most_samples_first():
+    async def go():
+        board = {"identities": 2, "workers": {
+            "w2": {"samples": 40, "verified": 3}, "w1": {"samples": 400, "verified": 0}}}
+        app = MonitorApp(FakeSource(dict(snap(FLEET), credits=board)), interval=10)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot, app)
+            lines = str(app.query_one("#leaderboard").render()).splitlines()
+            assert lines[0] == "credits: samples, verified"
+            assert lines[1].split() == ["w1", "400"] and lines[2].split() == ["w2", "40", "v3"]
+    asyncio.run(go())
+
+
 def test_watch_ends_the_app_with_its_message():
     async def go():
         done = {"now": False}

@@ -52,6 +52,13 @@ def hostile_snapshot() -> dict:
         "events": [{"id": 1, "time": 0, "kind": "[b", "text": hostile("event") + LONG},
                    {"id": 2, "time": 0, "kind": ESCAPES, "text": "[/]"}],
         "cursor": 2,
+        "credits": {"identities": 3, "workers": {
+            "[/]credit" + ESCAPES: {"samples": 10, "compute_s": 1.0, "verified": 1,
+                                    "refused": 0, "first_seen": 0.0, "last_seen": 1.0},
+            ":warning:credit" + CONTROLS + LONG: {"samples": "[red", "compute_s": LONG,
+                                                "verified": "[/]", "refused": None,
+                                                "first_seen": "[b", "last_seen": 1e300},
+            "[bold]credit": "not a row"}},
     }
 
 
@@ -125,6 +132,28 @@ def test_status_json_escapes_control_characters(monkeypatch, capsys):
     assert json.loads(out)["workers"][0]["id"] == "[/]w1"  # the data itself, unchanged
 
 
+# idlegrad credits ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+def test_credits_shows_hostile_names_as_text(monkeypatch, capsys, as_json):
+    from idlegrad.cli import credits
+
+    monkeypatch.setattr(credits, "ZmqStatusSource", FakeZmqSource)
+    monkeypatch.setattr("sys.stdout.isatty", lambda: False, raising=False)
+    args = types.SimpleNamespace(coordinator="tcp://127.0.0.1:5555", coordinator_key=None,
+                                 secret_key=None, timeout=1.0, json=as_json, checkpoint_dir=None)
+    assert credits.run_credits(args) == 0
+    out = capsys.readouterr().out
+    if as_json:
+        assert "\x1b" not in out and "\u202e" not in out
+        workers = json.loads(out.strip().splitlines()[-1])["workers"]
+        assert "[/]credit" + ESCAPES in workers  # the data itself, unchanged
+    else:
+        assert_shown_as_text(out, markup=("[/]credit", ":warning:credit"))
+        assert "[bold]credit" not in out  # not a row: not shown
+
+
 # idlegrad top -------------------------------------------------------------------------------
 
 
@@ -160,6 +189,8 @@ def test_top_shows_hostile_strings_as_text():
             await pilot.pause(0.05)
             assert app.worker_ids() == ["[/]w1", "[bold]w2" + CONTROLS]  # the ids, as they are
             assert_shown_as_text(screen_text(app))
+            board = str(app.query_one("#leaderboard").render())
+            assert "[/]credit" in board and ":warning:credit" in board  # the leaderboard
             await pilot.press("slash", *"[/]")  # the operator's own brackets are text too
             await pilot.pause(0.05)
             assert app.worker_ids() == ["[/]w1"]

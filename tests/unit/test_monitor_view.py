@@ -202,3 +202,33 @@ def test_summary_shows_local_task_and_wire_bytes():
     (123.45, "123.5"), (4567.8, "4,568"), (float("nan"), "-"), (True, "True"), ("x", "x")])
 def test_number(value, text):
     assert view.number(value) == text
+
+
+CREDITS = {"identities": 3, "workers": {
+    "slow": {"samples": 64, "compute_s": 5.0, "verified": 0, "refused": 2,
+             "first_seen": 1_700_000_000.0, "last_seen": 1_700_000_100.0},
+    "fast": {"samples": 1_280, "compute_s": 3725.0, "verified": 7, "refused": 0,
+             "first_seen": 1_700_000_000.0, "last_seen": 1_700_000_200.0},
+    "a-name-far-too-long-for-the-leaderboard-panel": {"samples": 8, "verified": 0}}}
+
+
+def test_leaderboard_most_samples_first_with_verified_slots():
+    lines = view.leaderboard_lines({"credits": CREDITS}, rows=9, width=30)
+    assert [line.split()[0] for line in lines[:2]] == ["fast", "slow"]
+    assert lines[0].endswith(" 1,280 v7") and lines[1].endswith(" 64")
+    assert all(len(line) <= 30 for line in lines) and "\u2026" in lines[2]
+    assert view.leaderboard_lines({"credits": CREDITS}, rows=1) == [lines[0].split()[0].ljust(
+        36 - len(" 1,280 v7")) + " 1,280 v7"]
+    assert view.leaderboard_lines({}) == ["no credit earned yet"]
+    assert view.leaderboard_lines(None) == ["no credit earned yet"]
+
+
+def test_credit_rows_follow_the_columns():
+    rows = view.credit_rows(CREDITS)
+    assert [r[0] for r in rows] == ["fast", "slow", "a-name-far-too-long-for-the-leaderboard-panel"]
+    fast = dict(zip(["worker", *(k for k, _ in view.CREDIT_COLUMNS)], rows[0]))
+    assert fast["samples"] == "1,280" and fast["compute_s"] == "1h02m"
+    assert fast["verified"] == "7" and fast["refused"] == "0"
+    assert fast["first_seen"].startswith("2023-11-1")
+    assert rows[2][-1] == "-"  # no time given
+    assert view.credit_rows(None) == [] and view.credit_rows({"workers": []}) == []

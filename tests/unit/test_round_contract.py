@@ -8,7 +8,9 @@ Whatever the driver and the code, over a whole run:
 - a round applies only once results of its slots were used, and none of its slots is used after;
 - a result for a slot cancelled on its worker is never used;
 - the samples applied add up: the core's count, the applied rounds' samples, and (the server)
-  the ledger's `applied` records.
+  the ledger's `applied` records;
+- credit is earned only by results an applied round used, and each round's credited shares add
+  up to its samples (so do the server's lasting credits, to the samples applied).
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ def check_contract(trace: list, samples_applied: int) -> dict:
             closed |= set(effect.slots)
             if isinstance(effect, Applied):
                 assert used & set(effect.slots), f"round {effect.round} applied with no result"
+                assert effect.credits and all(c.samples >= 0 for c in effect.credits)
+                assert sum(c.samples for c in effect.credits) == effect.samples, effect.credits
+                assert len(effect.credits) <= effect.terms
                 for epoch, offset, count in effect.parts:
                     for i in range(offset, offset + count):
                         assert (epoch, i) not in applied_samples, "a sample applied twice"
@@ -169,6 +174,14 @@ def test_the_server_keeps_the_round_contract(tmp_path, redundancy, verify, task)
     records = [json.loads(line) for line in ledger.read_text().splitlines()]
     ledger_samples = sum(p[2] for r in records if r["event"] == "applied" for p in r["parts"])
     assert ledger_samples == coordinator.samples_applied
+    credits = coordinator.training.credits
+    assert credits.samples == coordinator.samples_applied
+    assert set(credits.accounts) == {route.decode() for route in fleet.routes}
+    verified = sum(a.verified for a in credits.accounts.values())
+    assert (verified > 0) == verify, verified
+    shown = coordinator.snapshot()["credits"]["workers"]  # what monitors read, by name
+    assert set(shown) == set(credits.accounts)
+    assert sum(row["samples"] for row in shown.values()) == coordinator.samples_applied
 
 
 def test_a_cancelled_slots_late_result_is_not_used():

@@ -124,7 +124,8 @@ def test_result_accepted_decodes_a_round_of_one_partition():
     assert ok
     decoded = of(Decoded, actions)
     assert decoded == [Decoded(round=x.round, version=0, parts=[(0, 0, 4)], samples=4,
-                               weights={x.slot: 1.0}, slots=[x.slot])]
+                               weights={x.slot: 1.0}, slots=[x.slot],
+                               slot_samples={x.slot: 4})]
     assert assigns(actions) == []  # the next round waits for the step
     # the freed credit is refilled once the step is applied, with the next round
     refill = assigns(s.applied(1, 1.0))
