@@ -132,6 +132,28 @@ def test_status_json_escapes_control_characters(monkeypatch, capsys):
     assert json.loads(out)["workers"][0]["id"] == "[/]w1"  # the data itself, unchanged
 
 
+@pytest.mark.parametrize("command", ["status", "credits"])
+def test_a_refusal_is_one_line_naming_the_coordinators_reason(monkeypatch, capsys, command):
+    from idlegrad.cli import credits, status
+
+    class Refusing(FakeZmqSource):
+        refused = "this key may not read the status" + ESCAPES + "[bold]"
+
+        def fetch(self, timeout=1.0):
+            return None
+
+    module = {"status": status, "credits": credits}[command]
+    monkeypatch.setattr(module, "ZmqStatusSource", Refusing)
+    args = types.SimpleNamespace(coordinator="tcp://127.0.0.1:5555", coordinator_key=None,
+                                 secret_key=None, timeout=1.0, json=False, checkpoint_dir=None)
+    runner = status.run_status if command == "status" else credits.run_credits
+    assert runner(args) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "\x1b" not in err
+    assert err.startswith(f"idlegrad {command}: error: ") and "refused: this key may not" in err
+    assert "[bold]" in err
+
+
 # idlegrad credits ---------------------------------------------------------------------------
 
 
