@@ -69,7 +69,7 @@ def _add_client_keys(p: argparse.ArgumentParser) -> None:
                    help="CURVE: the coordinator's public key (NAME.key), pinned")
     p.add_argument("--secret-key", metavar="FILE",
                    help="CURVE: this client's NAME.key_secret; its NAME.key must be in the "
-                        "coordinator's --allow-keys")
+                        "coordinator's --monitor-keys, or --operator-keys to pause or drain")
 
 
 def build_parser() -> argparse.ArgumentParser:
