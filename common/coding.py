@@ -5,18 +5,25 @@ the summed gradient of partition j. The arrived slots I decode when some a satis
 a^T E_I = 1^T; then sum_i a_i f_i = sum_j g_j, the exact gradient of the whole batch.
 
 Codes: `none` (identity), `replicate` (fractional repetition), `cyclic` (gradient coding after
-Tandon et al. 2017), `heterogeneous` (windows sized by speed), and `speculate` (a late row
-duplicated). `parse_redundancy` reads the coordinator's `--redundancy` text; `build` makes the
-code a policy asks for over k partitions. A code's `tolerance` is how many slots may be missing,
-whichever they are, with the rest still decoding.
+Tandon et al. 2017, by their fractional-repetition construction), `heterogeneous` (windows sized by
+speed), and `speculate` (a late row duplicated). `parse_redundancy` reads the coordinator's
+`--redundancy` text; `build` makes the code a policy asks for over k partitions. A code's
+`tolerance` is how many slots may be missing, whichever they are, with the rest still decoding.
+
+Rounding. Each result f_i carries a rounding error (the worker's float32 sum, and bfloat16 on the
+wire with `--result-dtype bfloat16`) of at most u * sum_j |E[i, j]| |g_j|, so a decoded sum carries
+at most u * sum_j c_j |g_j|, where c_j = sum_i |a_i E[i, j]| is the weight partition j enters the
+decoding with, counting cancellations. Without a code c_j = 1. `amplification` is max_j c_j: how
+many times the code multiplies the rounding of its inputs. `decode` returns only decodings with an
+amplification of at most MAX_AMPLIFICATION (a pattern past it waits for more slots), and every code
+built here (none, replicate, cyclic, speculative copies of them) decodes every pattern it decodes
+with weights 1.0 on rows of 0s and 1s: amplification 1, a plain sum of results (`Code.exact`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from itertools import combinations
-from math import comb
 from typing import Iterable, Optional, Sequence
 
 import numpy as np
@@ -24,9 +31,10 @@ import numpy as np
 from .errors import ConfigError
 
 DECODE_TOLERANCE = 1e-9
+MAX_AMPLIFICATION = 2.0  # decode refuses weights that multiply the results' rounding more than this
 MAX_REPLICAS = 8  # bounds of --redundancy replicate:R and cyclic:S
 MAX_STRAGGLERS = 7
-_VERIFY_PATTERNS = 3000  # constructions check every straggler pattern when there are this few
+RESULT_DTYPES = ("float32", "bfloat16")  # --result-dtype
 
 
 @dataclass(frozen=True)
@@ -44,13 +52,45 @@ class Code:
         return self.matrix.shape[1]
 
     @cached_property
-    def unit_rows(self) -> tuple[int, ...]:
-        """For each row, the partition it is the unit vector of (one coefficient, 1.0), else -1."""
-        out = []
-        for row in self.matrix:
-            nonzero = np.flatnonzero(row)
-            out.append(int(nonzero[0]) if len(nonzero) == 1 and row[nonzero[0]] == 1.0 else -1)
-        return tuple(out)
+    def runs(self) -> Optional[tuple[tuple[int, int], ...]]:
+        """For each row, the run [start, end) of consecutive partitions it is 1.0 on (and 0.0
+        off), or None when some row is not such a run."""
+        m = self.matrix
+        if m.size == 0:
+            return None
+        nonzero = m != 0
+        count = nonzero.sum(axis=1)
+        start = np.argmax(nonzero, axis=1)
+        last = m.shape[1] - 1 - np.argmax(nonzero[:, ::-1], axis=1)
+        if np.any(count == 0) or np.any(last - start + 1 != count) or np.any(m[nonzero] != 1.0):
+            return None
+        return tuple(zip(start.tolist(), (last + 1).tolist()))
+
+    @cached_property
+    def groups(self) -> Optional[tuple[int, ...]]:
+        """When the rows are runs (`runs`) that are pairwise equal or disjoint and cover every
+        partition: each row's group (its run's rank), else None. Such a code decodes exactly
+        when one row of every group has arrived, with weight 1.0 each (`exact`)."""
+        runs = self.runs
+        if runs is None:
+            return None
+        distinct = sorted(set(runs))
+        if distinct[0][0] != 0 or distinct[-1][1] != self.partitions or any(
+                a[1] != b[0] for a, b in zip(distinct, distinct[1:])):
+            return None  # overlapping runs, or a partition no row covers
+        rank = {run: g for g, run in enumerate(distinct)}
+        return tuple(rank[run] for run in runs)
+
+    @cached_property
+    def group_count(self) -> int:
+        """How many groups `groups` has (0 when it is None)."""
+        return 0 if self.groups is None else max(self.groups) + 1
+
+    @property
+    def exact(self) -> bool:
+        """Every pattern that decodes, decodes as a plain sum: one row of each group, weight 1.0
+        (amplification 1, whatever the result dtype; error feedback sees weight 1)."""
+        return self.groups is not None
 
     def row(self, slot: int) -> list[tuple[int, float]]:
         """The (partition, coefficient) pairs that slot `slot` computes."""
@@ -79,19 +119,40 @@ def replicate(partitions: int, replicas: int) -> Code:
 
 
 def cyclic(n: int, stragglers: int) -> Code:
-    """Cyclic gradient coding (Tandon et al. 2017): n slots over n partitions, slot i covering
-    partitions i..i+s (mod n); any n-s slots decode exactly. Built by their random construction:
-    a random H (s x n) with H 1 = 0, each row the (1-dimensional) null vector of H restricted to
-    its support, so every row lies in null(H), which holds 1 and which any n-s rows span. The seed
-    is fixed per (n, s), and small codes are checked against every straggler pattern (with the
-    best-conditioned of a few seeds kept)."""
+    """Gradient coding against any `stragglers` (s) missing slots over n partitions (Tandon et al.
+    2017), by their fractional-repetition construction made to fit every n: the partitions are cut
+    into g = ceil(n / (s+1)) runs of consecutive partitions, as equal as can be (each at most s+1
+    long), and each run is computed by s+1 identical slots (row r*(s+1) + c is copy c of run r).
+    Any s missing slots leave a copy of every run, and a round decodes as the plain sum of one copy
+    per run: weights 1.0, rows of 0s and 1s, no cancellation, so the rounding of the results
+    (float32 or bfloat16) is not multiplied. As in their cyclic construction, every partition is in
+    s+1 slots and every slot covers at most s+1 partitions; there are n slots when s+1 divides n,
+    else g*(s+1) <= n+s (the shorter runs make lighter slots); the copies of a run that arrived
+    are cancelled like replicas.
+
+    Their cyclic construction (n slots, slot i covering partitions i..i+s mod n, real coefficients)
+    is not used: its decodings cancel, and must. With n = s+2 slots of at most s+1 partitions, any
+    two rows span the all-ones vector, so all rows lie in one plane span(1, v), row p being a
+    multiple of v - v_p 1 with the v_p distinct; rows p, q decode as (row_q - row_p) / (v_p - v_q),
+    and for the closest pair of values (gap at most range/(n-1)) the partition farthest from them
+    enters at least n-1 times over: amplification >= n-1 (3 at best for n=3). Their random codes
+    measured 3 at n=6 and 3e2-8e4 at n=12-100 (benchmarks/coding_error.py), and took minutes to
+    build at n=100."""
     if n < 1:
         raise ValueError("a round needs at least one partition")
     if not 0 <= stragglers < n:
         raise ValueError(f"cyclic:{stragglers} needs more than {stragglers} partitions (got {n})")
     if stragglers == 0:
         return none(n)
-    return Code(f"cyclic:{stragglers}", _cyclic_matrix(n, stragglers).copy(), tolerance=stragglers)
+    copies = stragglers + 1
+    runs = -(-n // copies)
+    lengths = [n // runs + (1 if r < n % runs else 0) for r in range(runs)]
+    matrix = np.zeros((runs * copies, n))
+    start = 0
+    for r, length in enumerate(lengths):
+        matrix[r * copies:(r + 1) * copies, start:start + length] = 1.0
+        start += length
+    return Code(f"cyclic:{stragglers}", matrix, tolerance=stragglers)
 
 
 def heterogeneous(speeds: Sequence[float], partitions: int, replicas: int = 1) -> Code:
@@ -202,92 +263,118 @@ def _apportion(speeds: np.ndarray, total: int, lo: int, hi: int) -> np.ndarray:
     return widths
 
 
-def _null_space_rows(support: np.ndarray, s: int, rng) -> Optional[np.ndarray]:
-    """Rows on `support`, each in null(H) for a random H (s x k) with H 1 = 0 (so 1 is in it)."""
-    n, k = support.shape
-    h = rng.standard_normal((s, k))
-    h -= h.mean(axis=1, keepdims=True)
-    rows = np.zeros((n, k))
-    for i in range(n):
-        cols = np.flatnonzero(support[i])
-        sub = h[:, cols]  # s x w
-        _, _, vt = np.linalg.svd(sub)
-        null = vt[s:] if len(cols) > s else np.zeros((0, len(cols)))
-        if null.shape[0] == 0:
-            return None
-        vec = rng.standard_normal(null.shape[0]) @ null if null.shape[0] > 1 else null[0]
-        if np.any(np.abs(vec) < 1e-3):
-            return None  # a near-zero coefficient: an ill-conditioned code
-        rows[i, cols] = vec / vec[0]
-    return rows
-
-
-def _worst_weights(matrix: np.ndarray, s: int) -> Optional[float]:
-    """The largest sum |a_i| |E_i|_1 (how much float error a decode can amplify) over every pattern of s missing slots (None: one does not decode).
-    Codes with too many patterns to check are scored on their full pattern only."""
-    n = matrix.shape[0]
-    code = Code("check", matrix)
-    patterns = (combinations(range(n), s) if comb(n, s) <= _VERIFY_PATTERNS else [()])
-    worst = 0.0
-    for missing in patterns:
-        weights = decode(code, [i for i in range(n) if i not in missing])
-        if weights is None:
-            return None
-        worst = max(worst, sum(abs(w) * np.abs(matrix[i]).sum() for i, w in weights.items()))
-    return worst
-
-
-@lru_cache(maxsize=64)
-def _cyclic_matrix(n: int, s: int) -> np.ndarray:
-    support = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        support[i, (i + np.arange(s + 1)) % n] = True
-    best = None
-    seeds = max(4, min(64, 12000 // max(1, min(comb(n, s), _VERIFY_PATTERNS))))
-    for seed in range(seeds):
-        matrix = _null_space_rows(support, s, np.random.default_rng(n * 100 + s + 7919 * seed))
-        if matrix is None:
-            continue
-        score = _worst_weights(matrix, s)
-        if score is not None and (best is None or score < best[0]):
-            best = (score, matrix)
-    if best is None:  # pragma: no cover - random constructions succeed with probability 1
-        raise ValueError(f"no cyclic code found for n={n}, s={s}")
-    best[1].setflags(write=False)
-    return best[1]
-
-
 def decode(code: Code, arrived: Iterable[int]) -> Optional[dict[int, float]]:
     """Decoding weights {slot: a_slot} over the arrived slots, or None if they do not decode yet.
 
-    Float64 least squares with a residual check: a pattern that does not span the all-ones vector
-    is reported as undecodable rather than approximated.
+    Codes of runs (`Code.runs`: none, replicate, cyclic, heterogeneous, speculative copies) decode
+    as a plain sum: one arrived row per group, or an exact cover of the partitions by arrived
+    runs, with weights 1.0. Any other pattern or code: float64 least squares (the smallest
+    weights, each row counted by its norm) with a residual check, and a bound on how much the
+    weights multiply the results' rounding (`amplification` at most MAX_AMPLIFICATION). A pattern
+    that does not span the all-ones vector, or spans it only by cancelling past the bound, is
+    reported as undecodable (the round waits for more slots) rather than approximated.
     """
     slots = sorted(set(arrived))
     if not slots:
         return None
-    # Fast path, exact: a unit row for every partition (no code, replicas, speculative copies).
-    units = code.unit_rows
-    chosen: dict[int, int] = {}
-    for s in slots:
-        if units[s] >= 0:
-            chosen.setdefault(units[s], s)
-    if len(chosen) == code.partitions:
+    groups = code.groups
+    if groups is not None:
+        # One row of every group, weight 1.0: the lowest arrived slot of each (rows of a group
+        # are identical; nothing else can decode, since the groups are disjoint).
+        chosen: dict[int, int] = {}
+        for s in slots:
+            chosen.setdefault(groups[s], s)
+        if len(chosen) < code.group_count:
+            return None
         return {s: 1.0 for s in chosen.values()}
+    runs = code.runs
+    if runs is not None:
+        cover = _exact_cover(runs, slots, code.partitions)
+        if cover is not None:
+            return {s: 1.0 for s in cover}
     rows = code.matrix[slots]  # |I| x k
     nonzero = rows != 0
     if not np.all(np.any(nonzero, axis=0)):  # some partition is covered by no arrived slot
         return None
     if np.all(np.count_nonzero(nonzero, axis=1) == 1):
-        # Each slot is one partition times c_i (none, replicate, speculated copies): the least
-        # squares solution in closed form, a_i = c_i / (sum of c^2 over that partition's slots),
-        # without a k x k solve.
+        # Each slot is one partition times c_i: the least squares solution in closed form,
+        # a_i = c_i / (sum of c^2 over that partition's slots), without a k x k solve. Each
+        # partition enters with sum |a_i c_i| = 1: no amplification.
         cols = np.argmax(nonzero, axis=1)
         coef = rows[np.arange(len(slots)), cols]
         norm = np.bincount(cols, weights=coef * coef, minlength=code.partitions)
         return {s: float(w) for s, w in zip(slots, coef / norm[cols]) if w != 0.0}
     ones = np.ones(code.partitions)
-    weights, *_ = np.linalg.lstsq(rows.T, ones, rcond=None)
+    norms = np.linalg.norm(rows, axis=1)
+    norms[norms == 0] = 1.0
+    scaled, *_ = np.linalg.lstsq((rows / norms[:, None]).T, ones, rcond=None)
+    weights = scaled / norms
     if np.max(np.abs(rows.T @ weights - ones)) > DECODE_TOLERANCE * max(1.0, code.partitions):
         return None
+    if float(np.max(np.abs(weights) @ np.abs(rows))) > MAX_AMPLIFICATION:
+        return None  # cancels: wait for slots that decode with smaller weights
     return {s: float(w) for s, w in zip(slots, weights) if w != 0.0}
+
+
+def amplification(code: Code, weights: dict[int, float]) -> float:
+    """max_j sum_i |a_i E[i, j]|: how many times decoding with `weights` multiplies the bound on
+    the rounding error of the results it combines (1.0: no cancellation, a plain sum)."""
+    if not weights:
+        return 0.0
+    slots = list(weights)
+    a = np.abs(np.array([weights[s] for s in slots]))
+    return float(np.max(a @ np.abs(code.matrix[slots])))
+
+
+def check_result_dtype(redundancy: Redundancy | str, result_dtype: str) -> None:
+    """Refuse, with one line (ConfigError), results in `result_dtype` under the `--redundancy`
+    policy (a Redundancy or its text) when a code it can build could decode with weights other
+    than 1. bfloat16 results are rounded to 8 significant bits, with error feedback on the worker
+    (the next result carries what rounding dropped), which cancels out only when results are summed
+    with weight 1; a decoding with other weights multiplies that rounding (up to MAX_AMPLIFICATION)
+    instead. Every code of the policy is built over 1..32 partitions (every remainder of k by the
+    run length, for every level), adaptive standing for every fixed policy it may choose. The
+    coordinator calls this at start-up."""
+    if result_dtype not in RESULT_DTYPES:
+        raise ConfigError(f"--result-dtype {str(result_dtype)[:20]!r}: expected "
+                          + " or ".join(RESULT_DTYPES))
+    if result_dtype == "float32":
+        return
+    policy = parse_redundancy(redundancy) if isinstance(redundancy, str) else redundancy
+    if policy.kind == "adaptive":
+        policies = ([Redundancy("none")]
+                    + [Redundancy("replicate", r) for r in range(2, MAX_REPLICAS + 1)]
+                    + [Redundancy("cyclic", s) for s in range(1, MAX_STRAGGLERS + 1)])
+    else:
+        policies = [policy]
+    for fixed in policies:
+        for k in range(1, 33):
+            code = _build(fixed, k)
+            if not code.exact:
+                raise ConfigError(
+                    f"--result-dtype {result_dtype} cannot be used with --redundancy {policy}: "
+                    f"its code {code.name} over {k} partitions can decode with weights other than "
+                    f"1, which multiply the rounding of {result_dtype} results; use --result-dtype "
+                    f"float32")
+
+
+def _exact_cover(runs: Sequence[tuple[int, int]], slots: Sequence[int],
+                 partitions: int) -> Optional[list[int]]:
+    """Arrived slots whose runs tile [0, partitions) exactly (each partition once), or None."""
+    starting: dict[int, list[tuple[int, int]]] = {}
+    for s in slots:
+        start, end = runs[s]
+        starting.setdefault(start, []).append((end, s))
+    reached: dict[int, Optional[tuple[int, int]]] = {0: None}  # position -> (previous, slot)
+    for start in sorted(starting):  # a run ends after it starts: positions in order suffice
+        if start not in reached:
+            continue
+        for end, s in starting[start]:
+            reached.setdefault(end, (start, s))
+    if partitions not in reached:
+        return None
+    cover, position = [], partitions
+    while position:
+        position, s = reached[position]
+        cover.append(s)
+    return sorted(cover)

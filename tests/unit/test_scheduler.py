@@ -667,18 +667,26 @@ def test_replicate_round_has_two_copies_and_decodes_without_a_stopped_worker():
     assert s.result("a", stopped.slot, 0.1, 3.0) == (False, [])
 
 
-def test_cyclic_round_decodes_from_any_two_of_three_and_cancels_the_third():
-    s = coded("cyclic:1", n=60, batch=6, partitions=3, open_rounds=1, min_deadline_s=1000.0,
+def test_cyclic_round_decodes_without_a_stopped_worker_and_cancels_the_copies():
+    # cyclic:1 over 4 partitions: two runs of 2 partitions, each computed by 2 slots; any one
+    # slot may be missing, and a decoded round is one copy of each run, weight 1
+    s = coded("cyclic:1", n=60, batch=8, partitions=4, open_rounds=1, min_deadline_s=1000.0,
               heartbeat_s=1000.0)
-    slots = [assigns(start(s, w, 2))[0] for w in "abc"]  # spread: one slot of the round each
+    slots = [assigns(start(s, w, 2))[0] for w in "abcd"]  # spread: one slot of the round each
     assert len({x.round for x in slots}) == 1 and len(s.rounds) == 1
+    (round_,) = s.rounds.values()
+    assert round_.code.name == "cyclic:1" and len(round_.slots) == 4
     assert all(len(x.parts) == 2 for x in slots)  # each covers s+1 = 2 partitions
-    assert all(held(s, w) == {x.slot} for w, x in zip("abc", slots))
+    # the first copies go out first: a and b cover the whole batch, c and d hold the copies
+    assert slots[0].parts == slots[2].parts and slots[1].parts == slots[3].parts
+    assert slots[0].parts != slots[1].parts
+    assert all(held(s, w) == {x.slot} for w, x in zip("abcd", slots))
     ok, actions = s.result("b", slots[1].slot, 0.4, 1.0)
     assert ok and not of(Decoded, actions)
-    ok, actions = s.result("c", slots[2].slot, 0.4, 1.0)
+    assert CancelSlots("d", [slots[3].slot]) in actions  # its copy arrived
+    ok, actions = s.result("c", slots[2].slot, 0.4, 1.0)  # a is stopped: c's copy stands in
     (dec,) = of(Decoded, actions)
-    assert set(dec.weights) == {slots[1].slot, slots[2].slot}
+    assert dec.weights == {slots[1].slot: 1.0, slots[2].slot: 1.0} and dec.samples == 8
     assert CancelSlots("a", [slots[0].slot]) in actions
     assert assigns(actions) == [] and s.stats["rounds_cyclic"] == 1
     assert assigns(s.applied(1, 1.0))
