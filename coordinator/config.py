@@ -91,6 +91,7 @@ def check(config: CoordinatorConfig) -> Checked:
                                  max_steps=config.local_max_steps,
                                  link_factor=config.local_link_factor)
     redundancy = coding.parse_redundancy(config.redundancy)
+    coding.check_result_dtype(redundancy, config.result_dtype)
     local.check_redundancy(task_mode, redundancy, config.sync)
     # the scheduler's own rules between its options, before the job is built (the real
     # SchedulerConfig needs the job's batch size)
