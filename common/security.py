@@ -58,6 +58,13 @@ def generate(name: str, directory: str = ".") -> tuple[str, str]:
     return public, secret
 
 
+def public_key_text(key: bytes, note: str = "") -> bytes:
+    """A NAME.key file's text holding the Z85 public `key`, as `zmq.auth` writes and reads it."""
+    comment = f"#   {note}\n" if note else ""
+    return (f"#   ****  idlegrad public key: safe to share  ****\n{comment}metadata\ncurve\n"
+            f"    public-key = \"{key.decode('ascii')}\"\n").encode("ascii")
+
+
 def _load(path: str, what: str) -> tuple[Optional[bytes], Optional[bytes]]:
     import zmq.auth
 
