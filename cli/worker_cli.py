@@ -2,7 +2,7 @@
 
     idlegrad worker [--coordinator ADDR] [settings...]          run (the settings override the file)
     idlegrad worker --print-config [settings...]                the effective settings, as TOML
-    idlegrad worker join TOKEN [--install] [--config FILE]   enrol with an invitation, write the file
+    idlegrad worker join TOKEN [--install] [--config FILE]   enrol by invitation, write the file
     idlegrad worker install [--user|--system] [--print] [settings...]
     idlegrad worker uninstall [--user|--system]
     idlegrad worker service-status [--user|--system]
@@ -121,7 +121,8 @@ def add_worker_parser(sub, add_common: Callable, positive: Callable, non_negativ
     add_common(w)
     w.set_defaults(func=run_worker)
 
-    actions = w.add_subparsers(dest="worker_action", metavar="[join|install|uninstall|service-status]",
+    actions = w.add_subparsers(dest="worker_action",
+                               metavar="[join|install|uninstall|service-status]",
                                parser_class=parser_class)
     actions.required = False
     j = actions.add_parser("join", help="join a coordinator with an invitation token",
@@ -131,8 +132,8 @@ def add_worker_parser(sub, add_common: Callable, positive: Callable, non_negativ
                                        "then runs with it.")
     j.add_argument("token", metavar="TOKEN", help="the last line `idlegrad invite` printed")
     j.add_argument("--config", default=None, metavar="FILE",
-                   help="the configuration file to write (default: ~/.config/idlegrad/worker.toml); "
-                        "the keys go beside it")
+                   help="the configuration file to write (default: "
+                        "~/.config/idlegrad/worker.toml); the keys go beside it")
     j.add_argument("--install", action="store_true",
                    help="then install and start the worker as a (user) service")
     j.add_argument("--timeout", type=positive(float), default=20.0, metavar="SECONDS",

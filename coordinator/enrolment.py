@@ -149,6 +149,7 @@ class Endpoint:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 4096)
         self.sock.setsockopt(zmq.LINGER, 200)
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)  # half-open connections are shed
         self.sock.curve_publickey, self.sock.curve_secretkey = owner.keypair
         self.sock.curve_server = True
         try:
