@@ -138,3 +138,30 @@ def test_the_store_reads_nothing_outside_its_folder(tmp_path):
     assert (tmp_path / "outside.json").exists()
     (tmp_path / "invites" / "fedcba9876543210.json").write_text(json.dumps(INV.to_json()))
     assert store.load("fedcba9876543210") is None  # a record under another id's name
+
+
+def test_join_refuses_to_overwrite_a_configuration_before_enrolling(tmp_path):
+    from idlegrad.worker.join import join
+
+    config = tmp_path / "worker.toml"
+    config.write_text('coordinator = "tcp://127.0.0.1:5555"\n')
+    token = Token("tcp://127.0.0.1:9", KEY, INV.id, SECRET).encode()
+    with pytest.raises(ConfigError, match="exists"):
+        join(token, str(config), timeout_s=0.1)
+    assert not (tmp_path / "worker.key_secret").exists()  # nothing made, no use spent
+
+
+def test_join_without_an_answer_is_one_line_and_writes_no_configuration(tmp_path):
+    import zmq.auth
+
+    from idlegrad.common.errors import IdlegradError
+    from idlegrad.worker.join import join
+
+    public, _ = zmq.auth.create_certificates(str(tmp_path), "coord")
+    server = zmq.auth.load_certificate(public)[0]
+    token = Token("tcp://127.0.0.1:9", server, INV.id, SECRET).encode()  # nobody listens
+    with pytest.raises(IdlegradError, match="no answer") as err:
+        join(token, str(tmp_path / "w" / "worker.toml"), timeout_s=0.3)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "w" / "worker.toml").exists()
+    assert (tmp_path / "w" / "worker.key_secret").exists()  # kept for the next try
