@@ -8,12 +8,15 @@ that a bare `idlegrad worker` (or the service) runs with it.
 from __future__ import annotations
 
 import os
+import re
 from typing import Optional
 
 from ..common import protocol as proto
 from ..common import security
 from ..common.errors import ConfigError, IdlegradError, ProtocolError
 from ..common.invitation import Token, enrol_address, parse
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 KEY_NAME = "worker"
 COORDINATOR_KEY = "coordinator" + security.PUBLIC_SUFFIX
@@ -46,6 +49,8 @@ def enrol(token: Token, keys: security.ClientKeys, timeout_s: float) -> str:
         raise IdlegradError(f"the enrolment endpoint {address} answered {reply.TYPE}")
     if not reply.ok:
         raise IdlegradError(f"the coordinator refused the invitation: {reply.reason}")
+    if not NAME_RE.match(reply.name):
+        raise IdlegradError(f"the coordinator named this worker {reply.name[:40]!r}: not a name")
     return reply.name
 
 

@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import zmq
 
+from idlegrad.common import protocol as proto
 from idlegrad.common.invitation import parse
 from idlegrad.common.security import client_keys
 
@@ -106,6 +108,20 @@ def test_invite_join_train_refuse_replay_expiry_forgery_and_restart(cluster):
     assert snap["counters"].get("enrolled") == 1
     for why in ("used up", "expired", "wrong secret"):
         assert any(why in e["text"] for e in status.events_of("refused")), status.events
+    # The key the refused joins made is not enrolled: the training endpoint still refuses its
+    # handshake (it hears nothing, and the coordinator counts the refusal).
+    ctx = zmq.Context()
+    try:
+        rogue = ctx.socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 0)
+        client_keys(str(keys / "coord.key"), str(other.parent / "worker.key_secret")).apply(rogue)
+        rogue.connect(cluster.address)
+        rogue.send_multipart(proto.encode(proto.Heartbeat(state="idle")))
+        assert not rogue.poll(2000), "an unenrolled key got an answer from the training endpoint"
+    finally:
+        ctx.destroy(linger=0)
+    status.wait_for(lambda s: s["counters"].get("handshakes_refused", 0) >= 1,
+                    "the unenrolled key's handshake refused", timeout=30, alive=[coordinator])
     listed = idlegrad(cluster.env, "invite", "--enrolled", enrolled, "--list")
     assert f"{parsed.id}" in listed.stdout and "used 1/1" in listed.stdout, listed.stdout
 
