@@ -129,7 +129,8 @@ def load_key_lists(config: CoordinatorConfig) -> KeyLists:
 
         enrolled = Store(config.enrolled).prepare().enrolled_keys()
     return KeyLists(
-        workers=security.load_allowed(config.allow_keys, "--allow-keys") | enrolled,
+        workers=security.load_allowed(config.allow_keys, "--allow-keys",
+                                      empty_ok=bool(config.enrolled)) | enrolled,
         monitors=(security.load_allowed(config.monitor_keys, "--monitor-keys")
                   if config.monitor_keys else frozenset()),
         operators=(security.load_allowed(config.operator_keys, "--operator-keys")

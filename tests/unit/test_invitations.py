@@ -165,3 +165,49 @@ def test_join_without_an_answer_is_one_line_and_writes_no_configuration(tmp_path
     assert "\n" not in str(err.value)
     assert not (tmp_path / "w" / "worker.toml").exists()
     assert (tmp_path / "w" / "worker.key_secret").exists()  # kept for the next try
+
+
+def test_join_install_installs_a_service_reading_the_written_file(tmp_path, monkeypatch):
+    import argparse
+
+    from idlegrad.cli import worker_cli
+    from idlegrad.worker import join, service
+
+    config = tmp_path / "worker.toml"
+
+    def fake_join(text, path, timeout_s):
+        with open(path, "w") as f:
+            f.write('coordinator = "tcp://127.0.0.1:5555"\nid = "vol-1"\n')
+        return ["enrolled"]
+
+    installed = []
+    monkeypatch.setattr(join, "join", fake_join)
+    monkeypatch.setattr(service, "platform_format", lambda: "systemd")
+    monkeypatch.setattr(service, "install", lambda fmt, scope, text, path: installed.append(
+        (scope, text)) or ["installed"])
+    args = argparse.Namespace(token="t", config=str(config), timeout=1.0, install=True)
+    assert worker_cli.run_join(args) == 0
+    (scope, text), = installed
+    assert scope == "user" and f"--config {config}" in text
+    installed.clear()
+    config.unlink()
+    assert worker_cli.run_join(argparse.Namespace(token="t", config=str(config), timeout=1.0,
+                                                  install=False)) == 0
+    assert not installed
+
+
+def test_an_empty_allow_folder_is_expected_with_invitations(tmp_path, caplog):
+    from idlegrad.coordinator.config import CoordinatorConfig, load_key_lists
+
+    (tmp_path / "allow").mkdir()
+    store = Store(str(tmp_path / "enrolled")).prepare()
+    inv, _ = store.mint(1, 60.0, "vol", now=0.0)
+    store.enrol(inv, 0, key_name(inv, 0), KEY)
+    config = CoordinatorConfig(job="digits", allow_keys=str(tmp_path / "allow"),
+                               enrolled=str(tmp_path / "enrolled"))
+    with caplog.at_level("WARNING"):
+        assert load_key_lists(config).workers == frozenset({KEY})
+    assert "holds no" not in caplog.text
+    with caplog.at_level("WARNING"):
+        load_key_lists(CoordinatorConfig(job="digits", allow_keys=str(tmp_path / "allow")))
+    assert "holds no" in caplog.text
