@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 from .. import __version__
 from ..common.errors import ConfigError, IdlegradError
+from .invite import add_invite_parser
 from .simulate import add_simulate_parser
 from .worker_cli import add_worker_parser
 
@@ -171,6 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--operator-keys", metavar="DIR",
                    help="CURVE: directory of the NAME.key public keys that may read the status "
                         "and command: pause, resume, drain; re-read on SIGHUP")
+    c.add_argument("--enrolled", metavar="DIR",
+                   help="CURVE: enrol workers by invitation (`idlegrad invite`): the invitations "
+                        "and enrolled keys live here; the enrolment endpoint listens on the "
+                        "--bind port plus one")
     c.add_argument("--insecure", action="store_true",
                    help="without keys, listen beyond loopback anyway (anyone who reaches the port "
                         "may join)")
@@ -178,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_run_coordinator)
 
     # `idlegrad worker [install|uninstall|service-status]`: settings, config file, service
+    add_invite_parser(sub, _add_common, _positive)
     add_worker_parser(sub, _add_common, _positive, _non_negative, _Parser)
 
     d = sub.add_parser("demo", help="a coordinator and workers on this machine, training digits",
@@ -317,7 +323,8 @@ def _run_coordinator(args) -> int:
         redundancy=str(parse_redundancy(args.redundancy)), sync=args.sync,
         max_batch=args.max_batch, speculate=args.speculate, secret_key=args.secret_key,
         allow_keys=args.allow_keys, monitor_keys=args.monitor_keys,
-        operator_keys=args.operator_keys, insecure=args.insecure, ledger_path=args.ledger,
+        operator_keys=args.operator_keys, enrolled=args.enrolled, insecure=args.insecure,
+        ledger_path=args.ledger,
         trust=_trust_config(TrustConfig, args.reject_norm, args.ban_after), task=args.task,
         outer=OuterConfig(args.outer_lr, args.outer_momentum), local_slot_s=args.local_slot_s,
         local_max_steps=args.local_max_steps, local_link_factor=args.local_link_factor,

@@ -2,6 +2,7 @@
 
     idlegrad worker [--coordinator ADDR] [settings...]          run (the settings override the file)
     idlegrad worker --print-config [settings...]                the effective settings, as TOML
+    idlegrad worker join TOKEN [--install] [--config FILE]   enrol by invitation, write the file
     idlegrad worker install [--user|--system] [--print] [settings...]
     idlegrad worker uninstall [--user|--system]
     idlegrad worker service-status [--user|--system]
@@ -120,9 +121,25 @@ def add_worker_parser(sub, add_common: Callable, positive: Callable, non_negativ
     add_common(w)
     w.set_defaults(func=run_worker)
 
-    actions = w.add_subparsers(dest="worker_action", metavar="[install|uninstall|service-status]",
+    actions = w.add_subparsers(dest="worker_action",
+                               metavar="[join|install|uninstall|service-status]",
                                parser_class=parser_class)
     actions.required = False
+    j = actions.add_parser("join", help="join a coordinator with an invitation token",
+                           description="Make this worker's key pair, enrol it with the coordinator "
+                                       "using the token from `idlegrad invite`, and write the "
+                                       "worker's configuration file; a bare `idlegrad worker` "
+                                       "then runs with it.")
+    j.add_argument("token", metavar="TOKEN", help="the last line `idlegrad invite` printed")
+    j.add_argument("--config", default=None, metavar="FILE",
+                   help="the configuration file to write (default: "
+                        "~/.config/idlegrad/worker.toml); the keys go beside it")
+    j.add_argument("--install", action="store_true",
+                   help="then install and start the worker as a (user) service")
+    j.add_argument("--timeout", type=positive(float), default=20.0, metavar="SECONDS",
+                   help="wait this long for the coordinator's answer (default: 20)")
+    add_common(j)
+    j.set_defaults(func=run_join)
     i = actions.add_parser("install", help="install and start the worker as a service",
                            description="Install the worker as a service (systemd on Linux, launchd "
                                        "on macOS) that starts with the machine or the login, at the "
@@ -237,6 +254,23 @@ def run_install(args) -> int:
         return 0
     for line in service.install(fmt, args.scope, text, path):
         print(line)
+    return 0
+
+
+def run_join(args) -> int:
+    from ..worker import config, join
+
+    path = join.default_config(args.config)
+    for line in join.join(args.token, path, args.timeout):
+        print(line)
+    if args.install:
+        from ..worker import service
+
+        settings, _ = config.effective(path, {}, FLAG_OF)
+        fmt = service.platform_format()
+        text, unit = service.render(fmt, "user", ["--config", os.path.abspath(path)], settings)
+        for line in service.install(fmt, "user", text, unit):
+            print(line)
     return 0
 
 

@@ -248,10 +248,34 @@ class ControlReply(Message):
     detail: str = ""
 
 
+# a volunteer's worker <-> the coordinator's enrolment endpoint ----------------------------------
+
+
+@dataclass(frozen=True)
+class Enrol(Message):
+    """Enrol the sender's CURVE key (the key of its handshake, never a key it names) as a worker
+    key, with an invitation's id and one-time secret. Heard only on the enrolment endpoint."""
+
+    TYPE: ClassVar[str] = "enrol"
+    invitation: str  # 16 hex digits
+    secret: str  # 43 base64url characters
+
+
+@dataclass(frozen=True)
+class Enrolled(Message):
+    """The answer to an `enrol`: the key is now a worker key (with the worker name to use), or
+    one line saying why not."""
+
+    TYPE: ClassVar[str] = "enrolled"
+    ok: bool
+    name: str = ""
+    reason: str = ""
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (Hello, Ready, Result, Heartbeat, Bye, Welcome, Task, Cancel, Ack, Reject, Shutdown,
-                StatusRequest, Status, Control, ControlReply)
+                StatusRequest, Status, Control, ControlReply, Enrol, Enrolled)
 }
 
 
@@ -592,3 +616,13 @@ def _semantic_checks(msg: Message) -> None:
             raise ProtocolError("schema", "control.worker is required to drain")
         if msg.worker is not None and len(msg.worker) > MAX_WORKER_ID:
             raise ProtocolError("schema", f"control.worker over {MAX_WORKER_ID} characters")
+    elif isinstance(msg, Enrol):
+        if not (len(msg.invitation) == 16 and all(c in "0123456789abcdef" for c in msg.invitation)):
+            raise ProtocolError("schema", "enrol.invitation must be 16 hex digits")
+        if not (len(msg.secret) == 43 and all(c.isascii() and (c.isalnum() or c in "-_")
+                                              for c in msg.secret)):
+            raise ProtocolError("schema", "enrol.secret must be 43 base64url characters")
+    elif isinstance(msg, Enrolled):
+        if len(msg.name) > MAX_WORKER_ID or len(msg.reason) > MAX_NAME:
+            raise ProtocolError("schema", f"enrolled.name over {MAX_WORKER_ID} or reason over "
+                                          f"{MAX_NAME} characters")

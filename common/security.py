@@ -58,6 +58,13 @@ def generate(name: str, directory: str = ".") -> tuple[str, str]:
     return public, secret
 
 
+def public_key_text(key: bytes, note: str = "") -> bytes:
+    """A NAME.key file's text holding the Z85 public `key`, as `zmq.auth` writes and reads it."""
+    comment = f"#   {note}\n" if note else ""
+    return (f"#   ****  idlegrad public key: safe to share  ****\n{comment}metadata\ncurve\n"
+            f"    public-key = \"{key.decode('ascii')}\"\n").encode("ascii")
+
+
 def _load(path: str, what: str) -> tuple[Optional[bytes], Optional[bytes]]:
     import zmq.auth
 
@@ -85,9 +92,11 @@ def load_keypair(path: str, what: str = "--secret-key") -> tuple[bytes, bytes]:
     return public, secret
 
 
-def load_allowed(directory: str, flag: str = "--allow-keys") -> frozenset[bytes]:
+def load_allowed(directory: str, flag: str = "--allow-keys",
+                 empty_ok: bool = False) -> frozenset[bytes]:
     """The Z85 public keys of every NAME.key file in `directory` (a key folder: `flag` is the
-    option that named it, for the messages)."""
+    option that named it, for the messages). `empty_ok`: an empty folder is expected (keys come
+    by invitation), not warned of."""
     import zmq.auth
 
     if not os.path.isdir(directory):
@@ -101,7 +110,7 @@ def load_allowed(directory: str, flag: str = "--allow-keys") -> frozenset[bytes]
         log.warning("%s %s holds secret keys (%s): only the public NAME%s files belong there, "
                     "and a secret key is not one", flag, directory, ", ".join(secrets[:3]),
                     PUBLIC_SUFFIX)
-    if not keys:
+    if not keys and not empty_ok:
         log.warning("%s %s holds no NAME%s file: no key holds its role until one is added "
                     "(then send SIGHUP)", flag, directory, PUBLIC_SUFFIX)
     return keys

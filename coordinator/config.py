@@ -53,6 +53,7 @@ class CoordinatorConfig:
     allow_keys: Optional[str] = None  # CURVE: directory of the workers' NAME.key files
     monitor_keys: Optional[str] = None  # CURVE: keys that may read the status
     operator_keys: Optional[str] = None  # CURVE: keys that may read the status and command
+    enrolled: Optional[str] = None  # CURVE: invitations and the keys they enrolled (work role)
     insecure: bool = False  # without keys, listen beyond loopback anyway
     trust: TrustConfig = field(default_factory=TrustConfig)  # outlier gradients, offences, bans
     ledger_path: Optional[str] = None  # JSON lines: slots sent, results acknowledged, rounds applied
@@ -123,8 +124,14 @@ def _check_paths(config: CoordinatorConfig) -> None:
 
 def load_key_lists(config: CoordinatorConfig) -> KeyLists:
     """The key folders, read now (at start and on SIGHUP); ConfigError with one line."""
+    enrolled = frozenset()
+    if config.enrolled:
+        from .enrolment import Store
+
+        enrolled = Store(config.enrolled).prepare().enrolled_keys()
     return KeyLists(
-        workers=security.load_allowed(config.allow_keys, "--allow-keys"),
+        workers=security.load_allowed(config.allow_keys, "--allow-keys",
+                                      empty_ok=bool(config.enrolled)) | enrolled,
         monitors=(security.load_allowed(config.monitor_keys, "--monitor-keys")
                   if config.monitor_keys else frozenset()),
         operators=(security.load_allowed(config.operator_keys, "--operator-keys")
@@ -136,6 +143,13 @@ def _check_security(config: CoordinatorConfig):
     security.check_address(config.bind, "--bind", bind=True)
     if (config.secret_key is None) != (config.allow_keys is None):
         raise ConfigError("--secret-key and --allow-keys go together: give both or neither")
+    if config.enrolled and config.secret_key is None:
+        raise ConfigError("--enrolled needs --secret-key and --allow-keys: invitations enrol "
+                          "CURVE keys")
+    if config.enrolled:
+        from ..common.invitation import enrol_address
+
+        enrol_address(config.bind)  # a tcp:// address with a fixed port, or one line
     if config.secret_key is None and (config.monitor_keys or config.operator_keys):
         flag = "--operator-keys" if config.operator_keys else "--monitor-keys"
         raise ConfigError(f"{flag} needs --secret-key and --allow-keys: roles belong to CURVE "

@@ -12,6 +12,9 @@ Roles, with keys: a key in `--allow-keys` may work (hello, results, heartbeats);
 roles, so an operator who lends their own machine lists its key twice. Without keys (a loopback
 coordinator) whoever can reach the socket is already on this machine: anyone may do anything.
 
+Enrolment by invitation happens elsewhere, on its own endpoint (enrolment.py): the key it
+enrols becomes a worker key here (`enrol`), as if its NAME.key had been added to --allow-keys.
+
 Without keys a worker's identity is its worker id; with keys it is its key, so a worker name is
 held by one key and bans apply to the key.
 """
@@ -168,6 +171,13 @@ class Gate:
         if route is not None:
             self.peers.pop(route, None)
         self.key_of.pop(worker_id, None)
+
+    def enrol(self, key: bytes) -> None:
+        """`key` was enrolled by invitation: it may work from its next handshake on."""
+        if self.keys is not None:
+            self.keys = KeyLists(self.keys.workers | {key}, self.keys.monitors,
+                                 self.keys.operators)
+            self._listed = self._every(self.keys)
 
     def reload(self, keys: KeyLists) -> tuple[list[str], int]:
         """New key folders: the worker ids whose key may no longer work (each is to be evicted),

@@ -24,7 +24,7 @@ from ..common import protocol as proto
 from ..common.aio import on_reload_signal, on_stop_signals
 from ..common.errors import ConfigError, ProtocolError
 from ..common.throttle import Throttle
-from . import evaluation
+from . import enrolment, evaluation
 from .config import CoordinatorConfig, check, load_key_lists
 from .effects import Applied, Ban, Compute, Event, Used
 from .gate import BANNED, Gate, KeyLists
@@ -87,6 +87,7 @@ class Coordinator:
     async def _serve(self) -> str:
         tune_gc()
         self.transport = transport = ZmqTransport(self.config.bind, self.keypair, self._allow)
+        enrolling = enrolment.start(self)  # None without --enrolled
         on_stop_signals(self._on_signal)
         if self.gate.secure:
             on_reload_signal(lambda: asyncio.ensure_future(self.reload_keys()))
@@ -101,6 +102,7 @@ class Coordinator:
         finally:
             self.close_logs()
             transport.close()
+            enrolling is None or enrolling.close()
         return self.stop_reason or "stopped"
 
     def open_logs(self) -> None:

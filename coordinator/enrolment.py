@@ -1,0 +1,225 @@
+"""Enrolment by invitation: the invitations and enrolled keys on disk (`Store`, shared with
+`idlegrad invite`), and the coordinator's enrolment endpoint (`Endpoint`), an I/O shell beside
+the training socket. The decisions are invitations.py's.
+
+The training endpoint's handshake stays closed to every unlisted key. The enrolment endpoint is
+a second ROUTER at the training port plus one, CURVE with the coordinator's own key pair, whose
+handshake any key may finish; there it may say one thing, `enrol`, with an invitation's id and
+secret. The key enrolled is the key of the handshake (the sender proved it holds its secret), and
+it becomes a worker key at once, and across restarts: its NAME.key is written under DIR/keys.
+
+The folder (`--enrolled DIR`):
+    DIR/invites/ID.json   an invitation: hash of the secret, uses, expiry (written by `invite`)
+    DIR/invites/ID.used   how many keys it has enrolled (written by the coordinator only)
+    DIR/keys/NAME.key     an enrolled worker's public key
+Every file is written whole (tmp, fsync, rename); `invite --revoke` removes ID.json, and the
+coordinator reads the record at every enrolment, so a new or revoked invitation needs no signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import time
+from typing import Optional
+
+import zmq
+import zmq.asyncio
+
+from ..common import protocol as proto
+from ..common import security
+from ..common.errors import ConfigError, ProtocolError
+from ..common.invitation import ID_RE, Token, digest, enrol_address
+from .invitations import Invitation, Refusals, judge, key_name
+
+log = logging.getLogger("idlegrad.coordinator.enrolment")
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    directory = os.path.dirname(path) or "."
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Store:
+    def __init__(self, directory: str, flag: str = "--enrolled"):
+        self.dir, self.flag = directory, flag
+        self.invites = os.path.join(directory, "invites")
+        self.keys = os.path.join(directory, "keys")
+
+    def prepare(self) -> "Store":
+        try:
+            for d in (self.invites, self.keys):
+                os.makedirs(d, mode=0o700, exist_ok=True)
+            if not os.access(self.invites, os.W_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as exc:
+            raise ConfigError(f"{self.flag} {self.dir}: cannot write there: "
+                              f"{exc.strerror or exc}") from None
+        return self
+
+    def mint(self, uses: int, expires_s: float, name: str, now: float) -> tuple[Invitation, str]:
+        """A new invitation (written) and its secret (not kept)."""
+        secret = secrets.token_urlsafe(32)
+        inv = Invitation(id=secrets.token_hex(8), digest=digest(secret), uses=uses,
+                         expires=now + expires_s, name=name, created=now)
+        write_atomic(os.path.join(self.invites, inv.id + ".json"),
+                     json.dumps(inv.to_json()).encode())
+        return inv, secret
+
+    def load(self, inv_id: str) -> Optional[Invitation]:
+        if not ID_RE.match(inv_id):
+            return None
+        try:
+            with open(os.path.join(self.invites, inv_id + ".json"), "rb") as f:
+                inv = Invitation.from_json(json.loads(f.read(65536)))
+        except (OSError, ValueError, TypeError):
+            return None
+        return inv if inv.id == inv_id else None
+
+    def used(self, inv_id: str) -> int:
+        if not ID_RE.match(inv_id):
+            return 1 << 30
+        try:
+            with open(os.path.join(self.invites, inv_id + ".used"), "rb") as f:
+                return max(0, int(f.read(32)))
+        except FileNotFoundError:
+            return 0
+        except (OSError, ValueError):
+            return 1 << 30  # unreadable: counted as used up, failing closed
+
+    def all(self) -> list[tuple[Invitation, int]]:
+        out = []
+        for name in sorted(os.listdir(self.invites)):
+            if name.endswith(".json"):
+                inv = self.load(name[:-5])
+                if inv is not None:
+                    out.append((inv, self.used(inv.id)))
+        return sorted(out, key=lambda pair: pair[0].created)
+
+    def revoke(self, inv_id: str) -> bool:
+        if not ID_RE.match(inv_id):
+            return False
+        try:
+            os.remove(os.path.join(self.invites, inv_id + ".json"))
+            return True
+        except (FileNotFoundError, ValueError):
+            return False
+
+    def enrol(self, inv: Invitation, used: int, name: str, key: bytes) -> None:
+        """Count the use first: a crash between the two writes loses a use, never exceeds one."""
+        write_atomic(os.path.join(self.invites, inv.id + ".used"), str(used + 1).encode())
+        write_atomic(os.path.join(self.keys, name + security.PUBLIC_SUFFIX),
+                     security.public_key_text(key, f"enrolled with invitation {inv.id}"))
+
+    def enrolled_keys(self) -> frozenset[bytes]:
+        if not os.path.isdir(self.keys) or not any(
+                n.endswith(security.PUBLIC_SUFFIX) for n in os.listdir(self.keys)):
+            return frozenset()
+        return security.load_allowed(self.keys, f"{self.flag} {self.dir}: keys")
+
+
+def token(coordinator: str, server_key: bytes, inv: Invitation, secret: str) -> str:
+    return Token(coordinator, server_key, inv.id, secret).encode()
+
+
+class Endpoint:
+    """The enrolment ROUTER of a running coordinator (`owner`: its gate, counters, events)."""
+
+    def __init__(self, owner, store: Store):
+        self.owner, self.store = owner, store
+        self.refusals = Refusals()
+        self.address = enrol_address(owner.config.bind)
+        self.ctx = zmq.asyncio.Context()
+        from .transport import _authenticator  # any key may finish this handshake
+
+        self.auth = _authenticator(self.ctx, lambda key: True)
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 4096)
+        self.sock.setsockopt(zmq.LINGER, 200)
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)  # half-open connections are shed
+        self.sock.curve_publickey, self.sock.curve_secretkey = owner.keypair
+        self.sock.curve_server = True
+        try:
+            self.sock.bind(self.address)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ConfigError(f"cannot bind the enrolment endpoint {self.address}: {exc}") from None
+        self.task = asyncio.ensure_future(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                reply = self.handle(frames, time.time())
+            except Exception as exc:  # never takes the coordinator down
+                log.error("enrolment failed: %s", exc)
+                reply = proto.Enrolled(ok=False, reason="the coordinator could not enrol the key")
+            if reply is not None:
+                await self.sock.send_multipart([frames[0], *proto.encode(reply)])
+
+    def handle(self, frames: list, now: float) -> Optional[proto.Message]:
+        counters = self.owner.counters
+        if not self.refusals.open(now):
+            counters["enrolments_dropped"] += 1
+            return None
+        from .transport import short, user_id
+
+        key = user_id(frames[1]) if len(frames) > 1 else None
+        try:
+            msg = proto.decode(frames[1:])
+            if not isinstance(msg, proto.Enrol) or key is None:
+                raise ProtocolError("unexpected", "only enrol is heard here")
+        except ProtocolError as exc:
+            return self._refuse(f"bad enrolment message: {exc}"[:200], key, now)
+        inv = self.store.load(msg.invitation)
+        used = self.store.used(msg.invitation)
+        reason = judge(inv, used, msg.secret, now)
+        if reason is not None:
+            return self._refuse(reason, key, now, msg.invitation)
+        name = key_name(inv, used)
+        self.store.enrol(inv, used, name, key)
+        self.owner.gate.enrol(key)
+        counters["enrolled"] += 1
+        self.owner._event("enrolled", f"key {short(key)} enrolled as {name} with invitation "
+                                      f"{inv.id} (use {used + 1} of {inv.uses})")
+        return proto.Enrolled(ok=True, name=name)
+
+    def _refuse(self, reason: str, key, now: float, inv_id: str = "?") -> proto.Message:
+        self.refusals.refused(now)
+        self.owner.counters["enrolments_refused"] += 1
+        # one line each: the window's bound (Refusals) already caps how many
+        who = key[:8].decode("ascii", "replace") + "..." if key else "?"
+        self.owner._event("refused", f"enrolment of key {who} with invitation {inv_id} "
+                                     f"refused: {reason}", level=logging.WARNING)
+        return proto.Enrolled(ok=False, reason=reason)
+
+    def close(self) -> None:
+        task = getattr(self, "task", None)
+        if task is not None:
+            task.cancel()
+        self.sock.close(0)
+        self.auth.stop()
+        self.ctx.term()
+
+
+def start(owner) -> Optional[Endpoint]:
+    """The enrolment endpoint of `owner` (a Coordinator), when it has --enrolled."""
+    if not owner.config.enrolled:
+        return None
+    endpoint = Endpoint(owner, Store(owner.config.enrolled).prepare())
+    owner._event("enrolment", f"enrolment by invitation on {endpoint.address} (keys under "
+                              f"{endpoint.store.keys})")
+    return endpoint
