@@ -152,7 +152,7 @@ def main() -> None:
 
         gc.disable()
     elif not args.default_gc:
-        from idlegrad.coordinator.server import tune_gc
+        from idlegrad.coordinator.training import tune_gc
 
         tune_gc()
     out: dict = {"rows": []}

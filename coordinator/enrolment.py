@@ -193,8 +193,8 @@ class Endpoint:
         self.store.enrol(inv, used, name, key)
         self.owner.gate.enrol(key)
         counters["enrolled"] += 1
-        self.owner._event("enrolled", f"key {short(key)} enrolled as {name} with invitation "
-                                      f"{inv.id} (use {used + 1} of {inv.uses})")
+        self.owner.training.event("enrolled", f"key {short(key)} enrolled as {name} with "
+                                              f"invitation {inv.id} (use {used + 1} of {inv.uses})")
         return proto.Enrolled(ok=True, name=name)
 
     def _refuse(self, reason: str, key, now: float, inv_id: str = "?") -> proto.Message:
@@ -202,8 +202,8 @@ class Endpoint:
         self.owner.counters["enrolments_refused"] += 1
         # one line each: the window's bound (Refusals) already caps how many
         who = key[:8].decode("ascii", "replace") + "..." if key else "?"
-        self.owner._event("refused", f"enrolment of key {who} with invitation {inv_id} "
-                                     f"refused: {reason}", level=logging.WARNING)
+        self.owner.training.event("refused", f"enrolment of key {who} with invitation "
+                                             f"{inv_id} refused: {reason}", level=logging.WARNING)
         return proto.Enrolled(ok=False, reason=reason)
 
     def close(self) -> None:
@@ -220,6 +220,6 @@ def start(owner) -> Optional[Endpoint]:
     if not owner.config.enrolled:
         return None
     endpoint = Endpoint(owner, Store(owner.config.enrolled).prepare())
-    owner._event("enrolment", f"enrolment by invitation on {endpoint.address} (keys under "
+    owner.training.event("enrolment", f"enrolment by invitation on {endpoint.address} (keys under "
                               f"{endpoint.store.keys})")
     return endpoint

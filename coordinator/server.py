@@ -10,7 +10,6 @@ one is counted, logged with its sender and dropped, and the loop goes on.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import math
 import signal
@@ -31,21 +30,12 @@ from .gate import BANNED, Gate, KeyLists
 from .records import RunRecords
 from .scheduler import Assign, CancelSlots, Drained, Evicted
 from .status import EVENTS_PER_STATUS, coordinator_snapshot
-from .training import Training
+from .training import Training, tune_gc
 from .transport import ZmqTransport, short, user_id
 
 __all__ = ["Coordinator", "CoordinatorConfig"]
 
 log = logging.getLogger("idlegrad.coordinator")
-
-
-def tune_gc() -> None:
-    """What start-up built (torch, the job, the model) is frozen out of collections, and full
-    passes come less often: Python's default costs the scheduler about a third of its time per
-    slot at 10,000 workers, and the coordinator's records hold few reference cycles."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 10, 10)
 
 
 class Coordinator:
@@ -102,7 +92,8 @@ class Coordinator:
         finally:
             self.close_logs()
             transport.close()
-            enrolling is None or enrolling.close()
+            if enrolling is not None:
+                enrolling.close()
         return self.stop_reason or "stopped"
 
     def open_logs(self) -> None:
