@@ -54,9 +54,14 @@ def test_arrays_round_trip_and_the_manifest_names_itself(tmp_path):
     assert doc["format"] == "idlegrad-shards/1" and doc["samples"] == 103
     assert doc["fields"] == [{"name": "inputs", "dtype": "float32", "shape": [3, 4]},
                              {"name": "targets", "dtype": "int64", "shape": []}]
+    start = 0
     for shard in doc["shards"]:
         path = BlobFolder(str(tmp_path / "out")).path_of(shard["sha256"])
         assert os.path.getsize(path) == shard["size"]
+        # the layout other tools may read: field by field, raw little-endian
+        end = start + shard["samples"]
+        assert open(path, "rb").read() == x[start:end].astype("<f4").tobytes() + y[start:end].astype("<i8").tobytes()
+        start = end
     ds = ShardedDataset(str(tmp_path / "out" / "manifest.json"))
     assert ds.manifest_sha256 == manifest.sha256
     xs, ys = zip(*(ds[i] for i in range(len(ds))))
