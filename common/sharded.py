@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .blobs import BlobError, BlobFolder, Manifest, load_manifest
+from .blobs import (MAX_MANIFEST_BYTES, BlobError, BlobFolder, Manifest, check_sha256,
+                    load_manifest)
 
 
 class BlobStore(Protocol):
@@ -43,6 +44,14 @@ class ShardedDataset(Dataset):
         self._starts = np.cumsum([0] + [s.samples for s in manifest.shards])
         self._maps: dict[int, list[np.ndarray]] = {}
         self._tuple = manifest.decode.get("sample") != "tensor" or len(manifest.fields) != 1
+
+    @classmethod
+    def from_store(cls, manifest_sha256: str, store: BlobStore) -> "ShardedDataset":
+        """The data set a manifest hash names, its manifest too fetched from `store` (the
+        worker's cache) and checked against that hash: how a job declares its data by name."""
+        with open(store.path_of(check_sha256(manifest_sha256)), "rb") as fh:
+            data = fh.read(MAX_MANIFEST_BYTES + 1)
+        return cls(Manifest.from_bytes(data, manifest_sha256), store)
 
     def __len__(self) -> int:
         return int(self._starts[-1])

@@ -400,6 +400,8 @@ class BlobCache:
                 self.allowance.spend(self.clock(), len(block))
                 if expected is not None and written > expected:
                     raise SourceFailed(f"sends more than the {expected} bytes of the blob")
+                if expected is None and written > self.max_bytes:  # an endless body, unasked
+                    raise SourceFailed(f"sends more than the cache's cap of {self.max_bytes} bytes")
         except (OSError, ValueError, http.client.HTTPException) as exc:
             # a timeout, a reset, a body cut short: the bytes so far are kept for a resume
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
