@@ -233,22 +233,22 @@ class BlobCache:
         return os.path.join(self.root, "partial", check_sha256(sha256))
 
     def _entries(self) -> list[tuple[str, int, float]]:
+        """(path relative to the root, size, last use) of every whole blob and every partial
+        download: an abandoned partial takes room too, and goes in its turn."""
         out = []
-        base = os.path.join(self.root, "blobs")
-        for prefix in os.listdir(base):
-            folder = os.path.join(base, prefix)
-            for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        folders = [os.path.join("blobs", p) for p in os.listdir(os.path.join(self.root, "blobs"))]
+        for folder in folders + ["partial"]:
+            full = os.path.join(self.root, folder)
+            for name in os.listdir(full) if os.path.isdir(full) else ():
                 try:
-                    st = os.stat(os.path.join(folder, name))
+                    st = os.stat(os.path.join(full, name))
                 except FileNotFoundError:
                     continue
-                out.append((name, st.st_size, st.st_mtime))
+                out.append((os.path.join(folder, name), st.st_size, st.st_mtime))
         return out
 
     def used_bytes(self) -> int:
-        partial = os.path.join(self.root, "partial")
-        return (sum(size for _, size, _ in self._entries())
-                + sum(os.path.getsize(os.path.join(partial, n)) for n in os.listdir(partial)))
+        return sum(size for _, size, _ in self._entries())
 
     def _make_room(self, sha256: str, need: int) -> None:
         if need > self.max_bytes:
@@ -258,11 +258,12 @@ class BlobCache:
         with self._lock:  # two downloads making room at once must not both count the same room
             partial = self._partial(sha256)
             have = os.path.getsize(partial) if os.path.exists(partial) else 0
+            keep = frozenset({blob_relpath(sha256), os.path.join("partial", sha256)})
             doomed = choose_evictions(self._entries(), self.used_bytes(), need - have,
-                                      self.max_bytes, keep=frozenset({sha256}))
-            for name in doomed:
+                                      self.max_bytes, keep=keep)
+            for relpath in doomed:
                 try:
-                    os.unlink(self._path(name))  # an open memory map keeps its pages (POSIX)
+                    os.unlink(os.path.join(self.root, relpath))  # a memory map keeps its pages
                     self.evicted += 1
                 except FileNotFoundError:
                     pass

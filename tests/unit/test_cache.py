@@ -280,3 +280,45 @@ def test_worker_toml_cache_section(tmp_path):
                         ("daily_transfer_max_gb = -1", "cache.daily_transfer_max_gb")):
         with pytest.raises(ConfigError, match=needle):
             config.from_toml_text("[cache]\n" + bad, "w.toml")
+
+
+def test_an_abandoned_partial_counts_and_goes_in_its_turn(tmp_path, published):
+    manifest, folder = published
+    a, b, c, d = (s.sha256 for s in manifest.shards)
+    clock = Clock()
+    with Mirror(folder) as mirror:
+        cache = cache_for(tmp_path, [mirror], cap=3 * SHARD, clock=clock)
+        mirror.cut_after = 400
+        with pytest.raises(CacheError):
+            cache.path_of(a, SHARD)  # 400 bytes of a, left behind
+        os.utime(tmp_path / "cache" / "partial" / a, (clock.now, clock.now))
+        mirror.cut_after = None
+        cache.health.succeeded(mirror.url)
+        for name in (b, c):
+            clock.now += 10
+            cache.path_of(name, SHARD)
+        assert cache.used_bytes() == 2 * SHARD + 400
+        clock.now += 10
+        cache.path_of(d, SHARD)  # the oldest, the partial, goes: and that is room enough
+        assert not os.path.exists(tmp_path / "cache" / "partial" / a)
+        assert [cache.has(n) for n in (b, c, d)] == [True, True, True]
+        assert cache.used_bytes() == 3 * SHARD and cache.evicted == 1
+
+
+def test_making_room_for_a_resume_keeps_its_partial(tmp_path, published):
+    manifest, folder = published
+    a, b = manifest.shards[0].sha256, manifest.shards[1].sha256
+    clock = Clock()
+    with Mirror(folder) as mirror:
+        cache = cache_for(tmp_path, [mirror], cap=SHARD + SHARD // 2, clock=clock)
+        mirror.cut_after = 400
+        with pytest.raises(CacheError):
+            cache.path_of(a, SHARD)
+        os.utime(tmp_path / "cache" / "partial" / a, (clock.now, clock.now))  # the oldest entry
+        mirror.cut_after = None
+        cache.health.succeeded(mirror.url)
+        clock.now += 10
+        cache.path_of(b, SHARD)
+        clock.now += 10
+        cache.path_of(a, SHARD)
+        assert mirror.gets_of(a) == ["", "bytes=400-"] and not cache.has(b)
