@@ -31,11 +31,17 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Protocol, Sequence
 
 from ..common.blobs import blob_relpath, check_sha256, sha256_file
 from ..common.errors import ConfigError, IdlegradError
+
+try:
+    import fcntl  # POSIX: a lock file shared by the worker processes of one machine
+except ImportError:  # pragma: no cover - Windows: one process per cache
+    fcntl = None
 
 log = logging.getLogger("idlegrad.worker.cache")
 
@@ -222,6 +228,7 @@ class BlobCache:
         self.evicted = 0
         os.makedirs(os.path.join(root, "blobs"), exist_ok=True)
         os.makedirs(os.path.join(root, "partial"), exist_ok=True)
+        os.makedirs(os.path.join(root, "locks"), exist_ok=True)
         self._load_allowance()
 
     # paths and bookkeeping
@@ -271,9 +278,19 @@ class BlobCache:
                 log.info("cache: evicted %d least recently used blobs for %s", len(doomed),
                          sha256[:12])
 
-    def _blob_lock(self, sha256: str) -> threading.Lock:
+    @contextmanager
+    def _blob_lock(self, sha256: str):
+        """One holder per blob: a lock per name among this process's threads, and a lock file
+        among the processes sharing this cache (several workers on one machine)."""
         with self._lock:
-            return self._blob_locks.setdefault(sha256, threading.Lock())
+            lock = self._blob_locks.setdefault(sha256, threading.Lock())
+        with lock:
+            if fcntl is None:
+                yield
+                return
+            with open(os.path.join(self.root, "locks", check_sha256(sha256)), "a") as fh:
+                fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes
+                yield
 
     # the daily allowance survives restarts: a crash loop must not reset it
 

@@ -322,3 +322,21 @@ def test_making_room_for_a_resume_keeps_its_partial(tmp_path, published):
         clock.now += 10
         cache.path_of(a, SHARD)
         assert mirror.gets_of(a) == ["", "bytes=400-"] and not cache.has(b)
+
+
+def test_one_download_per_blob_with_two_processes_sharing_the_cache(tmp_path, published):
+    import subprocess
+    import sys
+
+    manifest, folder = published
+    sha = manifest.shards[0].sha256
+    script = ("import sys; from idlegrad.worker.cache import BlobCache, HttpSource; "
+              "c = BlobCache(sys.argv[1], 10**6, [HttpSource(sys.argv[2])]); "
+              "print(c.path_of(sys.argv[3], int(sys.argv[4])))")
+    with Mirror(folder) as mirror:
+        mirror.stall_s = 1.0  # the second process asks while the first downloads
+        argv = [sys.executable, "-c", script, str(tmp_path / "cache"), mirror.url, sha, str(SHARD)]
+        children = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+        outs = [child.communicate(timeout=60)[0].strip() for child in children]
+        assert all(child.returncode == 0 for child in children)
+        assert outs[0] == outs[1] and len(mirror.gets_of(sha)) == 1
