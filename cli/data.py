@@ -43,6 +43,13 @@ def add_data_parser(sub, add_common, positive, parser_class) -> None:
 
 
 def run_pack(args) -> int:
+    try:
+        return _pack(args)
+    except OSError as exc:  # an --out that is a file, a read-only folder: one line
+        raise DataError(f"{exc.filename or args.out}: {exc.strerror or exc}") from None
+
+
+def _pack(args) -> int:
     from ..common import blobs
 
     given = [bool(args.source), bool(args.job)]
@@ -73,6 +80,9 @@ def run_pack(args) -> int:
 def run_publish(args) -> int:
     from ..common.blobs import publish
 
-    manifest, copied, present = publish(args.pack_dir, args.to)
+    try:
+        manifest, copied, present = publish(args.pack_dir, args.to)
+    except OSError as exc:
+        raise DataError(f"{exc.filename or args.to}: {exc.strerror or exc}") from None
     print(f"{manifest.sha256}  published to {args.to}: {copied} blobs copied, {present} already there")
     return 0

@@ -62,12 +62,14 @@ def test_pack_npy_pair_corpus_and_job(run_cli, tmp_path):
     (["data", "pack", "--job", "no_such_job", "--out", "OUT"], "unknown job"),
     (["data", "publish", "TXT", "--to", "OUT"], "no manifest.json"),
     (["data", "publish", "TXT"], "--to"),
+    (["data", "pack", "X.npz", "--out", "X.npy"], "X.npy: File exists"),
 ])
 def test_bad_input_is_one_line(run_cli, tmp_path, argv, needle):
     (tmp_path / "TXT").mkdir()
     (tmp_path / "TXT" / "a").write_text("x" * 100)
     np.savez(tmp_path / "BAD.npz", x=np.zeros(3))
     np.save(tmp_path / "X.npy", np.zeros(3))
+    np.savez(tmp_path / "X.npz", inputs=np.zeros(3), targets=np.zeros(3))
     np.save(tmp_path / "OBJ.npy", np.array([{}, []], dtype=object), allow_pickle=True)
     argv = [str(tmp_path / a) if a.isupper() or a.endswith((".npz", ".npy")) else a for a in argv]
     result = run_cli(argv)
