@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 from .. import __version__
 from ..common.errors import ConfigError, IdlegradError
+from .data import add_data_parser
 from .invite import add_invite_parser
 from .simulate import add_simulate_parser
 from .worker_cli import add_worker_parser
@@ -268,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     kg.set_defaults(func=_run_keys_generate)
 
     add_simulate_parser(sub, _add_common, _positive, _non_negative)
+    add_data_parser(sub, _add_common, _positive, _Parser)
 
     pl = sub.add_parser("plot", help="plot a metrics log (needs the extra: idlegrad[plot])",
                         description="Plot METRICS.jsonl: loss and metric against time and samples, "

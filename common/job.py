@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 from torch.utils.data._utils.collate import default_collate
 
+from .blobs import dataset_fingerprint
 from .errors import JobError
 from .job_definition import Job
 from .job_loading import builtin_job_names, load_job, parse_job_args, resolve_factory
@@ -142,6 +143,11 @@ def build(job: Job, device: torch.device | str = "cpu", seed: int = 0,
         raise JobError(f"job {job.name!r}: the training set is empty")
     model = FlatModel(module, device)
     identity = {"name": job.name, "params": model.layout(), "train": len(train), "test": len(test)}
+    # Content-addressed data (a ShardedDataset) names its bytes: both sides must hold the same
+    # manifest. Only then is the key added, so a job without one keeps its fingerprint.
+    data = {label: dataset_fingerprint(ds) for label, ds in (("train", train), ("test", test))}
+    if any(data.values()):
+        identity["data"] = data
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
     return BuiltJob(job, model, train, test, digest)
 

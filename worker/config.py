@@ -56,6 +56,12 @@ class Settings:
     memory_available_min_mb: Optional[float] = 256.0
     gpu_others_max_pct: Optional[float] = 10.0
     pause_when_unknown: tuple[str, ...] = ()
+    # [cache] data shards and manifests fetched for jobs that declare their data (worker/cache.py)
+    cache_dir: Optional[str] = None  # default $XDG_CACHE_HOME/idlegrad/blobs
+    cache_max_gb: float = 10.0  # least recently used blobs go first beyond this
+    download_max_mbps: Optional[float] = None  # the owner's cap on the cache's download rate
+    daily_transfer_max_gb: Optional[float] = None  # per UTC day, kept across restarts
+    blob_mirrors: tuple[str, ...] = ()  # http(s) mirrors (idlegrad data publish), tried first
     # fault injection, for tests and benchmarks only (off by default)
     slowdown: float = 1.0  # every task takes this many times as long
     stall: Optional[str] = None  # "P:SECONDS": with probability P a task stalls that long
@@ -89,12 +95,14 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "idle": ("enabled", "resume_after", "sample_every", "cpu_others_max_pct", "cpu_ignore_niced",
              "user_idle_min_s", "pause_on_battery", "memory_available_min_mb",
              "gpu_others_max_pct", "pause_when_unknown"),
+    "cache": ("cache_dir", "cache_max_gb", "download_max_mbps", "daily_transfer_max_gb",
+              "blob_mirrors"),
     "faults": ("slowdown", "stall", "poison", "link_mbps"),
 }
 KEY_OF = {name: (f"{section}.{name}" if section else name)
           for section, names in SECTIONS.items() for name in names}
 OFF_ABLE = {"cpu_others_max_pct", "user_idle_min_s", "memory_available_min_mb",
-            "gpu_others_max_pct", "memory_max_mb"}
+            "gpu_others_max_pct", "memory_max_mb", "download_max_mbps", "daily_transfer_max_gb"}
 DEVICES_HELP = "auto, cpu or cuda[:N]"
 
 
@@ -233,7 +241,7 @@ def _check(name: str, value: Any, where: str) -> Any:
             raise _fail(where, name, f"at most {MAX_WORKER_ID} characters (the coordinator "
                                      f"refuses longer ids), got {len(value)}")
         return value
-    if name in ("job", "state_log", "coordinator_key", "secret_key"):
+    if name in ("job", "state_log", "coordinator_key", "secret_key", "cache_dir"):
         return _string(value, where, name)
     if name == "device":
         value = _string(value, where, name, optional=False)
@@ -270,6 +278,16 @@ def _check(name: str, value: Any, where: str) -> Any:
             except ValueError as exc:
                 raise _fail(where, name, str(exc)) from None
         return tuple(s.strip() for s in spans)
+    if name == "cache_max_gb":
+        return n(strict=True)
+    if name in ("download_max_mbps", "daily_transfer_max_gb"):
+        return None if value is None else n(strict=True, off=True)
+    if name == "blob_mirrors":
+        mirrors = tuple(m.strip() for m in _str_list(value, where, name))
+        bad = [m for m in mirrors if not m.startswith(("http://", "https://"))]
+        if bad:
+            raise _fail(where, name, f"{bad[0]!r} is not an http:// or https:// URL")
+        return mirrors
     if name == "slowdown":
         return n(minimum=1.0)
     if name == "link_mbps":

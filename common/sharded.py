@@ -1,0 +1,98 @@
+"""`ShardedDataset`: a map-style torch data set over a packed manifest (common/blobs.py).
+
+A job declares its data by manifest: `build_datasets` returns ShardedDataset(...), and the
+manifest's hash goes into the job's fingerprint (common/job.py), so every side trains on the same
+bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .blobs import (MAX_MANIFEST_BYTES, BlobError, BlobFolder, Manifest, check_sha256,
+                    load_manifest)
+
+
+class BlobStore(Protocol):
+    """What the reader needs of a store: a local path of a whole, checked blob. A BlobFolder
+    answers from disk; the worker's cache (worker/cache.py) fetches first."""
+
+    def path_of(self, sha256: str, size: Optional[int] = None) -> str: ...
+
+
+class ShardedDataset(Dataset):
+    """`ShardedDataset("pack/manifest.json")` (its blobs beside it) or
+    `ShardedDataset(manifest, store)`. A shard is asked of the store, and memory-mapped, only when
+    a sample in it is first read; `dataset[i]` is a tensor (one field, decode "tensor") or a tuple
+    of tensors, copied out of the map (so writable, and the map may go)."""
+
+    def __init__(self, manifest: "Manifest | str", store: Optional[BlobStore] = None):
+        if isinstance(manifest, str):
+            path = manifest
+            manifest = load_manifest(path)
+            store = store or BlobFolder(os.path.dirname(os.path.abspath(path)))
+        if store is None:
+            raise BlobError("ShardedDataset(manifest, store): a Manifest needs a store")
+        self.manifest = manifest
+        self.store = store
+        self.manifest_sha256 = manifest.sha256  # what the job's fingerprint folds in
+        self._starts = np.cumsum([0] + [s.samples for s in manifest.shards])
+        self._maps: dict[int, list[np.ndarray]] = {}
+        self._tuple = manifest.decode.get("sample") != "tensor" or len(manifest.fields) != 1
+
+    @classmethod
+    def from_store(cls, manifest_sha256: str, store: BlobStore) -> "ShardedDataset":
+        """The data set a manifest hash names, its manifest too fetched from `store` (the
+        worker's cache) and checked against that hash: how a job declares its data by name."""
+        with open(store.path_of(check_sha256(manifest_sha256)), "rb") as fh:
+            data = fh.read(MAX_MANIFEST_BYTES + 1)
+        return cls(Manifest.from_bytes(data, manifest_sha256), store)
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def shard_of(self, index: int) -> int:
+        return int(np.searchsorted(self._starts, index, side="right")) - 1
+
+    def opened_shards(self) -> list[int]:
+        return sorted(self._maps)
+
+    def _columns(self, k: int) -> list[np.ndarray]:
+        columns = self._maps.get(k)
+        if columns is None:
+            shard = self.manifest.shards[k]
+            path = self.store.path_of(shard.sha256, shard.size)
+            raw = np.memmap(path, dtype=np.uint8, mode="r")
+            if raw.size != shard.size:
+                raise BlobError(f"shard {shard.sha256[:12]} is {raw.size} bytes, not {shard.size}")
+            columns, offset = [], 0
+            for f in self.manifest.fields:
+                length = shard.samples * f.sample_bytes
+                columns.append(raw[offset:offset + length].view(f.numpy_dtype)
+                               .reshape((shard.samples, *f.shape)))
+                offset += length
+            self._maps[k] = columns
+        return columns
+
+    def __getitem__(self, index):
+        index = int(index)
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} of {len(self)}")
+        k = self.shard_of(index)
+        row = index - int(self._starts[k])
+        # np.array copies (and makes native byte order): torch wants writable memory
+        values = [torch.from_numpy(np.array(column[row], dtype=column.dtype.newbyteorder("=")))
+                  for column in self._columns(k)]
+        return tuple(values) if self._tuple else values[0]
+
+    def __getstate__(self):  # a copy in another process maps its own shards
+        state = dict(self.__dict__)
+        state["_maps"] = {}
+        return state
