@@ -5,9 +5,12 @@ Each project's compute-seconds are counted and decayed exponentially (BOINC's re
 credit), and the next task goes to the ready project that has had least per unit of share. Over
 time each ready project then gets compute in proportion to its share.
 
-A project that is not ready (its coordinator is down, or it has no task queued) builds no claim
-while away: its count is lifted to the level of the least-served ready project. So when it comes
-back it is served at once (not starved) but has no backlog to catch up on (no flood).
+A project that is away (its coordinator is down, or it has had no work for a while) builds no
+claim meanwhile: its count is lifted to the level of the least-served present project. So when it
+comes back it is served at once (not starved) but has no backlog to catch up on (no flood). A
+project that is up and owed most but whose next task is still on its way is waited for, briefly
+(the caller bounds the wait): else a coordinator that deals one task per result would only ever
+get every other task, whatever its share.
 
 Pure: time is an argument; no clock, threads or sockets.
 """
@@ -49,19 +52,25 @@ class ShareScheduler:
         self._decay(now)
         self.used[project] += max(0.0, seconds)
 
-    def pick(self, ready: Iterable[str], now: float) -> Optional[str]:
-        """The ready project whose task runs next; None when none is ready."""
+    def pick(self, asking: Iterable[str], now: float,
+             expected: Iterable[str] = ()) -> Optional[str]:
+        """The project whose task runs next, among those `asking` (a task queued). `expected`:
+        projects that are up and have a task coming (a coordinator that deals one task per result
+        is never seen asking while its last result is on the wire). None: wait for the expected
+        project that is owed most (the caller bounds the wait), or none is asking."""
         self._decay(now)
-        ready = [name for name in self.shares if name in set(ready)]
-        if not ready:
+        asking = set(asking)
+        candidates = [name for name in self.shares if name in asking or name in set(expected)]
+        if not asking or not candidates:
             return None
-        floor = min(self._per_share(name) for name in ready)
+        floor = min(self._per_share(name) for name in candidates)
         for name in self.shares:
-            if name not in ready and self._per_share(name) < floor:
+            if name not in candidates and self._per_share(name) < floor:
                 self.used[name] = floor * self.shares[name]
         # Ties (at the start): the larger share first, then the order the projects were listed.
         order = {name: i for i, name in enumerate(self.shares)}
-        return min(ready, key=lambda n: (self._per_share(n), -self.shares[n], order[n]))
+        best = min(candidates, key=lambda n: (self._per_share(n), -self.shares[n], order[n]))
+        return best if best in asking else None
 
     def fractions(self) -> dict[str, float]:
         """Each project's part of the (decayed) compute so far."""

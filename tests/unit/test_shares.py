@@ -73,3 +73,36 @@ def test_a_project_that_was_away_long_ago_is_not_starved_by_old_history():
 def test_bad_shares_are_refused(shares, problem):
     with pytest.raises(ValueError, match=problem):
         ShareScheduler(shares)
+
+
+def test_an_owed_project_whose_task_is_on_its_way_is_waited_for():
+    # a's coordinator deals one task per result: a is never asking when the slot frees
+    scheduler = ShareScheduler({"a": 3, "b": 1})
+    assert scheduler.pick(["b"], 0.0, expected=["a"]) is None  # a is owed: wait for it
+    scheduler.charge("a", 3.0, 3.0)
+    assert scheduler.pick(["b"], 3.0, expected=["a"]) == "b"  # b is owed now: no wait
+
+
+def test_one_task_per_result_still_follows_the_shares():
+    # each project has a task only right after its last one went back; with the wait for the
+    # owed one, the split is the shares' (without it, every other task: 50:50)
+    scheduler = ShareScheduler({"a": 3, "b": 1})
+    got, now, last = {"a": 0.0, "b": 0.0}, 0.0, None
+    while now < 400:
+        asking = [n for n in "ab" if n != last]  # the one just served waits for its next task
+        name = scheduler.pick(asking, now, expected=[last] if last else [])
+        name = name or last  # waited: its task arrived
+        now += 1.0
+        scheduler.charge(name, 1.0, now)
+        got[name] += 1.0
+        last = name
+    assert part(got, "a") == pytest.approx(0.75, abs=0.02), got
+
+
+def test_an_expected_project_is_not_lifted_but_an_absent_one_is():
+    scheduler = ShareScheduler({"a": 1, "b": 1})
+    scheduler.charge("b", 10.0, 0.0)
+    scheduler.pick(["b"], 0.0, expected=["a"])
+    assert scheduler.used["a"] == 0.0  # up, its task coming: it keeps its claim
+    scheduler.pick(["b"], 0.0)
+    assert scheduler.used["a"] == pytest.approx(10.0)  # away: no claim builds
