@@ -439,7 +439,8 @@ class Worker:
         last_heard = time.monotonic()
         next_beat = time.monotonic()
         next_sample = time.monotonic() + self.config.sample_every
-        self.probes.restart()  # the first reading covers one sample, not the start-up
+        if self._samples:  # (shared probes are MultiWorker's, read by its own task)
+            self.probes.restart()  # the first reading covers one sample, not the start-up
         recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
         computing: Optional[asyncio.Future] = None
         sampling: Optional[asyncio.Future] = None
