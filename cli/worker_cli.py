@@ -203,7 +203,7 @@ def run_worker(args) -> int:
 
     if settings.job:
         resolve_factory(settings.job)  # an unknown job: one line now, not after joining
-    worker = Worker(WorkerConfig(
+    base = WorkerConfig(
         coordinator=settings.coordinator, job=settings.job,
         threads=settings.threads_for(config.usable_cores()), device=settings.device,
         credits=settings.credits, connect_timeout=settings.connect_timeout,
@@ -212,7 +212,11 @@ def run_worker(args) -> int:
         slowdown=settings.slowdown,
         stall=config.parse_stall(settings.stall) if settings.stall else None,
         poison=config.parse_poison(settings.poison) if settings.poison else None, keys=keys,
-        link_mbps=settings.link_mbps))  # an unusable device: one line
+        link_mbps=settings.link_mbps)
+    if settings.projects:
+        worker = _multi_worker(settings, base)
+    else:
+        worker = Worker(base)  # an unusable device: one line
     if settings.low_priority:
         from ..worker.priority import current_priority
 
@@ -220,6 +224,23 @@ def run_worker(args) -> int:
     reason = worker.run()
     log.info("stopped (%s) after %d results, %d pauses", reason, worker.results_sent, worker.pauses)
     return 0
+
+
+def _multi_worker(settings, base):
+    """The [[project]]s of the configuration: one worker serving each coordinator by share."""
+    from ..common.job_loading import resolve_factory
+    from ..common.security import client_keys
+    from ..worker.projects import MultiWorker, ProjectConfig
+
+    projects = []
+    for project in settings.projects:
+        if project.job:
+            resolve_factory(project.job)  # an unknown job: one line now
+        projects.append(ProjectConfig(
+            name=project.label, coordinator=project.coordinator, share=project.share,
+            job=project.job, credits=project.credits or settings.credits,
+            keys=client_keys(project.coordinator_key, project.secret_key)))
+    return MultiWorker(base, projects)
 
 
 def _run_args(args) -> list[str]:

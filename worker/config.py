@@ -28,6 +28,27 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 
 @dataclass(frozen=True)
+class Project:
+    """One `[[project]]` table: a coordinator this worker serves, for `share` of its time."""
+    coordinator: str
+    share: float = 1.0
+    name: Optional[str] = None  # in logs and reports; default: the coordinator's address
+    job: Optional[str] = None
+    credits: Optional[int] = None  # None: the top-level credits
+    coordinator_key: Optional[str] = None
+    secret_key: Optional[str] = None
+
+    @property
+    def label(self) -> str:
+        return self.name or self.coordinator
+
+
+PROJECT_KEYS = ("name", "coordinator", "share", "job", "credits", "coordinator_key", "secret_key")
+# Top-level keys that belong to each project once [[project]]s are listed.
+PER_PROJECT = ("coordinator", "job", "coordinator_key", "secret_key")
+
+
+@dataclass(frozen=True)
 class Settings:
     # [top level] where and what
     coordinator: str = "tcp://127.0.0.1:5555"
@@ -67,6 +88,8 @@ class Settings:
     stall: Optional[str] = None  # "P:SECONDS": with probability P a task stalls that long
     poison: Optional[str] = None  # "scale:X", "flip" or "nan": a hostile worker's gradients
     link_mbps: Optional[float] = None  # emulate a link of this many Mbit/s each way (link.py)
+    # [[project]] tables: several coordinators by share; none: the one `coordinator` above
+    projects: tuple[Project, ...] = ()
 
     def policy(self, uses_gpu: bool = False) -> PolicyConfig:
         on = self.enabled
@@ -317,6 +340,33 @@ def _check(name: str, value: Any, where: str) -> Any:
     raise _fail(where, name, "unknown key")  # pragma: no cover - names come from SECTIONS
 
 
+def _projects(tables, where: str) -> tuple[Project, ...]:
+    if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
+        raise ConfigError(f"{where}: project must be [[project]] tables (each with a coordinator)")
+    projects = []
+    for i, table in enumerate(tables, 1):
+        at = f"{where}: [[project]] {i}"
+        unknown = sorted(set(table) - set(PROJECT_KEYS))
+        if unknown:
+            raise ConfigError(f"{at}: unknown key {unknown[0]}; a [[project]] has "
+                              f"{', '.join(PROJECT_KEYS)}")
+        if "coordinator" not in table:
+            raise ConfigError(f"{at}: coordinator: missing (every [[project]] names its coordinator)")
+        values = {key: _check(key, value, at) for key, value in table.items()
+                  if key not in ("share", "name")}
+        if "share" in table:
+            values["share"] = _number(table["share"], at, "share", strict=True)
+        if "name" in table:
+            values["name"] = _string(table["name"], at, "name", optional=False)
+        projects.append(Project(**values))
+    labels = [p.label for p in projects]
+    twice = sorted({label for label in labels if labels.count(label) > 1})
+    if twice:
+        raise ConfigError(f"{where}: [[project]]s must differ in name (or coordinator): {twice[0]} "
+                          f"is listed {labels.count(twice[0])} times")
+    return tuple(projects)
+
+
 def from_toml_text(text: str, where: str, base: Settings = Settings()) -> Settings:
     try:
         data = tomllib.loads(text)
@@ -334,8 +384,15 @@ def from_toml_text(text: str, where: str, base: Settings = Settings()) -> Settin
                 values[sub] = _check(sub, subvalue, where)
         elif key in SECTIONS[""]:
             values[key] = _check(key, value, where)
+        elif key == "project":
+            values["projects"] = _projects(value, where)
         else:
             raise ConfigError(f"{where}: unknown key {key!s} (see idlegrad worker --print-config)")
+    if "projects" in values:
+        clash = [key for key in PER_PROJECT if key in data]
+        if clash:
+            raise ConfigError(f"{where}: {clash[0]}: set it in each [[project]], not at the top "
+                              "level, when [[project]]s are listed")
     return replace(base, **values)
 
 
@@ -367,6 +424,11 @@ def with_overrides(settings: Settings, overrides: dict[str, Any], flags: dict[st
 def effective(config_path: Optional[str], overrides: dict[str, Any],
               flags: dict[str, str]) -> tuple[Settings, Optional[str]]:
     settings, used = load(config_path)
+    if settings.projects:
+        clash = [name for name in PER_PROJECT if name in overrides]
+        if clash:
+            raise ConfigError(f"{flags.get(clash[0], clash[0])}: {used} lists [[project]]s; "
+                              f"set {clash[0]} in each [[project]] there instead")
     settings = with_overrides(settings, overrides, flags)
     try:
         settings.policy()
@@ -400,6 +462,9 @@ def to_toml(settings: Settings, source: Optional[str] = None, usable_cores: Opti
             lines += ["", f"[{section}]"]
         for name in names:
             value = getattr(settings, name)
+            if settings.projects and name in PER_PROJECT:
+                lines.append(f"# {name}: in each [[project]] below")
+                continue
             if value is None and name not in OFF_ABLE:
                 lines.append(f"# {name} = (not set)")
                 continue
@@ -407,6 +472,12 @@ def to_toml(settings: Settings, source: Optional[str] = None, usable_cores: Opti
             if name == "max_cores" and usable_cores is not None:
                 line += f"  # {settings.threads_for(usable_cores)} threads on this machine"
             lines.append(line)
+    for project in settings.projects:
+        lines += ["", "[[project]]"]
+        for name in PROJECT_KEYS:
+            value = getattr(project, name)
+            lines.append(f"# {name} = (not set)" if value is None
+                         else f"{name} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
 
 

@@ -77,6 +77,52 @@ class WorkerConfig:
     link_mbps: Optional[float] = None  # link emulation (link.py): Mbit/s each way; None: off
 
 
+class Guest:
+    """Being a good guest, for the whole process: the idle policy, the probes, and the gate that
+    lets the engines compute. One per process however many projects it serves, so that one
+    reading of the machine pauses them all and the owner's limits count once."""
+
+    def __init__(self, config: WorkerConfig, uses_gpu: bool, gpu_index: Optional[int] = None):
+        self.policy = IdlePolicy(dataclasses.replace(config.policy, uses_gpu=uses_gpu))
+        self.probes = Probes(ignore_niced=config.cpu_ignore_niced, gpu_index=gpu_index)
+        self.running = threading.Event()  # the engines' gate: set while computing is allowed
+        self.running.set()
+        self.pauses = 0
+        self._state_log = open(config.state_log, "a", buffering=1) if config.state_log else None
+        self.log_state("start", Decision(True, (), False), None)
+
+    def apply(self, readings: Readings, now: float) -> Optional[Decision]:
+        """Decide on `readings`; open or close the gate. The decision when it changed, else None."""
+        decision = self.policy.decide(readings, now)
+        if not decision.changed:
+            return None
+        if decision.run:
+            self.running.set()
+            log.info("resuming: the machine has been idle for %gs", self.policy.config.resume_after)
+        else:
+            self.running.clear()  # the engines stop at their next micro-batch boundary
+            self.pauses += 1
+            log.info("pausing: %s", "; ".join(decision.reasons))
+        self.log_state("running" if decision.run else "paused", decision, readings)
+        return decision
+
+    def log_state(self, state: str, decision: Decision, readings: Optional[Readings]) -> None:
+        if self._state_log is None:
+            return
+        record = {"time": time.time(), "monotonic": time.monotonic(), "state": state,
+                  "reasons": list(decision.reasons), "unknown": list(decision.unknown),
+                  "readings": dataclasses.asdict(readings) if readings is not None else None,
+                  "pid": os.getpid()}
+        try:
+            self._state_log.write(json.dumps(record) + "\n")
+        except OSError as exc:
+            log.warning("cannot write the state log: %s", exc)
+
+    def close(self) -> None:
+        if self._state_log is not None:
+            self._state_log.close()
+
+
 class _Rehello(Exception):
     """The coordinator does not know this session: hand-shake again on the same socket."""
 
@@ -107,7 +153,10 @@ class Worker:
     # Copies of the model a worker holds at once: flat parameters and gradients, a model received
     # from the wire, a local task's optimizer moments (Adam's two); one gradient buffer per credit.
     MODEL_COPIES = 5
-    def __init__(self, config: WorkerConfig):
+    def __init__(self, config: WorkerConfig, guest: Optional[Guest] = None,
+                 compute_slot: Optional["ComputeSlot"] = None, project: Optional[str] = None):
+        """`guest` and `compute_slot`: shared with the other projects' sessions of this process
+        (`MultiWorker`); without them this worker is the only one, and reads the probes itself."""
         if config.credits < 1:
             raise ConfigError("credits must be at least 1")
         self.config = config
@@ -138,15 +187,32 @@ class Worker:
         # slot -> (its gradient buffer, trackers of its sends): back to the engine once dropped
         self._held: dict[int, tuple[torch.Tensor, list]] = {}
         self._wire = ErrorFeedback()  # results as the coordinator wants them (welcome)
-        uses_gpu = self.device.type == "cuda"
-        self.policy = IdlePolicy(dataclasses.replace(config.policy, uses_gpu=uses_gpu))
-        self.probes = Probes(ignore_niced=config.cpu_ignore_niced,
-                             gpu_index=(self.device.index or 0) if uses_gpu else None)
-        self._running = threading.Event()  # the engine's gate: set while computing is allowed
-        self._running.set()
-        self.pauses = 0
-        self._state_log = open(config.state_log, "a", buffering=1) if config.state_log else None
-        self._log_state("start", Decision(True, (), False), None)
+        self._samples = guest is None  # alone: this worker reads the probes and decides
+        if guest is None:
+            uses_gpu = self.device.type == "cuda"
+            guest = Guest(config, uses_gpu, (self.device.index or 0) if uses_gpu else None)
+        self.guest = guest
+        self._running = guest.running
+        self.project = project or config.coordinator
+        self.compute_slot = compute_slot
+        self._nudged: Optional[asyncio.Event] = None  # set by MultiWorker when the guest changed
+
+    @property
+    def policy(self) -> IdlePolicy:
+        return self.guest.policy
+
+    @property
+    def probes(self) -> Probes:
+        return self.guest.probes
+
+    @property
+    def pauses(self) -> int:
+        return self.guest.pauses
+
+    def nudge(self) -> None:
+        """The shared guest paused or resumed: tell this session's coordinator."""
+        if self._nudged is not None:
+            self._nudged.set()
 
     @property
     def paused(self) -> bool:
@@ -165,32 +231,36 @@ class Worker:
         log.info("idle policy: %s", self.probes.describe())
         ctx = zmq.asyncio.Context()
         try:
-            backoff = 0.25
-            give_up_at = self._deadline()
-            while self._stop is None:
-                sock = self._socket(ctx)
-                try:
-                    welcome = await self._handshake(sock, timeout=backoff)
-                    if welcome is None:
-                        if time.monotonic() > give_up_at:
-                            raise PeerGone(
-                                f"cannot reach the coordinator at {self.config.coordinator} within "
-                                f"{self.config.connect_timeout:g}s (is it running? see "
-                                f"--connect-timeout{KEYS_HINT if self.config.keys else ''})")
-                        backoff = min(self.config.max_backoff, backoff * 2) * random.uniform(0.8, 1.2)
-                        continue
-                    backoff = 0.25
-                    await self._session(sock, welcome)
-                    give_up_at = self._deadline()
-                    if self._stop is None:
-                        log.warning("lost the coordinator at %s; reconnecting", self.config.coordinator)
-                finally:
-                    sock.close(linger=0 if self._stop is None else 1000)
+            await self.connect_loop(ctx)
         finally:
             ctx.term()
-            if self._state_log is not None:
-                self._state_log.close()
+            self.guest.close()
         return self._stop or "stopped"
+
+    async def connect_loop(self, ctx) -> None:
+        """Connect, serve, reconnect with backoff, until stopped (or the coordinator cannot be
+        reached within connect_timeout: PeerGone)."""
+        backoff = 0.25
+        give_up_at = self._deadline()
+        while self._stop is None:
+            sock = self._socket(ctx)
+            try:
+                welcome = await self._handshake(sock, timeout=backoff)
+                if welcome is None:
+                    if time.monotonic() > give_up_at:
+                        raise PeerGone(
+                            f"cannot reach the coordinator at {self.config.coordinator} within "
+                            f"{self.config.connect_timeout:g}s (is it running? see "
+                            f"--connect-timeout{KEYS_HINT if self.config.keys else ''})")
+                    backoff = min(self.config.max_backoff, backoff * 2) * random.uniform(0.8, 1.2)
+                    continue
+                backoff = 0.25
+                await self._session(sock, welcome)
+                give_up_at = self._deadline()
+                if self._stop is None:
+                    log.warning("lost the coordinator at %s; reconnecting", self.config.coordinator)
+            finally:
+                sock.close(linger=0 if self._stop is None else 1000)
 
     def _deadline(self) -> float:
         t = self.config.connect_timeout
@@ -369,11 +439,20 @@ class Worker:
         last_heard = time.monotonic()
         next_beat = time.monotonic()
         next_sample = time.monotonic() + self.config.sample_every
-        self.probes.restart()  # the first reading covers one sample, not the start-up
+        if self._samples:  # (shared probes are MultiWorker's, read by its own task)
+            self.probes.restart()  # the first reading covers one sample, not the start-up
         recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
         computing: Optional[asyncio.Future] = None
         sampling: Optional[asyncio.Future] = None
+        # The process's one compute slot, when shared with other projects: asked for, then lent.
+        granted: Optional[asyncio.Future] = None
+        nudge: Optional[asyncio.Future] = None
+        if not self._samples:  # another reads the probes, and nudges this session on a change
+            self._nudged = asyncio.Event()
+            nudge = asyncio.ensure_future(self._nudged.wait())
         try:
+            if self.compute_slot is not None:
+                self.compute_slot.up(self.project)
             while True:
                 if self._stop is not None:
                     await self._send(sock, proto.Bye(reason=self._stop))
@@ -384,18 +463,24 @@ class Worker:
                     next_beat = now + self.heartbeat_s
                 if now - last_heard > self.heartbeat_s * self.liveness:
                     return  # the coordinator is gone: the caller reconnects
-                if sampling is None and now >= next_sample:
+                if self._samples and sampling is None and now >= next_sample:
                     sampling = asyncio.ensure_future(asyncio.to_thread(self.probes.read))
                     next_sample = now + self.config.sample_every
                 waiting = {recv}
-                waiting |= {f for f in (computing, sampling) if f is not None}
-                wake = next_beat if sampling is not None else min(next_beat, next_sample)
+                waiting |= {f for f in (computing, sampling, granted, nudge) if f is not None}
+                wake = (next_beat if sampling is not None or not self._samples
+                        else min(next_beat, next_sample))
                 await asyncio.wait(waiting, timeout=max(0.0, wake - time.monotonic()),
                                    return_when=asyncio.FIRST_COMPLETED)
                 if sampling is not None and sampling.done():
                     readings = sampling.result() if sampling.exception() is None else Readings()
                     sampling = None
-                    await self._apply_policy(sock, readings, computing)
+                    if self.guest.apply(readings, time.monotonic()) is not None:
+                        await self._announce(sock, computing)
+                if nudge is not None and nudge.done():
+                    self._nudged.clear()
+                    nudge = asyncio.ensure_future(self._nudged.wait())
+                    await self._announce(sock, computing)
                 if recv.done():
                     frames = recv.result()
                     recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
@@ -404,9 +489,20 @@ class Worker:
                 if computing is not None and computing.done():
                     outcome = self._finish(computing)
                     computing = None
+                    if granted is not None:  # the next task may be another project's
+                        self.compute_slot.leave(self.project, outcome.compute_s if outcome else 0.0)
+                        granted = None
                     if outcome is not None:
                         await self._send_result(sock, outcome)
+                if (granted is not None and granted.done() and computing is None
+                        and not self._queue):  # lent, but its task was cancelled meanwhile
+                    self.compute_slot.leave(self.project, 0.0)
+                    granted = None
                 if computing is None and self._queue and self._stop is None and not self.paused:
+                    if self.compute_slot is not None and granted is None:
+                        granted = self.compute_slot.request(self.project)
+                    if granted is not None and not granted.done():
+                        continue  # another project's task runs first
                     work = self._queue.popleft()
                     cancel = threading.Event()
                     self._current = (work, cancel)
@@ -415,6 +511,9 @@ class Worker:
                         asyncio.to_thread(self.engine.compute, work, cancel, self._running))
         finally:
             recv.cancel()
+            if nudge is not None:
+                nudge.cancel()
+                self._nudged = None
             if sampling is not None:
                 await asyncio.wait({sampling})
             if computing is not None:
@@ -428,6 +527,11 @@ class Worker:
                         self._keep_result(outcome)
                     elif work is not None:  # interrupted by the lost session: compute it again
                         self._queue.appendleft(work)
+                if granted is not None:
+                    self.compute_slot.leave(self.project, outcome.compute_s if outcome else 0.0)
+                    granted = None
+            if self.compute_slot is not None:  # asked for, or lent and not used: the others' now
+                self.compute_slot.down(self.project)
 
     def _keep_result(self, outcome: Outcome) -> proto.Result:
         result = proto.Result(
@@ -464,33 +568,11 @@ class Worker:
             return "paused"
         return "working" if computing is not None else "idle"
 
-    async def _apply_policy(self, sock, readings: Readings, computing) -> None:
-        decision = self.policy.decide(readings, time.monotonic())
-        if not decision.changed:
-            return
-        if decision.run:
-            self._running.set()
-            log.info("resuming: the machine has been idle for %gs", self.policy.config.resume_after)
-        else:
-            self._running.clear()  # the engine stops at its next micro-batch boundary
-            self.pauses += 1
-            log.info("pausing: %s", "; ".join(decision.reasons))
-        self._log_state("running" if decision.run else "paused", decision, readings)
+    async def _announce(self, sock, computing) -> None:
+        """Tell the coordinator at once that the guest paused or resumed: no slots while paused."""
         await self._send(sock, proto.Heartbeat(state=self._beat_state(computing)))
         await self._send(sock, proto.Ready(credits=self._credits(),
                                            fingerprint=self.built.fingerprint))
-
-    def _log_state(self, state: str, decision: Decision, readings: Optional[Readings]) -> None:
-        if self._state_log is None:
-            return
-        record = {"time": time.time(), "monotonic": time.monotonic(), "state": state,
-                  "reasons": list(decision.reasons), "unknown": list(decision.unknown),
-                  "readings": dataclasses.asdict(readings) if readings is not None else None,
-                  "pid": os.getpid()}
-        try:
-            self._state_log.write(json.dumps(record) + "\n")
-        except OSError as exc:
-            log.warning("cannot write the state log: %s", exc)
 
     def _finish(self, computing: asyncio.Future) -> Optional[Outcome]:
         work, cancel = self._current
