@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..common.errors import ConfigError
-from ..common.security import KEYS_HINT, check_address, client_keys
+from ..common.security import MONITOR_KEYS_HINT, NO_KEYS_HINT, check_address, client_keys
 from ..monitor import view
 from ..monitor.source import ZmqStatusSource
 
@@ -66,7 +66,7 @@ def _from_coordinator(args) -> tuple[dict | None, str]:
     if snap is None:
         why = (f"refused: {view.shown(refused)}" if refused is not None else
                f"no answer within {args.timeout:g}s (is it running? is the address right?"
-               f"{KEYS_HINT if keys else ''})")
+               f"{MONITOR_KEYS_HINT if keys else NO_KEYS_HINT})")
         print(f"idlegrad credits: error: the coordinator at {where}: {why}", file=sys.stderr)
         return None, ""
     section = snap.get("credits")

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..common.security import KEYS_HINT, check_address, client_keys
+from ..common.security import MONITOR_KEYS_HINT, NO_KEYS_HINT, check_address, client_keys
 from ..monitor import view
 from ..monitor.source import ZmqStatusSource
 
@@ -26,7 +26,7 @@ def run_status(args) -> int:
     if snap is None:
         print(f"idlegrad status: error: no answer from the coordinator at {args.coordinator} "
               f"within {args.timeout:g}s (is it running? is the address right?"
-              f"{KEYS_HINT if keys else ''})", file=sys.stderr)
+              f"{MONITOR_KEYS_HINT if keys else NO_KEYS_HINT})", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(view.as_json(snap)), flush=True)

@@ -24,6 +24,11 @@ log = logging.getLogger("idlegrad.security")
 # With CURVE a refused handshake looks like silence to the client: the coordinator never answers.
 KEYS_HINT = ("; with keys: is --coordinator-key the coordinator's, and is this side's public key "
              "in its --allow-keys?")
+# ... and for a monitor, whose key belongs in --monitor-keys or --operator-keys; without keys a
+# coordinator that has them is silence too
+MONITOR_KEYS_HINT = ("; with keys: is --coordinator-key the coordinator's, and is this side's "
+                     "public key in its --monitor-keys or --operator-keys?")
+NO_KEYS_HINT = "; a coordinator with keys answers only --coordinator-key and --secret-key"
 
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
