@@ -188,12 +188,16 @@ class Coordinator:
         try:
             if first is not None:
                 await self.handle(first)
-            for _ in range(256):  # the periodic work must not wait behind a flood
+            for i in range(256):  # the periodic work must not wait behind a flood
                 try:
                     frames = transport.waiting()
                 except zmq.Again:
                     break
                 await self.handle(frames)
+                if i % 32 == 31:  # let a settle's thread start and report (a flood never yields)
+                    await asyncio.sleep(0)
+                    if self._computing is not None and self._computing.done():
+                        await self._computed()
         finally:
             transport.handling = False
 
