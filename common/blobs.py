@@ -24,7 +24,7 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -310,10 +310,11 @@ def _field_for(name: str, array: np.ndarray, where: str) -> Field:
     return Field(name, dtype, tuple(int(d) for d in array.shape[1:]))
 
 
-def pack_corpus(source: str, out: str, window: int, shard_mb: float = DEFAULT_SHARD_MB) -> Manifest:
+def pack_corpus(source: str, out: str, window: int, shard_mb: float = DEFAULT_SHARD_MB,
+                include: Optional[Callable[[str], bool]] = None) -> Manifest:
     """A folder of text files, read in sorted relative-path order and concatenated, cut into
     windows of `window` bytes: each sample is one field `tokens` (uint8, byte-level tokens). The
-    tail shorter than a window is dropped."""
+    tail shorter than a window is dropped. `include(relative_path)` picks files (default: all)."""
     if window < 1:
         raise DataError(f"--window must be at least 1, got {window}")
     if not os.path.isdir(source):
@@ -324,7 +325,9 @@ def pack_corpus(source: str, out: str, window: int, shard_mb: float = DEFAULT_SH
         for name in names:
             path = os.path.join(base, name)
             if not name.startswith(".") and os.path.isfile(path) and not os.path.islink(path):
-                files.append(os.path.relpath(path, source).replace(os.sep, "/"))
+                rel = os.path.relpath(path, source).replace(os.sep, "/")
+                if include is None or include(rel):
+                    files.append(rel)
     files.sort()
     if not files:
         raise DataError(f"{source}: no files in the folder")
