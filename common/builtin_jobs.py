@@ -1,7 +1,9 @@
-"""Jobs that ship with idlegrad: `digits` (a real data set) and `synthetic` (sized for benchmarks).
+"""Jobs that ship with idlegrad: `digits` (a real data set), `synthetic` (sized for benchmarks)
+and `packed` (a classifier over packed arrays, fetched by manifest).
 
-Both build their data without any download, identically on every machine: digits from the CSV
-that scikit-learn ships, synthetic from numpy's legacy RandomState, whose stream is frozen.
+digits and synthetic build their data without any download, identically on every machine: digits
+from the CSV that scikit-learn ships, synthetic from numpy's legacy RandomState, whose stream is
+frozen. packed reads shards named by their sha256, so every machine reads the same bytes.
 A built-in job's name (common/job_loading.py's BUILTIN_JOBS) is its factory's name here.
 """
 
@@ -115,3 +117,66 @@ def synthetic(params: int = 100_000, samples: int = 8192, features: int = 32, cl
         batch_size=batch_size,
     )
 
+
+
+# packed -------------------------------------------------------------------------------------------
+
+
+def packed(data: str, features: int, classes: int, hidden: int = 64, lr: float = 0.05,
+           batch_size: int = 64, test_samples: int = 1024) -> Job:
+    """A classifier over packed arrays (`idlegrad data pack FILE.npz`): a features-hidden-classes
+    MLP (hidden=0: linear) on the manifest's `inputs` (flattened, as floats) and class-id
+    `targets`. `data` is the manifest's sha256, which the coordinator's `--data DIR` fills in;
+    workers fetch the shards they read into their cache. Its test set is the first
+    `test_samples` training samples (a pack holds one data set): a training-loss probe."""
+    from .blobs import BlobError, check_sha256
+
+    try:
+        check_sha256(data)
+    except BlobError as exc:
+        raise JobError(f"packed: data must be a manifest's sha256 ({exc})") from None
+    if features < 1 or classes < 2 or hidden < 0 or test_samples < 1:
+        raise JobError("packed: features >= 1, classes >= 2, hidden >= 0, test_samples >= 1")
+
+    def build_datasets(store):
+        from torch.utils.data import Subset
+
+        from .sharded import ShardedDataset
+
+        train = ShardedDataset.from_store(data, store)
+        names = [f.name for f in train.manifest.fields]
+        if names != ["inputs", "targets"]:
+            raise JobError(f"packed: the manifest's fields are {names}, not [inputs, targets] "
+                           "(pack an .npz of inputs and targets)")
+        inputs, targets = train.manifest.fields
+        if math.prod(inputs.shape) != features:
+            raise JobError(f"packed: a sample's inputs have {math.prod(inputs.shape)} values "
+                           f"(shape {list(inputs.shape)}), not features={features}")
+        if targets.shape != () or not targets.dtype.startswith(("int", "uint")):
+            raise JobError(f"packed: targets must be one integer class id per sample, not "
+                           f"{targets.dtype} of shape {list(targets.shape)}")
+        return train, Subset(train, range(min(test_samples, len(train))))
+
+    def loss(model: nn.Module, batch) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(model(x.reshape(len(x), -1).float()), y.long())
+
+    def evaluate(model: nn.Module, test) -> dict[str, float]:
+        from torch.utils.data._utils.collate import default_collate
+
+        x, y = default_collate([test[i] for i in range(len(test))])
+        logits = model(x.reshape(len(x), -1).float())
+        return {"loss": float(nn.functional.cross_entropy(logits, y.long())),
+                "accuracy": float((logits.argmax(dim=1) == y.long()).float().mean())}
+
+    sizes = [features, hidden, classes] if hidden else [features, classes]
+    return Job(
+        name="packed",
+        build_model=lambda: mlp(sizes),
+        build_datasets=build_datasets,
+        loss=loss,
+        build_optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9),
+        batch_size=batch_size,
+        evaluate=evaluate,
+        data=data,
+    )

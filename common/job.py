@@ -120,13 +120,17 @@ class BuiltJob:
 
 
 def build(job: Job, device: torch.device | str = "cpu", seed: int = 0,
-          need_test: bool = True) -> BuiltJob:
-    """Build model and data sets, check they are usable, and compute the job's fingerprint."""
+          need_test: bool = True, store: Optional[Any] = None) -> BuiltJob:
+    """Build model and data sets, check they are usable, and compute the job's fingerprint.
+    `store`: where a job that declares its data by manifest (`job.data`) finds its blobs."""
+    if job.data is not None and store is None:
+        raise JobError(f"job {job.name!r} declares its data by manifest {str(job.data)[:12]}: "
+                       "it needs the packed data (the coordinator's --data DIR)")
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             module = job.build_model()
-        datasets = job.build_datasets()
+        datasets = job.build_datasets() if job.data is None else job.build_datasets(store)
     except JobError:
         raise
     except Exception as exc:

@@ -27,3 +27,7 @@ class Job:
     build_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
     batch_size: int
     evaluate: Optional[Callable[[nn.Module, Dataset], dict[str, float]]] = None
+    # Data declared by manifest: the sha256 of a packed data set (`idlegrad data pack`). With it,
+    # `build_datasets(store)` is given a BlobStore (common/sharded.py) that holds that manifest and
+    # its shards: the coordinator's pack folder, or a worker's cache, which fetches what it lacks.
+    data: Optional[str] = None
