@@ -149,8 +149,7 @@ def test_build_optimizer_taking_named_parameters_gets_names_and_the_old_signatur
     old = Job("j", lambda: module, lambda: ([], []), classification_loss,
               lambda params: torch.optim.SGD(params, lr=0.1), 4)
     assert isinstance(make_optimizer(old, module), torch.optim.SGD)
-    decayed = make_optimizer(digits(weight_decay=0.1).__class__(
-        **{**digits(weight_decay=0.1).__dict__}), module)
+    decayed = make_optimizer(digits(weight_decay=0.1), module)
     groups = {g["weight_decay"]: sum(p.numel() for p in g["params"])
               for g in decayed.param_groups}
     assert groups == {0.1: 4 * 3 + 3 * 2, 0.0: 3 + 3 + 3 + 2}  # no decay on biases and norms
