@@ -23,7 +23,10 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 4  # 2: ack; hello.instance; welcome.instance and welcome.holding. 3: task.acks, result.waited_s. 4: fetch, chunk, welcome.blob_mirrors, heartbeat.cache
+# 2: ack; hello.instance; welcome.instance and welcome.holding. 3: task.acks, result.waited_s.
+# 4: fetch, chunk, welcome.blob_mirrors, heartbeat.cache (the data plane); task.buffers,
+#    result.buffers (model state beyond parameters)
+PROTOCOL_VERSION = 4
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # tensor frames are cut to this; larger zero-copy frames slow down
 MAX_HEADER_BYTES = 1024 * 1024
@@ -124,6 +127,9 @@ class Result(Message):
     # Seconds the task waited in the worker's queue before its compute began: the coordinator
     # takes it and compute_s from the slot's wall time to learn the worker's link time.
     waited_s: float = 0.0
+    # The model's persistent buffers (BatchNorm statistics, counters) as the slot's computation
+    # left them, float64, in the order both sides derive from the job; None when it has none.
+    buffers: Optional[Blob] = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +209,8 @@ class Task(Message):
     # results the coordinator has taken, as an `Ack` would say: a task sent in answer to a
     # result carries its acknowledgement, one message instead of two
     acks: list[int] = field(default_factory=list)
+    # the model's persistent buffers at `version` (float64), sent with `model` when it has any
+    buffers: Optional[Blob] = None
 
     KINDS: ClassVar[frozenset] = frozenset({"gradient", "local"})
 

@@ -354,11 +354,12 @@ class Coordinator:
             model, now = self.training.model, time.monotonic()
             try:
                 grad = model.gradient_of(msg.gradient)
+                buffers = model.buffers_of(msg.buffers)
             except ProtocolError:
                 await self.perform(self.core.malformed(worker_id, msg.slot, now))
                 raise
             effects = self.core.result(worker_id, msg.slot, grad, model.size(grad), msg.compute_s,
-                                       now, msg.waited_s, msg.samples, msg.loss)
+                                       now, msg.waited_s, msg.samples, msg.loss, buffers)
             await self.perform(effects)
         finally:
             self.records.write("ack", slot=msg.slot, worker=worker_id,
@@ -495,7 +496,9 @@ class Coordinator:
         tracker = await self._send(self.gate.routes[action.worker], proto.Task(
             slot=action.slot, round=action.round, version=action.version, parts=action.parts,
             coefficients=action.coefficients, deadline_s=min(action.deadline_s, 1e9), model=model,
-            acks=[] if ack is None else [ack], kind=action.kind, steps=action.steps), track=track)
+            acks=[] if ack is None else [ack], kind=action.kind, steps=action.steps,
+            buffers=model_state.buffers_blob(action.version) if model is not None else None),
+            track=track)
         if track:
             model_state.tracked(action.version, tracker)
 

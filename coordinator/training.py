@@ -16,7 +16,8 @@ from typing import Callable, Optional
 import torch
 
 from ..common.errors import CheckpointError, ConfigError, JobError
-from ..common.job import build, evaluate, load_job, reference_gradient_norm, resolve_factory
+from ..common.job import (build, build_schedule, evaluate, load_job, make_optimizer,
+                          reference_gradient_norm, resolve_factory)
 from ..common.job import FlatModel
 from . import blobserve, checkpoint, outer
 from .config import Checked, CoordinatorConfig, naming_job_args
@@ -73,8 +74,15 @@ class Training:
         if config.target is not None:
             self._check_target(config.target)
         module = self.built.model.module
-        optimizer = (outer.build(module.parameters(), config.outer) if self.task_mode.local
-                     else job.build_optimizer(module.parameters()))
+        if self.task_mode.local and (job.lr_lambda or job.build_scheduler):
+            raise ConfigError(f"job {job.name!r} has a learning-rate schedule, which steps the "
+                              "coordinator's optimizer: use --task gradient (with --task local the "
+                              "job's optimizer is built afresh on the workers for every slot)")
+        if self.task_mode.local:
+            optimizer, schedule = outer.build(module.parameters(), config.outer), None
+        else:
+            optimizer = make_optimizer(job, module)
+            schedule = build_schedule(job, optimizer)
         self.sampler = Sampler(len(self.built.train), config.epochs)
         self.elapsed_before = 0.0  # training time of earlier runs resumed from a checkpoint
         self.metrics: dict[str, float] = {}
@@ -82,8 +90,10 @@ class Training:
         version, next_id, samples = 0, 1, 0
         if state is not None:
             version, next_id, samples = self._resume(state)
+        # Local tasks clip each inner step on the worker; the round's outer change is no gradient
         self.model = ModelState(self.built, optimizer, config.staleness, config.seed,
-                                config.result_dtype, version, copy_threshold_bytes)
+                                config.result_dtype, version, copy_threshold_bytes, schedule,
+                                None if self.task_mode.local else job.clip_norm)
         if state is not None:
             kind = state.get("task_kind", "gradient")
             if kind != self.task_mode.kind:  # the job's optimizer and the outer one share no state

@@ -45,7 +45,7 @@ from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
 from ..common.job import BuiltJob, Job, build, model_bytes
 from ..common.job_loading import builtin_job_names, load_job
 from ..common.security import KEYS_HINT, ClientKeys
-from ..common.tensors import blob_chunks, to_blob
+from ..common.tensors import blob_chunks, buffer_vector, to_blob
 from ..common.throttle import Throttle
 from ..common.blobs import BlobError, Manifest, MAX_MANIFEST_BYTES
 from .cache import (BlobCache, CacheError, CacheTooSmall, CoordinatorSource, DiskFull, HttpSource,
@@ -181,8 +181,8 @@ class Worker:
         self.heartbeat_s = 1.0
         self.liveness = 3
         self._queue: deque[Work] = deque()
-        # (version, model as views of the frames it came in)
-        self._cache: Optional[tuple[int, list[torch.Tensor]]] = None
+        # (version, model as views of the frames it came in, its buffers or None)
+        self._cache: Optional[tuple[int, list[torch.Tensor], Optional[torch.Tensor]]] = None
         self._current: Optional[tuple[Work, threading.Event]] = None
         self._refused_logged = Throttle()  # a flood of tasks past our credits
         self._began = 0.0  # when the current compute began (time.monotonic())
@@ -651,7 +651,8 @@ class Worker:
         result = proto.Result(
             slot=outcome.slot, version=outcome.version, samples=outcome.samples,
             loss=outcome.loss, compute_s=outcome.compute_s,
-            gradient=to_blob(self._wire.encode(outcome.gradient)), waited_s=outcome.waited_s)
+            gradient=to_blob(self._wire.encode(outcome.gradient)), waited_s=outcome.waited_s,
+            buffers=None if outcome.buffers is None else to_blob(outcome.buffers))
         self._drop_results([outcome.slot])  # a recomputed slot replaces its older result
         self._unacked[outcome.slot] = result
         self._held[outcome.slot] = (outcome.gradient, [])
@@ -745,12 +746,18 @@ class Worker:
 
     def _on_task(self, task: proto.Task) -> None:
         if task.model is not None:
+            model = self.built.model
             try:
-                params = blob_chunks(task.model, self.built.model.numel, self.built.model.dtype)
+                params = blob_chunks(task.model, model.numel, model.dtype)
+                buffers = None
+                if model.buffers or task.buffers is not None:
+                    if task.buffers is None:
+                        raise ProtocolError("tensor", "no buffers with the model")
+                    buffers = buffer_vector(task.buffers, model.buffer_numel, model.counter_mask)
             except ProtocolError as exc:
                 log.warning("task %d: bad model: %s", task.slot, exc)
                 return
-            self._cache = (task.version, params)
+            self._cache = (task.version, params, buffers)
         elif self._cache is None or self._cache[0] != task.version:
             # The coordinator thinks we hold a model we do not: start the session afresh.
             self._forget_session()
@@ -767,7 +774,7 @@ class Worker:
                             held, self.config.credits)
             return
         work = Work(task.slot, task.version, self._cache[1], task.parts, task.coefficients,
-                    task.kind, task.steps, arrived=time.monotonic())
+                    task.kind, task.steps, arrived=time.monotonic(), buffers=self._cache[2])
         try:
             self.engine.check(work)
         except ValueError as exc:
