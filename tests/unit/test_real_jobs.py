@@ -10,7 +10,7 @@ import torch
 
 from idlegrad.common import builtin_jobs
 from idlegrad.common.errors import JobError
-from idlegrad.common.job import build, evaluate, load_job
+from idlegrad.common.job import build, evaluate, load_job, make_optimizer
 from idlegrad.coordinator.target import Target
 
 
@@ -36,7 +36,7 @@ def write_corpus(root, files: int = 120, size: int = 300) -> dict[str, bytes]:
 def train_steps(job, built, steps: int) -> tuple[float, float]:
     torch.manual_seed(0)
     model = built.model.module
-    opt = job.build_optimizer(model.parameters())
+    opt = make_optimizer(job, model)
     batch = torch.stack([built.train[i] for i in range(job.batch_size)])
     first = last = None
     for _ in range(steps):
@@ -49,7 +49,7 @@ def train_steps(job, built, steps: int) -> tuple[float, float]:
     return first, last
 
 
-def test_lm_packs_once_splits_by_file_and_learns(tmp_path, pack_cache, monkeypatch):
+def test_lm_packs_once_holds_out_files_and_learns(tmp_path, pack_cache, monkeypatch):
     from idlegrad.common import blobs
 
     packed = []
@@ -61,20 +61,42 @@ def test_lm_packs_once_splits_by_file_and_learns(tmp_path, pack_cache, monkeypat
     built = build(job)
     again = build(job)
     assert built.fingerprint == again.fingerprint
-    assert len(packed) == 2  # train and held-out, once: the second build reused the pack
+    assert len(packed) == 1  # the second build reused the pack
     assert len(os.listdir(pack_cache)) == 1
-    held = [rel for rel in texts if builtin_jobs.held_out(rel)]
-    assert held and len(held) < len(texts)
+    held = sorted(rel for rel in texts if builtin_jobs.held_out(rel))
+    kept = sorted(set(texts) - set(held))
+    assert held and kept
     window = 17
-    expect = lambda rels: sum(len(texts[r]) for r in sorted(rels)) // window
-    assert len(built.test) == expect(held)
-    assert len(built.train) == expect(set(texts) - set(held))
-    held_bytes = b"".join(texts[r] for r in sorted(held))
-    assert bytes(built.test[0].numpy().tobytes()) == held_bytes[:window]
+    assert len(built.train) == sum(len(texts[r]) for r in kept) // window
+    assert len(built.test) == sum(len(texts[r]) for r in held) // window
+    # the held-out windows are the held-out files' bytes, and none of the training windows are
+    held_bytes = b"".join(texts[r] for r in held)
+    assert bytes(built.test[0].numpy()) == held_bytes[:window]
+    assert bytes(built.test[len(built.test) - 1].numpy()) in held_bytes
+    kept_bytes = b"".join(texts[r] for r in kept)
+    assert bytes(built.train[len(built.train) - 1].numpy()) in kept_bytes
     first, last = train_steps(job, built, 30)
     assert last < first * 0.7
     metrics = evaluate(job, built.model.module, built.test)
     assert metrics["bits_per_byte"] == pytest.approx(metrics["loss"] / np.log(2))
+
+
+def test_lm_with_data_reads_the_pack_from_a_store_not_the_corpus(tmp_path, pack_cache):
+    from idlegrad.common.blobs import BlobFolder, load_manifest
+
+    corpus = tmp_path / "corpus"
+    write_corpus(str(corpus))
+    local = load_job("lm", {"corpus": str(corpus), "context": 16})
+    pack_dir = local.pack()
+    manifest = load_manifest(os.path.join(pack_dir, "manifest.json"))
+    local_fingerprint = build(local).fingerprint
+    os.rename(corpus, tmp_path / "gone")
+    remote = load_job("lm", {"corpus": str(corpus), "context": 16, "data": manifest.sha256})
+    assert remote.pack is None
+    built = build(remote, store=BlobFolder(pack_dir))
+    assert built.fingerprint == local_fingerprint
+    with pytest.raises(JobError, match="manifest's sha256"):
+        load_job("lm", {"data": "not-a-hash"})
 
 
 def test_lm_corpus_change_is_a_new_fingerprint(tmp_path, pack_cache):
@@ -142,7 +164,7 @@ def test_resnet_on_digits_learns():
     x, y = built.train[0]
     assert x.shape == (1, 8, 8) and x.dtype == torch.uint8
     model = built.model.module
-    opt = job.build_optimizer(model.parameters())
+    opt = make_optimizer(job, model)
     batch = [torch.stack([built.train[i][0] for i in range(64)]),
              torch.stack([built.train[i][1] for i in range(64)])]
     losses = []
