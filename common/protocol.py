@@ -23,7 +23,7 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 3  # 2: ack; hello.instance; welcome.instance and welcome.holding. 3: task.acks, result.waited_s
+PROTOCOL_VERSION = 4  # 2: ack; hello.instance; welcome.instance and welcome.holding. 3: task.acks, result.waited_s. 4: welcome.shuffle_window, heartbeat.shards, task.prefetch
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # tensor frames are cut to this; larger zero-copy frames slow down
 MAX_HEADER_BYTES = 1024 * 1024
@@ -47,6 +47,11 @@ MAX_REPORTED_S = 1e6
 # coordinator's welcome, and a beat of a microsecond would have it send nothing else.
 HEARTBEAT_S_RANGE = (0.01, 86400.0)
 LIVENESS_RANGE = (1, 1000)
+# Locality: shards a worker may say it holds, shards one prefetch hint names, and the largest
+# shuffle window (shards) of a shard-aware epoch order.
+MAX_HELD_SHARDS = 4096
+MAX_PREFETCH = 64
+MAX_SHUFFLE_WINDOW = 65536
 # ZMQ_MAXMSGSIZE for every socket: the peer is disconnected by ZeroMQ itself past this.
 SOCKET_MAX_MSG_BYTES = max(MAX_FRAME_BYTES, MAX_HEADER_BYTES) + 4096
 
@@ -123,6 +128,9 @@ class Heartbeat(Message):
 
     TYPE: ClassVar[str] = "heartbeat"
     state: str = "idle"
+    # A worker's training shards in its cache (indices into the manifest), when they changed
+    # since it last said; None: unchanged. At most MAX_HELD_SHARDS.
+    shards: Optional[list[int]] = None
 
     STATES: ClassVar[frozenset] = frozenset({"working", "paused", "idle", "coordinator"})
 
@@ -150,6 +158,9 @@ class Welcome(Message):
     instance: str = ""  # this coordinator process; a worker's results are only for the one they came from
     holding: list[int] = field(default_factory=list)  # slots of the resumed session it still holds
     result_dtype: str = "float32"  # how results travel: float32, or bfloat16 (error feedback)
+    # 0: each epoch is a full shuffle of the seed; W: the shard-aware order, samples shuffled
+    # within blocks of W shards of the (sharded) training set (common/permutation.py)
+    shuffle_window: int = 0
 
     RESULT_DTYPES: ClassVar[frozenset] = frozenset({"float32", "bfloat16"})
 
@@ -178,6 +189,8 @@ class Task(Message):
     # results the coordinator has taken, as an `Ack` would say: a task sent in answer to a
     # result carries its acknowledgement, one message instead of two
     acks: list[int] = field(default_factory=list)
+    # shards of the training set the worker will likely need next: fetch them ahead (locality)
+    prefetch: list[int] = field(default_factory=list)
 
     KINDS: ClassVar[frozenset] = frozenset({"gradient", "local"})
 
@@ -564,8 +577,16 @@ def _semantic_checks(msg: Message) -> None:
             if getattr(msg, n) < 0:
                 raise ProtocolError("schema", f"{msg.TYPE}.{n} must be >= 0")
 
-    if isinstance(msg, Heartbeat) and msg.state not in Heartbeat.STATES:
-        raise ProtocolError("schema", f"heartbeat.state {msg.state[:20]!r} unknown")
+    def shard_list(name: str, limit: int):
+        shards = getattr(msg, name)
+        if shards is not None and (len(shards) > limit or any(k < 0 for k in shards)):
+            raise ProtocolError("schema", f"{msg.TYPE}.{name}: at most {limit} shard indices "
+                                          ">= 0")
+
+    if isinstance(msg, Heartbeat):
+        if msg.state not in Heartbeat.STATES:
+            raise ProtocolError("schema", f"heartbeat.state {msg.state[:20]!r} unknown")
+        shard_list("shards", MAX_HELD_SHARDS)
     elif isinstance(msg, Hello):
         non_negative("cores", "threads", "memory_mb")
         if not 1 <= len(msg.worker_id) <= MAX_WORKER_ID:
@@ -582,6 +603,9 @@ def _semantic_checks(msg: Message) -> None:
             raise ProtocolError("schema", f"welcome.job must be 1 to {MAX_NAME} printable characters")
         if len(msg.fingerprint) > MAX_NAME or len(msg.instance) > MAX_NAME:
             raise ProtocolError("schema", f"welcome.fingerprint and instance: at most {MAX_NAME}")
+        if not 0 <= msg.shuffle_window <= MAX_SHUFFLE_WINDOW:
+            raise ProtocolError("schema", f"welcome.shuffle_window must be 0 to "
+                                          f"{MAX_SHUFFLE_WINDOW}")
         if msg.result_dtype not in Welcome.RESULT_DTYPES:
             raise ProtocolError("schema", f"welcome.result_dtype {msg.result_dtype[:20]!r} unknown")
         if not (HEARTBEAT_S_RANGE[0] <= msg.heartbeat_s <= HEARTBEAT_S_RANGE[1]
@@ -603,6 +627,7 @@ def _semantic_checks(msg: Message) -> None:
         for part in msg.parts:
             if len(part) != 3 or min(part) < 0:
                 raise ProtocolError("schema", "task.parts items are [epoch, offset, count] >= 0")
+        shard_list("prefetch", MAX_PREFETCH)
         if msg.kind not in Task.KINDS:
             raise ProtocolError("schema", f"task.kind {msg.kind[:20]!r} unknown")
         if msg.kind == "local" and (msg.steps < 1 or len(msg.parts) != 1):

@@ -64,6 +64,11 @@ class CoordinatorConfig:
     local_link_factor: float = local.TaskMode.link_factor  # local:auto: compute / link seconds
     result_dtype: str = "float32"  # results on the wire: float32 or bfloat16 (workers round)
     verify_replicas: bool = False  # a replicated row counts once two copies of it agree
+    # Sharded training data: read each epoch in the shard-aware order (shards shuffled, samples
+    # within blocks of `shuffle_window` shards) and prefer slots whose shards a worker holds.
+    # Data that is not sharded keeps the full shuffle whatever this says.
+    locality: bool = True
+    shuffle_window: int = 4
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,9 @@ def check(config: CoordinatorConfig) -> Checked:
                     verify_replicas=config.verify_replicas)
     if config.verify_replicas:
         check_verify_replicas(config.result_dtype)
+    if not 1 <= config.shuffle_window <= proto.MAX_SHUFFLE_WINDOW:
+        raise ConfigError(f"--shuffle-window must be from 1 to {proto.MAX_SHUFFLE_WINDOW} "
+                          f"shards, not {config.shuffle_window}")
     _check_paths(config)
     return Checked(task_mode, redundancy, keypair, keys)
 

@@ -324,7 +324,7 @@ class Coordinator:
             job=training.job.name, job_args=self.config.job_args, fingerprint=training.fingerprint,
             seed=self.config.seed, heartbeat_s=self.config.heartbeat_s,
             liveness=self.config.liveness, instance=training.instance, holding=holding,
-            result_dtype=self.config.result_dtype))
+            result_dtype=self.config.result_dtype, shuffle_window=training.shuffle_window))
         if resumed:  # tasks sent down its old connection may be lost: it ignores the ones it has
             await self.perform(self.core.resend(msg.worker_id, now))
 
@@ -365,7 +365,8 @@ class Coordinator:
                 await self._tell(worker_id, proto.Ack(slots=[slot]))
 
     async def _on_heartbeat(self, route: bytes, msg: proto.Heartbeat, key) -> None:
-        await self.perform(self.core.seen(self._worker_of(route), msg.state, time.monotonic()))
+        await self.perform(self.core.seen(self._worker_of(route), msg.state, time.monotonic(),
+                                          msg.shards))
         await self._send(route, proto.Heartbeat(state="coordinator"))
 
     async def _on_bye(self, route: bytes, msg: proto.Bye, key) -> None:
@@ -451,7 +452,8 @@ class Coordinator:
         tracker = await self._send(self.gate.routes[action.worker], proto.Task(
             slot=action.slot, round=action.round, version=action.version, parts=action.parts,
             coefficients=action.coefficients, deadline_s=min(action.deadline_s, 1e9), model=model,
-            acks=[] if ack is None else [ack], kind=action.kind, steps=action.steps), track=track)
+            acks=[] if ack is None else [ack], kind=action.kind, steps=action.steps,
+            prefetch=list(action.prefetch)), track=track)
         if track:
             model_state.tracked(action.version, tracker)
 

@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 import psutil
 import torch
@@ -42,7 +42,7 @@ from .. import __version__
 from ..common import protocol as proto
 from ..common.aio import on_stop_signals
 from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
-from ..common.job import BuiltJob, Job, build, model_bytes
+from ..common.job import BuiltJob, Job, build, epoch_order, model_bytes
 from ..common.job_loading import builtin_job_names, load_job
 from ..common.security import KEYS_HINT, ClientKeys
 from ..common.tensors import blob_chunks, to_blob
@@ -154,9 +154,15 @@ class Worker:
     # from the wire, a local task's optimizer moments (Adam's two); one gradient buffer per credit.
     MODEL_COPIES = 5
     def __init__(self, config: WorkerConfig, guest: Optional[Guest] = None,
-                 compute_slot: Optional["ComputeSlot"] = None, project: Optional[str] = None):
+                 compute_slot: Optional["ComputeSlot"] = None, project: Optional[str] = None,
+                 held_shards: Optional[Callable[[], Iterable[int]]] = None,
+                 on_prefetch: Optional[Callable[[list[int]], None]] = None):
         """`guest` and `compute_slot`: shared with the other projects' sessions of this process
-        (`MultiWorker`); without them this worker is the only one, and reads the probes itself."""
+        (`MultiWorker`); without them this worker is the only one, and reads the probes itself.
+        Locality: `held_shards()` names the training shards this worker holds (its cache; said
+        in heartbeats when it changes), and `on_prefetch(shards)` is told the shards the
+        coordinator expects it to need next (to fetch ahead). Both run on the session's loop:
+        they must be quick."""
         if config.credits < 1:
             raise ConfigError("credits must be at least 1")
         self.config = config
@@ -196,6 +202,10 @@ class Worker:
         self.project = project or config.coordinator
         self.compute_slot = compute_slot
         self._nudged: Optional[asyncio.Event] = None  # set by MultiWorker when the guest changed
+        self.held_shards = held_shards or (lambda: ())
+        self.on_prefetch = on_prefetch or (lambda shards: None)
+        self._shards_said: Optional[list[int]] = None  # as this session's coordinator last heard
+        self._prefetch_told: list[int] = []
 
     @property
     def policy(self) -> IdlePolicy:
@@ -327,7 +337,8 @@ class Worker:
 
     def _prepare(self, welcome: proto.Welcome) -> None:
         """Build the job the coordinator names, from this machine's own code."""
-        key = (welcome.job, tuple(sorted(welcome.job_args.items())), welcome.seed)
+        key = (welcome.job, tuple(sorted(welcome.job_args.items())), welcome.seed,
+               welcome.shuffle_window)
         if self._built_for != key:
             spec = self.config.job or welcome.job
             if self.config.job is None and welcome.job not in builtin_job_names():
@@ -339,7 +350,8 @@ class Worker:
             self._check_memory(job)
             self.built = build(job, device=self.device)
             self._check_memory(job, self.built)
-            self.engine = Engine(self.built, welcome.seed, self.device)
+            order = epoch_order(self.built.train, welcome.seed, welcome.shuffle_window)
+            self.engine = Engine(self.built, order, self.device)
             self.engine.slowdown, self.engine.stall = self.config.slowdown, self.config.stall
             self.engine.poison = self.config.poison
             self._built_for = key
@@ -388,8 +400,9 @@ class Worker:
                     await self._send(sock, proto.Bye(reason=str(exc)[:500]))
                     raise
                 await self._resume(sock, welcome)
+                self._shards_said, self._prefetch_told = None, []  # a new session hears anew
                 if self.paused:
-                    await self._send(sock, proto.Heartbeat(state="paused"))
+                    await self._send(sock, self._heartbeat("paused"))
                 await self._send(sock, proto.Ready(credits=self._credits(),
                                                    fingerprint=self.built.fingerprint))
                 log.info("joined %s: job %s, %d credits, %s with %d threads%s",
@@ -459,7 +472,7 @@ class Worker:
                     return
                 now = time.monotonic()
                 if now >= next_beat:
-                    await self._send(sock, proto.Heartbeat(state=self._beat_state(computing)))
+                    await self._send(sock, self._heartbeat(self._beat_state(computing)))
                     next_beat = now + self.heartbeat_s
                 if now - last_heard > self.heartbeat_s * self.liveness:
                     return  # the coordinator is gone: the caller reconnects
@@ -563,6 +576,30 @@ class Worker:
             if held is not None:
                 self.engine.release(held[0], held[1])
 
+    def _heartbeat(self, state: str) -> proto.Heartbeat:
+        """A heartbeat, with the shards this worker holds when they changed since it last said
+        (a bounded, sorted list)."""
+        try:
+            shards = sorted({int(k) for k in self.held_shards() if int(k) >= 0})
+        except Exception as exc:  # the cache's hook: locality is a preference, work goes on
+            if self._refused_logged.ready(time.monotonic()):
+                log.warning("could not list the shards held: %s", exc)
+            shards = self._shards_said or []
+        shards = shards[:proto.MAX_HELD_SHARDS]
+        if shards == self._shards_said:
+            return proto.Heartbeat(state=state)
+        self._shards_said = shards
+        return proto.Heartbeat(state=state, shards=shards)
+
+    def _prefetch(self, shards: list[int]) -> None:
+        if not shards or shards == self._prefetch_told:
+            return
+        self._prefetch_told = list(shards)
+        try:
+            self.on_prefetch(list(shards))
+        except Exception as exc:  # the cache's hook: a hint lost costs a later fetch, no more
+            log.warning("prefetch hint %s not taken: %s", shards[:8], exc)
+
     def _beat_state(self, computing) -> str:
         if self.paused:
             return "paused"
@@ -570,7 +607,7 @@ class Worker:
 
     async def _announce(self, sock, computing) -> None:
         """Tell the coordinator at once that the guest paused or resumed: no slots while paused."""
-        await self._send(sock, proto.Heartbeat(state=self._beat_state(computing)))
+        await self._send(sock, self._heartbeat(self._beat_state(computing)))
         await self._send(sock, proto.Ready(credits=self._credits(),
                                            fingerprint=self.built.fingerprint))
 
@@ -598,6 +635,7 @@ class Worker:
             if msg.acks:
                 self._drop_results(msg.acks)
             self._on_task(msg)
+            self._prefetch(msg.prefetch)
         elif isinstance(msg, proto.Cancel):
             cancelled = set(msg.slots)
             self._queue = deque(w for w in self._queue if w.slot not in cancelled)
