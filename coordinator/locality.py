@@ -10,8 +10,9 @@ it fetches ahead: a cold worker's first slots come from the block it is fetching
 
 `group`: how many workers share a block before a cold one is sent to another: a code with
 redundancy needs its copies computed by different workers (replicate:R, R workers).
-`patience`: a pending slot of a round that many versions old is anybody's, so that a block whose
-workers are slow or gone never holds its round back for long.
+`patience`: a pending slot of a round that has waited about that many slot times (its age in
+versions over the rounds open) is anybody's, so that a block whose workers are slow or gone never
+holds its round back for long.
 """
 
 from __future__ import annotations
@@ -40,15 +41,20 @@ def group_for(redundancy: Redundancy, adaptive_max_level: int = 2) -> int:
 
 
 class Locality:
-    def __init__(self, order: ShardOrder, group: int = 1, patience: int = 2,
+    def __init__(self, order: ShardOrder, group: int = 1, patience: float = 2.0,
                  max_hint: int = MAX_PREFETCH):
         self.order = order
         self.group = max(1, group)
-        self.patience = max(1, patience)
+        self.patience = max(0.0, patience)
         self.max_hint = max(0, min(max_hint, MAX_PREFETCH))
         self.held: dict[str, frozenset[int]] = {}
         self.home: dict[str, BlockKey] = {}
-        self.homed: Counter[BlockKey] = Counter()  # workers at home in each block
+        # A worker keeps tending the block it left (its last rounds there may still be pending)
+        # and claims the block its hint names next (so that cold choices spread).
+        self.previous: dict[str, BlockKey] = {}
+        self.claim: dict[str, BlockKey] = {}
+        self.homed: Counter[BlockKey] = Counter()  # workers at home in (or tending) each block
+        self.claims: Counter[BlockKey] = Counter()
         self._hints: dict[str, tuple[int, tuple[int, ...]]] = {}  # worker -> (epoch, hint)
         self._shard_block: tuple[int, dict[int, int]] = (-1, {})
 
@@ -65,9 +71,11 @@ class Locality:
     def forget(self, worker: str) -> None:
         self.held.pop(worker, None)
         self._hints.pop(worker, None)
-        key = self.home.pop(worker, None)
-        if key is not None:
-            self._leave_home(key)
+        for held in (self.home, self.previous):
+            key = held.pop(worker, None)
+            if key is not None:
+                self._leave_home(key)
+        self._unclaim(worker)
 
     # decisions --------------------------------------------------------------------------------
 
@@ -101,25 +109,27 @@ class Locality:
                 held[block] += 1
         if held:
             return max(held, key=lambda b: (held[b], -self.homed[(epoch, b)], -b))
+        def load(b):
+            return self.homed[(epoch, b)] + self.claims[(epoch, b)]
         for block in candidates:
-            if self.homed[(epoch, block)] < self.group:
+            if load(block) < self.group:
                 return block
-        return min(candidates, key=lambda b: (self.homed[(epoch, b)], b))
+        return min(candidates, key=lambda b: (load(b), b))
 
     def affine(self, worker: str, key: Optional[BlockKey]) -> bool:
         """Whether `worker` is at home in block `key` or holds all its shards."""
         if key is None:
             return True
-        if self.home.get(worker) == key:
+        if self.home.get(worker) == key or self.previous.get(worker) == key:
             return True
         held = self.held.get(worker)
         return bool(held) and all(k in held for k in self.blocks(key[0])[key[1]].shards)
 
-    def anybodys(self, key: Optional[BlockKey], round_age: int, speculated: bool) -> bool:
+    def anybodys(self, key: Optional[BlockKey], waited: float, speculated: bool) -> bool:
         """Whether a pending slot of block `key` may go to any worker: nobody is at home in
-        its block (its workers left, or it was replanned), its round has waited `patience`
-        versions, or it duplicates a late slot (it is wanted now)."""
-        return (key is None or speculated or round_age >= self.patience
+        its block (its workers left, or it was replanned), its round has `waited` `patience`
+        slot times, or it duplicates a late slot (it is wanted now)."""
+        return (key is None or speculated or waited >= self.patience
                 or self.homed[key] == 0)
 
     def hint(self, worker: str, epoch: int,
@@ -135,7 +145,11 @@ class Locality:
         key = self.home.get(worker)
         home = key[1] if key is not None and key[0] == epoch else None
         blocks = self.blocks(epoch)
+        self._unclaim(worker)
         following = self.choose(worker, epoch, open_blocks(), exclude=home)
+        if following is not None:
+            self.claim[worker] = (epoch, following)
+            self.claims[(epoch, following)] += 1
         for block in (home, following):
             if block is not None:
                 wanted += [k for k in blocks[block].shards if k not in held and k not in wanted]
@@ -148,11 +162,22 @@ class Locality:
     def _move(self, worker: str, key: Optional[BlockKey]) -> None:
         old = self.home.pop(worker, None)
         if old is not None:
-            self._leave_home(old)
+            gone = self.previous.pop(worker, None)
+            if gone is not None:
+                self._leave_home(gone)
+            self.previous[worker] = old  # still counted in `homed`
+        self._unclaim(worker)
         if key is not None:
             self.home[worker] = key
             self.homed[key] += 1
         self._hints.pop(worker, None)
+
+    def _unclaim(self, worker: str) -> None:
+        key = self.claim.pop(worker, None)
+        if key is not None:
+            self.claims[key] -= 1
+            if self.claims[key] <= 0:
+                del self.claims[key]
 
     def _leave_home(self, key: BlockKey) -> None:
         self.homed[key] -= 1

@@ -983,9 +983,11 @@ class Scheduler:
     def _local_for(self, worker: WorkerRecord, slot: Slot) -> bool:
         """Whether the locality pass may give `slot` to `worker`."""
         round_ = self.rounds[slot.round]
+        # A round's age in versions over the rounds open: about the slot times it has waited
+        # (each open round steps the version once per slot time, roughly).
+        waited = (self.version - round_.version) / max(1, len(self.rounds))
         return (self.locality.affine(worker.id, round_.block)
-                or self.locality.anybodys(round_.block, self.version - round_.version,
-                                          slot.speculated))
+                or self.locality.anybodys(round_.block, waited, slot.speculated))
 
     def _fill(self, now: float) -> list[Action]:
         actions: list[Action] = []
