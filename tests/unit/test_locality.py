@@ -264,3 +264,23 @@ def test_locality_fields_travel():
     beat = proto.decode(proto.encode(proto.Heartbeat(state="working", shards=[0, 5, 9])))
     assert beat.shards == [0, 5, 9]
     assert proto.decode(proto.encode(proto.Heartbeat())).shards is None
+
+
+# the simulator ----------------------------------------------------------------------------------
+
+
+def test_locality_cuts_what_workers_download_in_the_simulator():
+    from idlegrad.coordinator import simulator as sim
+
+    def run(locality: bool):
+        fleet = [sim.WorkerSpec(f"w{i}", s_per_sample=0.002 * (1 + 0.1 * i), bandwidth=50e6)
+                 for i in range(4)]
+        config = sim.SimConfig(duration_s=3000, batch_size=256, partitions=4,
+                               train_samples=16_000, target_samples=16_000, shards=32,
+                               shard_bytes=2**20, shuffle_window=1, locality=locality)
+        return sim.simulate(fleet, config, "none")
+
+    with_, without = run(True), run(False)
+    assert with_.samples_applied >= 16_000 and without.samples_applied >= 16_000
+    assert without.download_ratio == 4.0  # a full shuffle: every worker fetches every shard
+    assert with_.download_ratio <= 1.5, with_.downloaded
