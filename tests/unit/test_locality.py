@@ -159,11 +159,12 @@ def block_of_assign(s: Scheduler, a: Assign):
 def test_a_worker_gets_slots_of_the_shards_it_holds():
     order = ShardOrder(0, (400,) * 12, 3)  # 300 rounds a block: none runs out here
     blocks = epoch_blocks(order, 0)
-    s = local_scheduler(order, partitions=2)
+    s = local_scheduler(order, partitions=4)  # a round's slots outnumber a worker's credits
     for name, block in (("a", 3), ("b", 1)):
         s.join(name, {}, 0.0)
         s.holdings(name, list(blocks[block].shards))
     handed = s.ready("a", 2, 0.0) + s.ready("b", 2, 0.0)
+    assert s.pending() == 4  # two slots of each worker's round wait for it
     for a in handed:
         assert block_of_assign(s, a) == (0, {"a": 3, "b": 1}[a.worker])
     # answering keeps each in its block: b takes none of a's pending slots
