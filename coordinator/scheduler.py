@@ -39,6 +39,10 @@ Tasks: the `task_mode` (local.TaskMode) says what a slot computes. Gradient slot
 are sized by the configured batch; local slots by the task mode, for the worker that opens the
 round, and each carries its number of inner steps. `Assign` and `slot_task` say both.
 
+Locality (locality.py): with a shard-aware order the sampler plans block by block, a round
+opened by a worker comes from its home block, and a worker takes pending slots of its own blocks
+before others' (`_next_slot_for(local=True)`); each `Assign` carries its prefetch hint.
+
 Scale (issue 8): no call walks the whole fleet. `tick` takes from heaps of due times (a worker's
 silence, a pause's grace, a slot's deadline, the moment a worker's slot may turn late) only the
 entries that are due, checks each against the live record (stale entries are dropped), and
