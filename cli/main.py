@@ -151,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--result-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="how workers send results: bfloat16 halves the bytes (rounding errors "
                         "are fed back into the next result) (default: float32)")
+    c.add_argument("--locality", choices=["on", "off"], default="on",
+                   help="sharded training data: read each epoch shard-aware (the shards "
+                        "shuffled, then the samples within windows of --shuffle-window shards) "
+                        "and give workers slots of the shards they hold; off: a full shuffle. "
+                        "Data that is not sharded is always fully shuffled (default: on)")
+    c.add_argument("--shuffle-window", type=_positive(int), default=4, metavar="W",
+                   help="with --locality on: shards whose samples are shuffled together; a "
+                        "worker needs W shards at once (default: 4)")
     c.add_argument("--threads", type=_positive(int), metavar="N", help="torch threads")
     c.add_argument("--reject-norm", type=_non_negative(float), default=10.0, metavar="K",
                    help="refuse a gradient whose norm per sample is over K times the running "
@@ -339,7 +347,8 @@ def _run_coordinator(args) -> int:
         outer=OuterConfig(args.outer_lr, args.outer_momentum), local_slot_s=args.local_slot_s,
         local_max_steps=args.local_max_steps, local_link_factor=args.local_link_factor,
         result_dtype=args.result_dtype, verify_replicas=args.verify_replicas,
-        data_dir=args.data, blob_mirrors=tuple(args.blob_mirror))
+        data_dir=args.data, blob_mirrors=tuple(args.blob_mirror),
+        locality=args.locality == "on", shuffle_window=args.shuffle_window)
     coordinator = Coordinator(config)
     reason = coordinator.run()
     logging.getLogger("idlegrad.coordinator").info(

@@ -25,7 +25,8 @@ from .errors import ProtocolError
 
 # 2: ack; hello.instance; welcome.instance and welcome.holding. 3: task.acks, result.waited_s.
 # 4: fetch, chunk, welcome.blob_mirrors, heartbeat.cache (the data plane); task.buffers,
-#    result.buffers (model state beyond parameters)
+#    result.buffers (model state beyond parameters); welcome.shuffle_window, heartbeat.shards,
+#    task.prefetch (locality)
 PROTOCOL_VERSION = 4
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # tensor frames are cut to this; larger zero-copy frames slow down
@@ -50,6 +51,11 @@ MAX_REPORTED_S = 1e6
 # coordinator's welcome, and a beat of a microsecond would have it send nothing else.
 HEARTBEAT_S_RANGE = (0.01, 86400.0)
 LIVENESS_RANGE = (1, 1000)
+# Locality: shards a worker may say it holds, shards one prefetch hint names, and the largest
+# shuffle window (shards) of a shard-aware epoch order.
+MAX_HELD_SHARDS = 4096
+MAX_PREFETCH = 64
+MAX_SHUFFLE_WINDOW = 65536
 # ZMQ_MAXMSGSIZE for every socket: the peer is disconnected by ZeroMQ itself past this.
 SOCKET_MAX_MSG_BYTES = max(MAX_FRAME_BYTES, MAX_HEADER_BYTES) + 4096
 
@@ -140,6 +146,9 @@ class Heartbeat(Message):
     state: str = "idle"
     # a worker's blob cache, as counted since it started (CACHE_COUNTERS); None: no cache in use
     cache: Optional[dict[str, int]] = None
+    # A worker's training shards in its cache (indices into the manifest), when they changed
+    # since it last said; None: unchanged. At most MAX_HELD_SHARDS.
+    shards: Optional[list[int]] = None
 
     STATES: ClassVar[frozenset] = frozenset({"working", "paused", "idle", "coordinator"})
 
@@ -181,6 +190,9 @@ class Welcome(Message):
     result_dtype: str = "float32"  # how results travel: float32, or bfloat16 (error feedback)
     # HTTP(S) mirrors of the blobs of the job's data, tried before the coordinator
     blob_mirrors: list[str] = field(default_factory=list)
+    # 0: each epoch is a full shuffle of the seed; W: the shard-aware order, samples shuffled
+    # within blocks of W shards of the (sharded) training set (common/permutation.py)
+    shuffle_window: int = 0
 
     RESULT_DTYPES: ClassVar[frozenset] = frozenset({"float32", "bfloat16"})
 
@@ -211,6 +223,8 @@ class Task(Message):
     acks: list[int] = field(default_factory=list)
     # the model's persistent buffers at `version` (float64), sent with `model` when it has any
     buffers: Optional[Blob] = None
+    # shards of the training set the worker will likely need next: fetch them ahead (locality)
+    prefetch: list[int] = field(default_factory=list)
 
     KINDS: ClassVar[frozenset] = frozenset({"gradient", "local"})
 
@@ -657,9 +671,16 @@ def _semantic_checks(msg: Message) -> None:
             if getattr(msg, n) < 0:
                 raise ProtocolError("schema", f"{msg.TYPE}.{n} must be >= 0")
 
+    def shard_list(name: str, limit: int):
+        shards = getattr(msg, name)
+        if shards is not None and (len(shards) > limit or any(k < 0 for k in shards)):
+            raise ProtocolError("schema", f"{msg.TYPE}.{name}: at most {limit} shard indices "
+                                          ">= 0")
+
     if isinstance(msg, Heartbeat):
         if msg.state not in Heartbeat.STATES:
             raise ProtocolError("schema", f"heartbeat.state {msg.state[:20]!r} unknown")
+        shard_list("shards", MAX_HELD_SHARDS)
         if msg.cache is not None and (
                 not set(msg.cache) <= CACHE_COUNTERS
                 or any(not 0 <= v < 2**62 for v in msg.cache.values())):
@@ -701,6 +722,9 @@ def _semantic_checks(msg: Message) -> None:
             raise ProtocolError("schema", f"welcome.blob_mirrors: at most {MAX_MIRRORS}")
         for url in msg.blob_mirrors:
             check_blob_mirror(url, "welcome.blob_mirrors")
+        if not 0 <= msg.shuffle_window <= MAX_SHUFFLE_WINDOW:
+            raise ProtocolError("schema", f"welcome.shuffle_window must be 0 to "
+                                          f"{MAX_SHUFFLE_WINDOW}")
         if msg.result_dtype not in Welcome.RESULT_DTYPES:
             raise ProtocolError("schema", f"welcome.result_dtype {msg.result_dtype[:20]!r} unknown")
         if not (HEARTBEAT_S_RANGE[0] <= msg.heartbeat_s <= HEARTBEAT_S_RANGE[1]
@@ -722,6 +746,7 @@ def _semantic_checks(msg: Message) -> None:
         for part in msg.parts:
             if len(part) != 3 or min(part) < 0:
                 raise ProtocolError("schema", "task.parts items are [epoch, offset, count] >= 0")
+        shard_list("prefetch", MAX_PREFETCH)
         if msg.kind not in Task.KINDS:
             raise ProtocolError("schema", f"task.kind {msg.kind[:20]!r} unknown")
         if msg.kind == "local" and (msg.steps < 1 or len(msg.parts) != 1):

@@ -107,8 +107,12 @@ class RoundCore:
     def stop(self, now: float) -> list:
         return self.interpret(self.scheduler.stop(), now)
 
-    def seen(self, worker_id: str, state: Optional[str], now: float) -> list:
-        """A heartbeat: the worker is alive, and says whether its owner needs the machine."""
+    def seen(self, worker_id: str, state: Optional[str], now: float,
+             shards: Optional[list[int]] = None) -> list:
+        """A heartbeat: the worker is alive, and says whether its owner needs the machine, and
+        (`shards`, when they changed) which shards of the training set it holds."""
+        if shards is not None:
+            self.scheduler.holdings(worker_id, shards)
         record = self.scheduler.workers.get(worker_id)
         was_paused = record is not None and record.paused_since is not None
         self.scheduler.seen(worker_id, now, state)

@@ -327,7 +327,8 @@ class Coordinator:
             job=training.job.name, job_args=training.job_args, fingerprint=training.fingerprint,
             seed=self.config.seed, heartbeat_s=self.config.heartbeat_s,
             liveness=self.config.liveness, instance=training.instance, holding=holding,
-            result_dtype=self.config.result_dtype, blob_mirrors=list(self.config.blob_mirrors)))
+            result_dtype=self.config.result_dtype, blob_mirrors=list(self.config.blob_mirrors),
+            shuffle_window=training.shuffle_window))
         if resumed:  # tasks sent down its old connection may be lost: it ignores the ones it has
             await self.perform(self.core.resend(msg.worker_id, now))
 
@@ -370,7 +371,7 @@ class Coordinator:
 
     async def _on_heartbeat(self, route: bytes, msg: proto.Heartbeat, key) -> None:
         worker_id = self._worker_of(route)
-        await self.perform(self.core.seen(worker_id, msg.state, time.monotonic()))
+        await self.perform(self.core.seen(worker_id, msg.state, time.monotonic(), msg.shards))
         if msg.cache is not None and self.training.blobs is not None:
             self.training.blobs.report(worker_id, msg.cache)
         await self._send(route, proto.Heartbeat(state="coordinator"))
@@ -497,8 +498,8 @@ class Coordinator:
             slot=action.slot, round=action.round, version=action.version, parts=action.parts,
             coefficients=action.coefficients, deadline_s=min(action.deadline_s, 1e9), model=model,
             acks=[] if ack is None else [ack], kind=action.kind, steps=action.steps,
-            buffers=model_state.buffers_blob(action.version) if model is not None else None),
-            track=track)
+            buffers=model_state.buffers_blob(action.version) if model is not None else None,
+            prefetch=list(action.prefetch)), track=track)
         if track:
             model_state.tracked(action.version, tracker)
 

@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 import psutil
 import torch
@@ -42,7 +42,7 @@ from .. import __version__
 from ..common import protocol as proto
 from ..common.aio import on_stop_signals
 from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
-from ..common.job import BuiltJob, Job, build, model_bytes
+from ..common.job import BuiltJob, Job, build, epoch_order, model_bytes
 from ..common.job_loading import builtin_job_names, load_job
 from ..common.security import KEYS_HINT, ClientKeys
 from ..common.tensors import blob_chunks, buffer_vector, to_blob
@@ -211,6 +211,9 @@ class Worker:
         self.coordinator_source = CoordinatorSource()
         self.manifest: Optional[Manifest] = None  # of the job built, when it declares its data
         self._cache_logged = Throttle()
+        self._shards_said: Optional[list[int]] = None  # as this session's coordinator last heard
+        self._prefetch_told: list[int] = []
+        self._prefetching: Optional[asyncio.Future] = None
 
     @property
     def policy(self) -> IdlePolicy:
@@ -350,7 +353,8 @@ class Worker:
         """For a job that declares its data by manifest: the cache, its sources set (the owner's
         mirrors, the coordinator's, the coordinator) and the manifest in it, fetched while the
         session stays alive. None for a job that builds its own data."""
-        key = (welcome.job, tuple(sorted(welcome.job_args.items())), welcome.seed)
+        key = (welcome.job, tuple(sorted(welcome.job_args.items())), welcome.seed,
+               welcome.shuffle_window)
         if self._built_for == key and self.built is not None and self.built.job.data is None:
             return None
         job = load_job(self._job_spec(welcome), welcome.job_args)
@@ -423,7 +427,8 @@ class Worker:
     def _prepare(self, welcome: proto.Welcome, store: Optional[BlobCache] = None) -> None:
         """Build the job the coordinator names, from this machine's own code (its data from
         `store` when it declares its data by manifest)."""
-        key = (welcome.job, tuple(sorted(welcome.job_args.items())), welcome.seed)
+        key = (welcome.job, tuple(sorted(welcome.job_args.items())), welcome.seed,
+               welcome.shuffle_window)
         if self._built_for != key:
             spec = self._job_spec(welcome)
             # The previous job is of no use now, and its memory is the next one's.
@@ -432,7 +437,8 @@ class Worker:
             self._check_memory(job)
             self.built = build(job, device=self.device, store=store)
             self._check_memory(job, self.built)
-            self.engine = Engine(self.built, welcome.seed, self.device)
+            order = epoch_order(self.built.train, welcome.seed, welcome.shuffle_window)
+            self.engine = Engine(self.built, order, self.device)
             self.engine.slowdown, self.engine.stall = self.config.slowdown, self.config.stall
             self.engine.poison = self.config.poison
             self._built_for = key
@@ -501,8 +507,9 @@ class Worker:
                     await self._send(sock, proto.Bye(reason=str(exc)[:500]))
                     raise
                 await self._resume(sock, welcome)
+                self._shards_said, self._prefetch_told = None, []  # a new session hears anew
                 if self.paused:
-                    await self._send(sock, proto.Heartbeat(state="paused"))
+                    await self._send(sock, self._heartbeat("paused"))
                 await self._send(sock, proto.Ready(credits=self._credits(),
                                                    fingerprint=self.built.fingerprint))
                 log.info("joined %s: job %s, %d credits, %s with %d threads%s",
@@ -572,8 +579,7 @@ class Worker:
                     return
                 now = time.monotonic()
                 if now >= next_beat:
-                    await self._send(sock, proto.Heartbeat(state=self._beat_state(computing),
-                                                           cache=self._cache_counters()))
+                    await self._send(sock, self._heartbeat(self._beat_state(computing)))
                     next_beat = now + self.heartbeat_s
                 if now - last_heard > self.heartbeat_s * self.liveness:
                     return  # the coordinator is gone: the caller reconnects
@@ -678,6 +684,45 @@ class Worker:
             if held is not None:
                 self.engine.release(held[0], held[1])
 
+    def _heartbeat(self, state: str) -> proto.Heartbeat:
+        """A heartbeat: the cache's counters, and the shards this worker holds when they changed
+        since it last said (a bounded, sorted list, for the coordinator's locality)."""
+        try:
+            shards = sorted({int(k) for k in self.held_shards() if int(k) >= 0})
+        except Exception as exc:  # the cache's hook: locality is a preference, work goes on
+            if self._refused_logged.ready(time.monotonic()):
+                log.warning("could not list the shards held: %s", exc)
+            shards = self._shards_said or []
+        shards = shards[:proto.MAX_HELD_SHARDS]
+        cache = self._cache_counters()
+        if shards == self._shards_said:
+            return proto.Heartbeat(state=state, cache=cache)
+        self._shards_said = shards
+        return proto.Heartbeat(state=state, shards=shards, cache=cache)
+
+    def _prefetch(self, shards: list[int]) -> None:
+        """The coordinator's hint of the shards this worker will need next: fetch the missing
+        ones ahead, one fetch at a time, in a thread (as the compute thread fetches on first
+        use; the cache downloads each blob once, whoever asks first)."""
+        if not shards or shards == self._prefetch_told or self.cache is None or self.manifest is None:
+            return
+        self._prefetch_told = list(shards)
+        if self._prefetching is not None and not self._prefetching.done():
+            return  # a hint lost costs a later fetch on first use, no more
+        wanted = [self.manifest.shards[k] for k in shards if 0 <= k < len(self.manifest.shards)]
+        held = set(self.cache.held(s.sha256 for s in wanted))
+        missing = [s for s in wanted if s.sha256 not in held]
+        if missing:
+            self._prefetching = asyncio.ensure_future(asyncio.to_thread(self._fetch_ahead, missing))
+
+    def _fetch_ahead(self, shards) -> None:
+        for shard in shards:
+            try:
+                self.cache.path_of(shard.sha256, shard.size)
+            except Exception as exc:  # a prefetch is a guess: the slot that needs it fetches again
+                log.info("prefetch of shard %s stopped: %s", shard.sha256[:12], exc)
+                return
+
     def _beat_state(self, computing) -> str:
         if self.paused:
             return "paused"
@@ -685,7 +730,7 @@ class Worker:
 
     async def _announce(self, sock, computing) -> None:
         """Tell the coordinator at once that the guest paused or resumed: no slots while paused."""
-        await self._send(sock, proto.Heartbeat(state=self._beat_state(computing)))
+        await self._send(sock, self._heartbeat(self._beat_state(computing)))
         await self._send(sock, proto.Ready(credits=self._credits(),
                                            fingerprint=self.built.fingerprint))
 
@@ -723,6 +768,7 @@ class Worker:
             if msg.acks:
                 self._drop_results(msg.acks)
             self._on_task(msg)
+            self._prefetch(msg.prefetch)
         elif isinstance(msg, proto.Cancel):
             cancelled = set(msg.slots)
             self._queue = deque(w for w in self._queue if w.slot not in cancelled)

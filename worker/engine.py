@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..common.job import BuiltJob, accumulate_coded_gradient, local_change
+from ..common.job import BuiltJob, EpochOrder, accumulate_coded_gradient, local_change
 from ..common.tensors import BufferPool
 
 
@@ -58,7 +58,8 @@ class Outcome:
 class Engine:
     MICRO_BATCH_TARGET_S = 0.2  # far under the one-second promise to the machine's owner
 
-    def __init__(self, built: BuiltJob, seed: int, device: torch.device):
+    def __init__(self, built: BuiltJob, seed: EpochOrder, device: torch.device):
+        """`seed`: the order parts index (the welcome's seed, or its shard-aware order)."""
         self.built = built
         self.seed = seed
         self.device = device
