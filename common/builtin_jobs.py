@@ -236,6 +236,9 @@ def packed(data: str, features: int, classes: int, hidden: int = 64, lr: float =
 
 # lm -----------------------------------------------------------------------------------------------
 
+# Shards of a packed corpus: small enough that a cold worker's first shard comes in seconds and
+# the shard-aware order has shards to shuffle (the standard library's ~30 MB: about 8 shards).
+CORPUS_SHARD_MB = 4.0
 # Files of a corpus folder that go to the held-out set: one in VALIDATION_EVERY, picked by a hash of
 # the relative path, so the split is the same on every machine and no file is in both.
 VALIDATION_EVERY = 50
@@ -257,8 +260,12 @@ def corpus_files(only_python: bool) -> Callable[[str], bool]:
     return include
 
 
-def held_out(rel: str) -> bool:
-    return int(hashlib.sha1(rel.encode()).hexdigest()[:8], 16) % VALIDATION_EVERY == 0
+def held_out_files(files: list[str]) -> set[str]:
+    """One file in VALIDATION_EVERY, picked by a hash of its relative path; at least one (the
+    lowest hash) when the corpus is too small for the hash to pick any."""
+    rank = {rel: int(hashlib.sha1(rel.encode()).hexdigest()[:8], 16) for rel in files}
+    held = {rel for rel, h in rank.items() if h % VALIDATION_EVERY == 0}
+    return held or ({min(rank, key=rank.get)} if len(files) > 1 else set())
 
 
 def pack_cache_dir() -> str:
@@ -275,7 +282,8 @@ def packed_corpus(corpus: str, window: int, only_python: bool) -> str:
     if not os.path.isdir(corpus):
         raise JobError(f"lm: corpus {corpus!r} is not a folder")
     include = corpus_files(only_python)
-    listing = hashlib.sha256(f"{window}:{only_python}".encode())
+    listing = hashlib.sha256(f"{window}:{only_python}:{CORPUS_SHARD_MB}".encode())
+    files = []
     for base, dirs, names in os.walk(corpus):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted(names):
@@ -285,13 +293,16 @@ def packed_corpus(corpus: str, window: int, only_python: bool) -> str:
                 continue
             stat = os.stat(path)
             listing.update(f"{rel}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+            files.append(rel)
+    held = held_out_files(files)
     target = os.path.join(pack_cache_dir(), "corpus-" + listing.hexdigest()[:24])
     if os.path.exists(os.path.join(target, blobs.MANIFEST_FILE)):
         return target
     os.makedirs(pack_cache_dir(), exist_ok=True)
     temp = tempfile.mkdtemp(dir=pack_cache_dir(), prefix=".packing-")
     try:
-        blobs.pack_corpus(corpus, temp, window, include=include, held_out=held_out)
+        blobs.pack_corpus(corpus, temp, window, CORPUS_SHARD_MB, include=include,
+                          held_out=held.__contains__)
         try:
             os.rename(temp, target)
         except OSError:  # another process packed the same corpus first: theirs is as good

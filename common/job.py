@@ -322,10 +322,13 @@ def gather(dataset: Dataset, indices, collate: Optional[Callable[[list], Any]] =
 def shard_samples(dataset: Dataset) -> Optional[tuple[int, ...]]:
     """Samples per shard of a sharded data set (a ShardedDataset's manifest), in the order it
     numbers them; None for a data set that is not sharded."""
-    manifest = getattr(dataset, "manifest", None)
-    if dataset_fingerprint(dataset) is None or manifest is None:
+    if dataset_fingerprint(dataset) is None:
         return None
-    return tuple(int(shard.samples) for shard in manifest.shards)
+    sizes = getattr(dataset, "shard_sizes", None)
+    if sizes is not None:  # a ShardedDataset, maybe a view of part of its pack
+        return tuple(int(n) for n in sizes())
+    manifest = getattr(dataset, "manifest", None)
+    return None if manifest is None else tuple(int(shard.samples) for shard in manifest.shards)
 
 
 def epoch_order(dataset: Dataset, seed: int, window: int) -> EpochOrder:

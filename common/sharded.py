@@ -70,6 +70,16 @@ class ShardedDataset(Dataset):
     def __len__(self) -> int:
         return self.count
 
+    def shard_sizes(self) -> tuple[int, ...]:
+        """Samples of this data set in each of the manifest's shards, numbered as the manifest
+        numbers them (a view's shards past its end left out): the shard-aware order's input."""
+        end = self.first + self.count
+        sizes = [max(0, min(end, int(b)) - max(self.first, int(a)))
+                 for a, b in zip(self._starts[:-1], self._starts[1:])]
+        while sizes and sizes[-1] == 0:
+            sizes.pop()
+        return tuple(sizes)
+
     def shard_of(self, index: int) -> int:
         """The manifest's shard holding sample `index` of this data set."""
         return int(np.searchsorted(self._starts, self.first + index, side="right")) - 1

@@ -41,6 +41,11 @@ def group_for(redundancy: Redundancy, adaptive_max_level: int = 2) -> int:
 
 
 class Locality:
+    # A worker is told its next block's shards once its home block has this fraction of its
+    # positions left to plan: early enough to fetch them before it runs out, late enough that a
+    # worker that never gets there (the epoch ends, others finish it) fetches nothing for it.
+    NEXT_BLOCK_WHEN_LEFT = 0.25
+
     def __init__(self, order: ShardOrder, group: int = 1, patience: float = 2.0,
                  max_hint: int = MAX_PREFETCH):
         self.order = order
@@ -55,7 +60,8 @@ class Locality:
         self.claim: dict[str, BlockKey] = {}
         self.homed: Counter[BlockKey] = Counter()  # workers at home in (or tending) each block
         self.claims: Counter[BlockKey] = Counter()
-        self._hints: dict[str, tuple[int, tuple[int, ...]]] = {}  # worker -> (epoch, hint)
+        # worker -> (epoch, whether it names the next block too, hint)
+        self._hints: dict[str, tuple[int, bool, tuple[int, ...]]] = {}
         self._shard_block: tuple[int, dict[int, int]] = (-1, {})
 
     # what workers say -------------------------------------------------------------------------
@@ -109,6 +115,9 @@ class Locality:
                 held[block] += 1
         if held:
             return max(held, key=lambda b: (held[b], -self.homed[(epoch, b)], -b))
+        claimed = self.claim.get(worker)
+        if claimed is not None and claimed[0] == epoch and claimed[1] in open_set:
+            return claimed[1]  # the block it was told to fetch next, maybe still on its way
         def load(b):
             return self.homed[(epoch, b)] + self.claims[(epoch, b)]
         for block in candidates:
@@ -132,29 +141,33 @@ class Locality:
         return (key is None or speculated or waited >= self.patience
                 or self.homed[key] == 0)
 
-    def hint(self, worker: str, epoch: int,
-             open_blocks: Callable[[], Sequence[int]]) -> tuple[int, ...]:
+    def hint(self, worker: str, epoch: int, open_blocks: Callable[[], Sequence[int]],
+             left: Callable[[int], float] = lambda block: 1.0) -> tuple[int, ...]:
         """The shards `worker` should fetch ahead, at most `max_hint`: what it lacks of its
-        home block, then of the block it would be given next. Kept until its holdings or home
-        change (`open_blocks` is asked only then)."""
-        cached = self._hints.get(worker)
-        if cached is not None and cached[0] == epoch:
-            return cached[1]
-        held = self.held.get(worker, frozenset())
-        wanted: list[int] = []
+        home block, and once that block has NEXT_BLOCK_WHEN_LEFT of its positions left to plan
+        (`left(block)`, a fraction), of the block it would be given next. Kept until its
+        holdings or home change or its home nears its end (`open_blocks` is asked only then)."""
         key = self.home.get(worker)
         home = key[1] if key is not None and key[0] == epoch else None
+        ending = home is None or left(home) <= self.NEXT_BLOCK_WHEN_LEFT
+        cached = self._hints.get(worker)
+        if cached is not None and cached[0] == epoch and cached[1] == ending:
+            return cached[2]
+        held = self.held.get(worker, frozenset())
+        wanted: list[int] = []
         blocks = self.blocks(epoch)
         self._unclaim(worker)
-        following = self.choose(worker, epoch, open_blocks(), exclude=home)
-        if following is not None:
-            self.claim[worker] = (epoch, following)
-            self.claims[(epoch, following)] += 1
+        following = None
+        if ending:
+            following = self.choose(worker, epoch, open_blocks(), exclude=home)
+            if following is not None:
+                self.claim[worker] = (epoch, following)
+                self.claims[(epoch, following)] += 1
         for block in (home, following):
             if block is not None:
                 wanted += [k for k in blocks[block].shards if k not in held and k not in wanted]
         hint = tuple(wanted[:self.max_hint])
-        self._hints[worker] = (epoch, hint)
+        self._hints[worker] = (epoch, ending, hint)
         return hint
 
     # internals --------------------------------------------------------------------------------

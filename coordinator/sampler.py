@@ -83,6 +83,14 @@ class Sampler:
     def has_left(self, block: int) -> bool:
         return block in self._open
 
+    def block_left(self, block: int) -> float:
+        """The fraction of `block`'s positions (current epoch) not planned yet: 0 once closed."""
+        if self.blocks is None or block not in self._open:
+            return 0.0
+        span = self.blocks(self.epoch)[block]
+        start = self._cursors.get(block, span.start)
+        return (span.end - start) / max(1, span.end - span.start)
+
     def block_of(self, part: Part) -> Optional[tuple[int, int]]:
         """(epoch, block) of the block holding `part` (a round's parts share one); None without
         a shard-aware order."""

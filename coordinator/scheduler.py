@@ -1072,7 +1072,8 @@ class Scheduler:
         worker.model_version = round_.version
         prefetch = ()
         if self.locality is not None:
-            prefetch = self.locality.hint(worker.id, self.sampler.epoch, self.sampler.open_blocks)
+            prefetch = self.locality.hint(worker.id, self.sampler.epoch, self.sampler.open_blocks,
+                                          self.sampler.block_left)
         return Assign(
             worker=worker.id, slot=slot.id, round=round_.id, version=round_.version,
             parts=[list(round_.parts[j]) for j, _ in slot.row],

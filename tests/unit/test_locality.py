@@ -188,8 +188,7 @@ def test_a_cold_worker_works_from_the_block_it_is_told_to_fetch():
     (a,) = s.ready("cold", 1, 0.0)
     epoch, block = block_of_assign(s, a)
     shards = epoch_blocks(order, 0)[block].shards
-    assert a.prefetch[:3] == shards  # its first slot's shards first, then the next block's
-    assert len(a.prefetch) == 6 and not set(a.prefetch[3:]) & set(shards)
+    assert a.prefetch == shards  # its block's shards: the next block's only near its end
     # a second cold worker is sent to another block (one worker per block without redundancy)
     s.join("cold2", {}, 0.0)
     (b,) = s.ready("cold2", 1, 0.0)
@@ -199,6 +198,22 @@ def test_a_cold_worker_works_from_the_block_it_is_told_to_fetch():
     s.result("cold", a.slot, 0.1, 1.0)
     more = [x for x in s.applied(1, 1.0) if isinstance(x, Assign) and x.worker == "cold"]
     assert more and not set(more[0].prefetch) & set(shards)
+
+
+def test_the_next_blocks_shards_are_hinted_only_near_the_end_of_the_home_block():
+    order = ShardOrder(0, (40,) * 12, 3)
+    locality = Locality(order)
+    blocks = epoch_blocks(order, 0)
+    open_blocks = lambda: list(range(len(blocks)))
+    home = locality.block_for("w", 0, open_blocks())
+    early = locality.hint("w", 0, open_blocks, left=lambda block: 0.9)
+    assert early == blocks[home].shards
+    late = locality.hint("w", 0, open_blocks, left=lambda block: 0.2)
+    assert late[:3] == blocks[home].shards and len(late) == 6
+    following = set(late[3:])
+    # when its home closes, it moves to the block it was told to fetch, held or not yet
+    assert blocks[locality.block_for("w", 0, [b for b in open_blocks() if b != home])].shards == \
+        tuple(late[3:]) and following
 
 
 def test_the_prefetch_hint_is_bounded():

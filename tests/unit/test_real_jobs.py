@@ -63,7 +63,7 @@ def test_lm_packs_once_holds_out_files_and_learns(tmp_path, pack_cache, monkeypa
     assert built.fingerprint == again.fingerprint
     assert len(packed) == 1  # the second build reused the pack
     assert len(os.listdir(pack_cache)) == 1
-    held = sorted(rel for rel in texts if builtin_jobs.held_out(rel))
+    held = sorted(builtin_jobs.held_out_files(sorted(texts)))
     kept = sorted(set(texts) - set(held))
     assert held and kept
     window = 17
