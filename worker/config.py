@@ -178,6 +178,8 @@ def resolve_cores(spec: Optional[str], usable: int) -> Optional[int]:
 
 
 def _fail(where: str, key: str, problem: str) -> ConfigError:
+    if where.startswith("--"):  # a flag names the setting itself
+        return ConfigError(f"{where}: {problem}")
     return ConfigError(f"{where}: {KEY_OF.get(key, key)}: {problem}")
 
 
