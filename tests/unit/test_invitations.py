@@ -243,3 +243,20 @@ def test_an_empty_allow_folder_is_expected_with_invitations(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         load_key_lists(CoordinatorConfig(job="digits", allow_keys=str(tmp_path / "allow")))
     assert "holds no" in caplog.text
+
+
+def test_the_bans_are_kept_whole_and_a_damaged_list_is_one_line(tmp_path):
+    from idlegrad.coordinator import bans
+
+    assert bans.path_for(None, None) is None
+    assert bans.path_for(str(tmp_path / "e"), str(tmp_path / "c")) == str(tmp_path / "e" /
+                                                                            bans.FILENAME)
+    path = bans.path_for(None, str(tmp_path / "ckpt"))
+    assert bans.load(path) == {}
+    bans.save(path, {"key:" + "A" * 40: "w1", "w2": "w2"})
+    assert bans.load(path) == {"key:" + "A" * 40: "w1", "w2": "w2"}
+    assert not list(tmp_path.rglob("*.tmp*"))
+    for damaged in ("{", '{"bans": [1]}', '{"other": {}}', '{"bans": {"k": 1}}'):
+        (tmp_path / "ckpt" / bans.FILENAME).write_text(damaged)
+        with pytest.raises(ConfigError, match="not a ban list"):
+            bans.load(path)
