@@ -363,6 +363,9 @@ def _run_credits(args) -> int:
 
 
 def _run_top(args) -> int:
+    from ..common.security import check_address, client_keys
+
+    check_address(args.coordinator, "--coordinator")  # bad input: one line, before the UI
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         # A terminal UI without a terminal draws escape codes into a pipe, or waits for keys
         # that never come: one snapshot as text instead.
@@ -374,9 +377,6 @@ def _run_top(args) -> int:
         from ..monitor.app import run
     except ImportError as exc:
         raise ConfigError(f"the terminal UI needs textual ({exc}): pip install 'textual>=4'") from None
-    from ..common.security import check_address, client_keys
-
-    check_address(args.coordinator, "--coordinator")  # bad input: one line, before the UI
     keys = client_keys(args.coordinator_key, args.secret_key)
     return run(args.coordinator, interval=args.interval, keys=keys)
 
