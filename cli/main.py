@@ -179,6 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CURVE: enrol workers by invitation (`idlegrad invite`): the invitations "
                         "and enrolled keys live here; the enrolment endpoint listens on the "
                         "--bind port plus one")
+    c.add_argument("--data", metavar="DIR",
+                   help="a packed data set (the --out of `idlegrad data pack`) that the job trains "
+                        "on: its manifest's hash becomes the job's `data` argument, and this "
+                        "coordinator serves its shards to workers that lack them")
+    c.add_argument("--blob-mirror", action="append", default=[], metavar="URL",
+                   help="an http(s) mirror of --data's blobs (`idlegrad data publish`), told to "
+                        "workers, which fetch from mirrors first and from the coordinator last "
+                        "(repeatable)")
     c.add_argument("--insecure", action="store_true",
                    help="without keys, listen beyond loopback anyway (anyone who reaches the port "
                         "may join)")
@@ -334,7 +342,8 @@ def _run_coordinator(args) -> int:
         trust=_trust_config(TrustConfig, args.reject_norm, args.ban_after), task=args.task,
         outer=OuterConfig(args.outer_lr, args.outer_momentum), local_slot_s=args.local_slot_s,
         local_max_steps=args.local_max_steps, local_link_factor=args.local_link_factor,
-        result_dtype=args.result_dtype, verify_replicas=args.verify_replicas)
+        result_dtype=args.result_dtype, verify_replicas=args.verify_replicas,
+        data_dir=args.data, blob_mirrors=tuple(args.blob_mirror))
     coordinator = Coordinator(config)
     reason = coordinator.run()
     logging.getLogger("idlegrad.coordinator").info(

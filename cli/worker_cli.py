@@ -55,6 +55,16 @@ SETTING_FLAGS: list[tuple[str, str, str, str]] = [
      "pause when other processes use more than PCT%% of the GPU (default: 10)"),
     ("--pause-when-unknown", "pause_when_unknown", "RULE,...",
      "rules whose unknown readings pause: cpu,user,battery,memory,gpu,hours,rss (default: none)"),
+    ("--cache-dir", "cache_dir", "DIR",
+     "where data shards are cached (default: ~/.cache/idlegrad/blobs)"),
+    ("--cache-max-gb", "cache_max_gb", "GB",
+     "the cache's size cap; least recently used shards go first (default: 10)"),
+    ("--download-max-mbps", "download_max_mbps", "MBPS|off",
+     "the cache's download rate cap in megabits per second (default: off)"),
+    ("--daily-transfer-max-gb", "daily_transfer_max_gb", "GB|off",
+     "at most GB downloaded per UTC day (default: off)"),
+    ("--blob-mirror", "blob_mirrors", "URL",
+     "an http(s) mirror of data shards, tried before the coordinator's (repeatable)"),
     ("--slowdown", "slowdown", "X",
      "fault injection for tests and benchmarks: every task takes X times as long (default: 1)"),
     ("--stall", "stall", "P:SECONDS",
@@ -91,7 +101,7 @@ def _add_settings(p: argparse.ArgumentParser, positive, non_negative) -> None:
         kwargs = dict(dest=DEST + setting, metavar=metavar, help=help_, default=argparse.SUPPRESS)
         if setting in types:
             kwargs["type"] = types[setting]
-        if setting == "hours":
+        if setting in ("hours", "blob_mirrors"):
             kwargs["action"] = "append"
         g.add_argument(flag, **kwargs)
     g.add_argument("--battery", dest=DEST + "pause_on_battery", choices=["pause", "run"],
@@ -226,7 +236,9 @@ def run_worker(args) -> int:
         slowdown=settings.slowdown,
         stall=config.parse_stall(settings.stall) if settings.stall else None,
         poison=config.parse_poison(settings.poison) if settings.poison else None, keys=keys,
-        link_mbps=settings.link_mbps)
+        link_mbps=settings.link_mbps, cache_dir=settings.cache_dir,
+        cache_max_gb=settings.cache_max_gb, download_max_mbps=settings.download_max_mbps,
+        daily_transfer_max_gb=settings.daily_transfer_max_gb, blob_mirrors=settings.blob_mirrors)
     if settings.projects:
         worker = _multi_worker(settings, base)
     else:

@@ -9,8 +9,11 @@ Also the public face of jobs: `Job` (common/job_definition.py) and the loading o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import inspect
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -21,15 +24,15 @@ from torch.utils.data._utils.collate import default_collate
 
 from .blobs import dataset_fingerprint
 from .errors import JobError
-from .job_definition import Job
+from .job_definition import MIXED_PRECISION, Job
 from .job_loading import builtin_job_names, load_job, parse_job_args, resolve_factory
 from .permutation import part_indices
 
 __all__ = [
     "BuiltJob", "FlatModel", "Job", "LocalChange", "LossTally", "accumulate_coded_gradient",
-    "batch_to", "build", "builtin_job_names", "coded_gradient", "evaluate", "gather",
-    "load_job", "local_change", "model_bytes", "parse_job_args", "part_batch", "reference_gradient_norm",
-    "resolve_factory",
+    "autocast_for", "batch_to", "build", "build_schedule", "builtin_job_names", "clip_",
+    "coded_gradient", "evaluate", "gather", "load_job", "local_change", "make_optimizer",
+    "model_bytes", "parse_job_args", "part_batch", "reference_gradient_norm", "resolve_factory",
 ]
 
 
@@ -37,22 +40,33 @@ __all__ = [
 
 
 class FlatModel:
-    """A model whose parameters and gradients are views into two flat vectors.
+    """A model whose parameters and gradients are views into two flat vectors, and whose
+    persistent buffers (BatchNorm's running statistics and counters, any registered buffer that
+    is in its state dict) read and load as one float64 vector.
 
     Loading a model from the wire is then one copy into `params`, and a gradient is read straight
-    from `grads`: no per-parameter packing on the hot path.
+    from `grads`: no per-parameter packing on the hot path. Buffers are few and of mixed dtypes
+    (float statistics, int64 counters): they stay where the module keeps them, and travel as
+    float64, which holds every float dtype's values and integers up to 2**53 exactly.
+    Non-persistent buffers are, by torch's convention, derived at build time (a causal mask):
+    every side builds its own, and they never travel.
     """
 
     def __init__(self, module: nn.Module, device: torch.device | str = "cpu"):
         module = module.to(device)
-        params = list(module.parameters())
-        if not params:
+        named = list(module.named_parameters())
+        if not named:
             raise JobError("the model has no parameters")
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
-            raise JobError(f"all parameters must share one dtype, found {sorted(map(str, dtypes))}")
+        first_name, first = named[0]
+        for name, p in named:
+            if p.dtype != first.dtype:
+                raise JobError(f"parameter {name!r} is {str(p.dtype).replace('torch.', '')}, "
+                               f"while {first_name!r} is {str(first.dtype).replace('torch.', '')}: "
+                               "all parameters must share one dtype (convert the model, e.g. "
+                               "model.float(), and use the job's mixed_precision for bf16)")
+        params = [p for _, p in named]
         self.module = module
-        self.dtype = params[0].dtype
+        self.dtype = first.dtype
         self.numel = sum(p.numel() for p in params)
         self.params = torch.empty(self.numel, dtype=self.dtype, device=device)
         self.grads = torch.zeros(self.numel, dtype=self.dtype, device=device)
@@ -64,6 +78,57 @@ class FlatModel:
                 p.data = self.params[offset:offset + n].view_as(p)
                 p.grad = self.grads[offset:offset + n].view_as(p)
                 offset += n
+        self.buffers = persistent_buffers(module)
+        self.buffer_numel = sum(b.numel() for _, b in self.buffers)
+        # which values of the buffer vector are counters (integer or bool buffers): merged by
+        # their maximum, not averaged (coordinator/model_state.py)
+        self.counter_mask = torch.cat(
+            [torch.full((b.numel(),), not b.is_floating_point()) for _, b in self.buffers]
+        ) if self.buffers else torch.zeros(0, dtype=torch.bool)
+
+    def buffers_flat(self) -> torch.Tensor:
+        """The persistent buffers as one new float64 CPU vector (empty without buffers)."""
+        if not self.buffers:
+            return torch.zeros(0, dtype=torch.float64)
+        return torch.cat([b.detach().reshape(-1).to("cpu", torch.float64) for _, b in self.buffers])
+
+    def load_buffers(self, flat: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Copy in a buffer vector as `buffers_flat` makes it (whole or as consecutive chunks);
+        counters are rounded to whole numbers."""
+        if not isinstance(flat, torch.Tensor):
+            flat = torch.cat(list(flat)) if len(flat) else torch.zeros(0, dtype=torch.float64)
+        if flat.numel() != self.buffer_numel:
+            raise ValueError(f"{flat.numel()} buffer values for a model of {self.buffer_numel}")
+        offset = 0
+        with torch.no_grad():
+            for _, b in self.buffers:
+                n = b.numel()
+                values = flat[offset:offset + n].reshape(b.shape)
+                if not b.is_floating_point():
+                    values = values.round()
+                b.copy_(values.to(b.device, b.dtype))
+                offset += n
+
+    def buffer_state(self) -> dict[str, torch.Tensor]:
+        """The persistent buffers by name, in their own dtypes (for checkpoints)."""
+        return {name: b.detach().to("cpu", copy=True) for name, b in self.buffers}
+
+    def load_buffer_state(self, state: dict) -> list[str]:
+        """Load buffers by name from `buffer_state`'s form; the names this model has and `state`
+        lacks (or holds in another shape) are returned, and keep their values."""
+        missing = []
+        with torch.no_grad():
+            for name, b in self.buffers:
+                value = state.get(name)
+                if not isinstance(value, torch.Tensor) or value.shape != b.shape:
+                    missing.append(name)
+                    continue
+                b.copy_(value.to(b.device, b.dtype))
+        return missing
+
+    def buffer_layout(self) -> list[list]:
+        return [[name, list(b.shape), str(b.dtype).replace("torch.", "")]
+                for name, b in self.buffers]
 
     def load(self, flat: torch.Tensor | list[torch.Tensor]) -> None:
         """Copy in a flat parameter vector, whole or as consecutive chunks (received frames)."""
@@ -94,6 +159,22 @@ class FlatModel:
                 for name, p in self.module.named_parameters()]
 
 
+def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's buffers that are in its state dict, by name, shared ones once. JobError for
+    a buffer no float64 can carry (a complex one)."""
+    out = []
+    for name, buffer in module.named_buffers():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        if leaf in owner._non_persistent_buffers_set:
+            continue
+        if buffer.is_complex():
+            raise JobError(f"buffer {name!r} is {str(buffer.dtype).replace('torch.', '')}: "
+                           "buffers must be real (float, integer or bool)")
+        out.append((name, buffer))
+    return out
+
+
 def model_bytes(job: Job) -> Optional[int]:
     """Bytes of the parameters and buffers `job.build_model()` makes, found by building it on
     torch's meta device, where tensors have shapes and no storage: a model too large for this
@@ -120,13 +201,17 @@ class BuiltJob:
 
 
 def build(job: Job, device: torch.device | str = "cpu", seed: int = 0,
-          need_test: bool = True) -> BuiltJob:
-    """Build model and data sets, check they are usable, and compute the job's fingerprint."""
+          need_test: bool = True, store: Optional[Any] = None) -> BuiltJob:
+    """Build model and data sets, check they are usable, and compute the job's fingerprint.
+    `store`: where a job that declares its data by manifest (`job.data`) finds its blobs."""
+    if job.data is not None and store is None:
+        raise JobError(f"job {job.name!r} declares its data by manifest {str(job.data)[:12]}: "
+                       "it needs the packed data (the coordinator's --data DIR)")
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             module = job.build_model()
-        datasets = job.build_datasets()
+        datasets = job.build_datasets() if job.data is None else job.build_datasets(store)
     except JobError:
         raise
     except Exception as exc:
@@ -141,8 +226,11 @@ def build(job: Job, device: torch.device | str = "cpu", seed: int = 0,
             raise JobError(f"job {job.name!r}: the {label} data set must be map-style (len and [i])")
     if len(train) == 0:
         raise JobError(f"job {job.name!r}: the training set is empty")
+    _check_recipe(job)
     model = FlatModel(module, device)
     identity = {"name": job.name, "params": model.layout(), "train": len(train), "test": len(test)}
+    if model.buffers:  # only then, so that a model without buffers keeps its fingerprint
+        identity["buffers"] = model.buffer_layout()
     # Content-addressed data (a ShardedDataset) names its bytes: both sides must hold the same
     # manifest. Only then is the key added, so a job without one keeps its fingerprint.
     data = {label: dataset_fingerprint(ds) for label, ds in (("train", train), ("test", test))}
@@ -152,16 +240,87 @@ def build(job: Job, device: torch.device | str = "cpu", seed: int = 0,
     return BuiltJob(job, model, train, test, digest)
 
 
-def gather(dataset: Dataset, indices) -> Any:
-    """The batch of `dataset` at `indices`, as torch's default collate would make it."""
+def _check_recipe(job: Job) -> None:
+    """JobError for recipe fields that cannot work, at build rather than at the first step."""
+    if job.lr_lambda is not None and job.build_scheduler is not None:
+        raise JobError(f"job {job.name!r}: give lr_lambda or build_scheduler, not both")
+    for label in ("lr_lambda", "build_scheduler", "collate"):
+        value = getattr(job, label)
+        if value is not None and not callable(value):
+            raise JobError(f"job {job.name!r}: {label} must be callable")
+    if job.clip_norm is not None and not (isinstance(job.clip_norm, (int, float))
+                                          and job.clip_norm > 0 and math.isfinite(job.clip_norm)):
+        raise JobError(f"job {job.name!r}: clip_norm must be a positive number, got "
+                       f"{job.clip_norm!r}")
+    if job.mixed_precision is not None and job.mixed_precision not in MIXED_PRECISION:
+        raise JobError(f"job {job.name!r}: mixed_precision {job.mixed_precision!r} unknown: use "
+                       f"{', '.join(MIXED_PRECISION)} or None")
+
+
+def make_optimizer(job: Job, module: nn.Module) -> torch.optim.Optimizer:
+    """The job's optimizer over `module`: given (name, parameter) pairs when `build_optimizer`'s
+    argument is named `named_parameters`, else the parameters (the original signature)."""
+    try:
+        wants_names = "named_parameters" in inspect.signature(job.build_optimizer).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        wants_names = False
+    if wants_names:
+        return job.build_optimizer(named_parameters=list(module.named_parameters()))
+    return job.build_optimizer(module.parameters())
+
+
+def build_schedule(job: Job, optimizer: torch.optim.Optimizer) -> Optional[Any]:
+    """The job's learning-rate scheduler over `optimizer` (stepped once per applied step), or
+    None. Built before a checkpoint's optimizer state is loaded: a scheduler's construction sets
+    the groups' learning rates, which the checkpoint then restores."""
+    if job.lr_lambda is not None:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, job.lr_lambda)
+    if job.build_scheduler is None:
+        return None
+    schedule = job.build_scheduler(optimizer)
+    if not all(callable(getattr(schedule, m, None)) for m in ("step", "state_dict",
+                                                              "load_state_dict")):
+        raise JobError(f"job {job.name!r}: build_scheduler returned {type(schedule).__name__}, "
+                       "not a torch LR scheduler (step, state_dict, load_state_dict)")
+    return schedule
+
+
+def clip_(grads: torch.Tensor, max_norm: Optional[float], norm: Optional[float] = None) -> bool:
+    """Scale the flat gradient `grads` down to L2 norm `max_norm` when it is longer (`norm`: its
+    norm when known). Whether it was clipped."""
+    if max_norm is None:
+        return False
+    if norm is None:
+        norm = float(torch.linalg.vector_norm(grads, dtype=torch.float64))
+    if not norm > max_norm:
+        return False
+    grads.mul_(max_norm / norm)
+    return True
+
+
+def autocast_for(job: Job, device: torch.device | str) -> contextlib.AbstractContextManager:
+    """bfloat16 autocast where the job asks for it and `device` is CUDA; elsewhere nothing, so
+    that CPU workers and the coordinator compute exactly as without it."""
+    device = torch.device(device)
+    if job.mixed_precision == "bf16" and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def gather(dataset: Dataset, indices, collate: Optional[Callable[[list], Any]] = None) -> Any:
+    """The batch of `dataset` at `indices`: `collate` of the samples, or as torch's default
+    collate would make it."""
+    if collate is not None:
+        return collate([dataset[int(i)] for i in indices])
     if isinstance(dataset, TensorDataset):
         idx = torch.tensor(indices, dtype=torch.long)  # a copy: the permutation is read-only
         return [t[idx] for t in dataset.tensors]
     return default_collate([dataset[int(i)] for i in indices])
 
 
-def part_batch(dataset: Dataset, seed: int, epoch: int, offset: int, count: int) -> Any:
-    return gather(dataset, part_indices(seed, len(dataset), epoch, offset, count))
+def part_batch(dataset: Dataset, seed: int, epoch: int, offset: int, count: int,
+               collate: Optional[Callable[[list], Any]] = None) -> Any:
+    return gather(dataset, part_indices(seed, len(dataset), epoch, offset, count), collate)
 
 
 def batch_to(batch: Any, device: torch.device) -> Any:
@@ -198,7 +357,7 @@ def _default_evaluate(job: Job, module: nn.Module, test: Dataset, chunk: int) ->
     classify = True
     for start in range(0, n, chunk):
         idx = range(start, min(n, start + chunk))
-        batch = batch_to(gather(test, list(idx)), device)
+        batch = batch_to(gather(test, list(idx), job.collate), device)
         loss_sum += float(job.loss(module, batch)) * len(idx)
         if classify and isinstance(batch, (list, tuple)) and len(batch) == 2:
             x, y = batch
@@ -225,7 +384,7 @@ def reference_gradient_norm(job: Job, model: FlatModel, train: Dataset, seed: in
     count = max(1, min(count, len(train)))
     model.grads.zero_()
     model.module.train()
-    loss = job.loss(model.module, part_batch(train, seed, 0, 0, count))
+    loss = job.loss(model.module, part_batch(train, seed, 0, 0, count, job.collate))
     (loss * count).backward()
     norm = float(torch.linalg.vector_norm(model.grads, dtype=torch.float64))
     model.grads.zero_()
@@ -256,6 +415,7 @@ def accumulate_coded_gradient(job: Job, model: FlatModel, train: Dataset, seed: 
     `observe(samples)` after each micro-batch. Batches go to `device`, by default the model's.
     """
     device = torch.device(device) if device is not None else model.params.device
+    autocast = autocast_for(job, device)
     model.module.train()
     n = len(train)
     loss_sum, samples = 0.0, 0
@@ -270,7 +430,8 @@ def accumulate_coded_gradient(job: Job, model: FlatModel, train: Dataset, seed: 
             if between is not None:
                 between()
             chunk = indices[position:position + max(1, micro_batch())]
-            loss = job.loss(model.module, batch_to(gather(train, chunk), device))
+            with autocast:
+                loss = job.loss(model.module, batch_to(gather(train, chunk, job.collate), device))
             if coefficient != 0.0:
                 # loss is a batch mean; the slot wants the coded *sum* of per-sample gradients
                 (loss * (len(chunk) * coefficient)).backward()
@@ -321,7 +482,8 @@ def local_change(job: Job, model: FlatModel, initial: torch.Tensor, train: Datas
     device = torch.device(device)
     model.load(initial)
     model.module.train()
-    optimizer = job.build_optimizer(model.module.parameters())
+    optimizer = make_optimizer(job, model.module)
+    autocast = autocast_for(job, device)
     epoch, offset, count = part
     indices = part_indices(seed, len(train), epoch, offset, count)
     steps = max(1, min(steps, count)) if count else 0
@@ -334,14 +496,16 @@ def local_change(job: Job, model: FlatModel, initial: torch.Tensor, train: Datas
             if between is not None:
                 between()
             chunk = indices[position:min(hi, position + max(1, micro_batch()))]
-            batch = batch_to(gather(train, chunk), device)
-            loss = job.loss(model.module, batch)
+            batch = batch_to(gather(train, chunk, job.collate), device)
+            with autocast:
+                loss = job.loss(model.module, batch)
             (loss * (len(chunk) / (hi - lo))).backward()  # the step's mean loss
             loss_sum += float(loss.detach()) * len(chunk)
             samples += len(chunk)
             position += len(chunk)
             if observe is not None:
                 observe(len(chunk))
+        clip_(model.grads, job.clip_norm)
         optimizer.step()
     change = initial.to(model.params.device, copy=True).sub_(model.params)
     change.mul_(coefficient * samples)

@@ -15,10 +15,29 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.utils.data import Dataset
 
+MIXED_PRECISION = ("bf16",)
+
 
 @dataclass(frozen=True)
 class Job:
-    """What to train. `loss` returns the *mean* loss of the batch it is given (torch's default)."""
+    """What to train. `loss` returns the *mean* loss of the batch it is given (torch's default).
+
+    The recipe fields after `evaluate` are optional (docs/architecture.md, "Recipes"):
+
+    - `build_optimizer` gets the model's parameters; if its argument is *named*
+      `named_parameters`, it gets (name, parameter) pairs instead, to build groups by name (no
+      weight decay on biases and norms, say).
+    - `lr_lambda(step)`: the factor of each group's initial learning rate after `step` applied
+      steps (torch's LambdaLR); or `build_scheduler(optimizer)`: any torch LR scheduler, stepped
+      once per applied step. Not both. Its state is in every checkpoint.
+    - `clip_norm`: the decoded round's mean gradient is clipped to this global L2 norm on the
+      coordinator before the step, whatever the redundancy code (and each inner step of a local
+      task, on the worker).
+    - `mixed_precision="bf16"`: workers on CUDA compute the loss under bfloat16 autocast;
+      gradients stay in the parameters' dtype. CPU workers and the coordinator are unchanged.
+    - `collate(samples)`: makes a batch of a list of samples, where torch's default collate
+      cannot.
+    """
 
     name: str
     build_model: Callable[[], nn.Module]
@@ -27,3 +46,12 @@ class Job:
     build_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
     batch_size: int
     evaluate: Optional[Callable[[nn.Module, Dataset], dict[str, float]]] = None
+    # Data declared by manifest: the sha256 of a packed data set (`idlegrad data pack`). With it,
+    # `build_datasets(store)` is given a BlobStore (common/sharded.py) that holds that manifest and
+    # its shards: the coordinator's pack folder, or a worker's cache, which fetches what it lacks.
+    data: Optional[str] = None
+    lr_lambda: Optional[Callable[[int], float]] = None
+    build_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None
+    clip_norm: Optional[float] = None
+    mixed_precision: Optional[str] = None
+    collate: Optional[Callable[[list], Any]] = None

@@ -23,7 +23,10 @@ import msgpack
 
 from .errors import ProtocolError
 
-PROTOCOL_VERSION = 3  # 2: ack; hello.instance; welcome.instance and welcome.holding. 3: task.acks, result.waited_s
+# 2: ack; hello.instance; welcome.instance and welcome.holding. 3: task.acks, result.waited_s.
+# 4: fetch, chunk, welcome.blob_mirrors, heartbeat.cache (the data plane); task.buffers,
+#    result.buffers (model state beyond parameters)
+PROTOCOL_VERSION = 4
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # tensor frames are cut to this; larger zero-copy frames slow down
 MAX_HEADER_BYTES = 1024 * 1024
@@ -49,6 +52,15 @@ HEARTBEAT_S_RANGE = (0.01, 86400.0)
 LIVENESS_RANGE = (1, 1000)
 # ZMQ_MAXMSGSIZE for every socket: the peer is disconnected by ZeroMQ itself past this.
 SOCKET_MAX_MSG_BYTES = max(MAX_FRAME_BYTES, MAX_HEADER_BYTES) + 4096
+
+# The data plane (docs/protocol.md): a blob is asked for in chunks of at most this, and a chunk's
+# bytes travel as one raw frame.
+MAX_CHUNK_BYTES = 1 << 20
+MAX_MIRRORS = 16  # welcome.blob_mirrors
+MAX_URL = 512
+# What a worker's heartbeat may say of its blob cache: counters, each a non-negative int.
+CACHE_COUNTERS = frozenset({"hits", "downloads", "in_flight", "bytes_mirrors",
+                            "bytes_coordinator", "used_bytes", "failures"})
 
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -115,6 +127,9 @@ class Result(Message):
     # Seconds the task waited in the worker's queue before its compute began: the coordinator
     # takes it and compute_s from the slot's wall time to learn the worker's link time.
     waited_s: float = 0.0
+    # The model's persistent buffers (BatchNorm statistics, counters) as the slot's computation
+    # left them, float64, in the order both sides derive from the job; None when it has none.
+    buffers: Optional[Blob] = None
 
 
 @dataclass(frozen=True)
@@ -123,8 +138,22 @@ class Heartbeat(Message):
 
     TYPE: ClassVar[str] = "heartbeat"
     state: str = "idle"
+    # a worker's blob cache, as counted since it started (CACHE_COUNTERS); None: no cache in use
+    cache: Optional[dict[str, int]] = None
 
     STATES: ClassVar[frozenset] = frozenset({"working", "paused", "idle", "coordinator"})
+
+
+@dataclass(frozen=True)
+class Fetch(Message):
+    """Ask the coordinator for `length` bytes of blob `sha256` from `offset`: one chunk of a blob
+    of the data it serves. `request` is the worker's, echoed in the answer."""
+
+    TYPE: ClassVar[str] = "fetch"
+    request: int
+    sha256: str
+    offset: int
+    length: int
 
 
 @dataclass(frozen=True)
@@ -150,6 +179,8 @@ class Welcome(Message):
     instance: str = ""  # this coordinator process; a worker's results are only for the one they came from
     holding: list[int] = field(default_factory=list)  # slots of the resumed session it still holds
     result_dtype: str = "float32"  # how results travel: float32, or bfloat16 (error feedback)
+    # HTTP(S) mirrors of the blobs of the job's data, tried before the coordinator
+    blob_mirrors: list[str] = field(default_factory=list)
 
     RESULT_DTYPES: ClassVar[frozenset] = frozenset({"float32", "bfloat16"})
 
@@ -178,8 +209,24 @@ class Task(Message):
     # results the coordinator has taken, as an `Ack` would say: a task sent in answer to a
     # result carries its acknowledgement, one message instead of two
     acks: list[int] = field(default_factory=list)
+    # the model's persistent buffers at `version` (float64), sent with `model` when it has any
+    buffers: Optional[Blob] = None
 
     KINDS: ClassVar[frozenset] = frozenset({"gradient", "local"})
+
+
+@dataclass(frozen=True)
+class Chunk(Message):
+    """The answer to a `fetch`: bytes [offset, offset + len(data)) of a blob of `total` bytes, or
+    `error` (one line: not served here, or busy) and no data."""
+
+    TYPE: ClassVar[str] = "chunk"
+    request: int
+    sha256: str
+    offset: int
+    total: int
+    data: Optional[bytes] = None  # one raw frame
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -331,9 +378,9 @@ class Enrolled(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Ready, Result, Heartbeat, Bye, Welcome, Task, Cancel, Ack, Reject, Shutdown,
-                StatusRequest, Status, Control, ControlReply, CreditRequest, Credit, Invite,
-                Invited, Enrol, Enrolled)
+    for cls in (Hello, Ready, Result, Heartbeat, Fetch, Bye, Welcome, Task, Chunk, Cancel, Ack,
+                Reject, Shutdown, StatusRequest, Status, Control, ControlReply, CreditRequest,
+                Credit, Invite, Invited, Enrol, Enrolled)
 }
 
 
@@ -445,15 +492,21 @@ def _base_validator(hint) -> Callable[[Any, str], None]:
     return check_scalar
 
 
-def _fields(schema) -> list[tuple[str, bool, bool, bool, Optional[Callable]]]:
-    """(name, required, is a blob, may be None, checker) for each field of a message."""
+TENSOR, RAW = "tensor", "raw"  # fields that travel in frames: a Blob, or `bytes` (one frame)
+
+
+def _fields(schema) -> list[tuple[str, bool, Optional[str], bool, Optional[Callable]]]:
+    """(name, required, TENSOR/RAW/None for a header value, may be None, checker) for each field
+    of a message."""
     out = []
     for name, hint, required in schema:
         optional, base = _is_optional(hint)
         if base is Blob:
-            out.append((name, required, True, optional, None))
+            out.append((name, required, TENSOR, optional, None))
+        elif base is bytes:
+            out.append((name, required, RAW, optional, None))
         else:
-            out.append((name, required, False, optional, _validator(hint)))
+            out.append((name, required, None, optional, _validator(hint)))
     return out
 
 
@@ -479,9 +532,12 @@ def encode(msg: Message) -> list:
     frames: list = []
     for name, _, blob, _, _ in _FIELDS[msg.TYPE]:
         value = getattr(msg, name)
-        if blob and value is not None:
+        if blob == TENSOR and value is not None:
             header[name] = {"dtype": value.dtype, "numel": value.numel, "frames": len(value.frames)}
             frames.extend(value.frames)
+        elif blob == RAW and value is not None:
+            header[name] = {"nbytes": memoryview(value).nbytes}
+            frames.append(value)
         else:
             header[name] = value
     return [msgpack.packb(header, use_bin_type=True), *frames]
@@ -540,7 +596,8 @@ def decode(frames: Sequence) -> Message:
             if value is None and optional:
                 values[name] = None
                 continue
-            values[name], next_frame = _take_blob(value, frames, next_frame, f"{kind}.{name}")
+            take = _take_blob if blob == TENSOR else _take_raw
+            values[name], next_frame = take(value, frames, next_frame, f"{kind}.{name}")
             continue
         check(value, f"{kind}.{name}")
         values[name] = value
@@ -588,6 +645,42 @@ def _take_blob(desc, frames: Sequence, start: int, where: str) -> tuple[Blob, in
     return Blob(dtype, numel, parts), end
 
 
+def _take_raw(desc, frames: Sequence, start: int, where: str) -> tuple[memoryview, int]:
+    """One raw frame of at most MAX_FRAME_BYTES, of the length its descriptor announced."""
+    if not isinstance(desc, dict) or set(desc) != {"nbytes"}:
+        raise ProtocolError("schema", f"{where} must be a frame descriptor")
+    nbytes = desc["nbytes"]
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or not 0 <= nbytes <= MAX_FRAME_BYTES:
+        raise ProtocolError("schema", f"{where}.nbytes must be 0 to {MAX_FRAME_BYTES}")
+    if start >= len(frames):
+        raise ProtocolError("frames", f"{where}: its frame is missing")
+    data = _frame_bytes(frames[start])
+    if data.nbytes != nbytes:
+        raise ProtocolError("frames", f"{where}: {data.nbytes} bytes, {nbytes} announced")
+    return data, start + 1
+
+
+_URL_FORBIDDEN = frozenset('\\"\'<>?#`{}|^')
+
+
+def check_blob_mirror(url: Any, where: str) -> str:
+    """A mirror's base URL from the network or the command line: data, never more. http(s)
+    only, a host, printable ASCII without spaces, quotes or a query; ProtocolError otherwise."""
+    if not isinstance(url, str) or not 0 < len(url) <= MAX_URL:
+        raise ProtocolError("schema", f"{where}: a mirror URL of 1 to {MAX_URL} characters")
+    scheme, sep, rest = url.partition("://")
+    if (scheme not in ("http", "https") or not sep or not rest or rest.startswith("/")
+            or not all(33 <= ord(c) < 127 and c not in _URL_FORBIDDEN for c in url)):
+        raise ProtocolError("schema", f"{where}: {url[:60]!r} is not an http:// or https:// "
+                                      "URL of a host (without query or fragment)")
+    return url
+
+
+def is_sha256(name: Any) -> bool:
+    return (isinstance(name, str) and len(name) == 64
+            and all(c in "0123456789abcdef" for c in name))
+
+
 def check_job_args(args: dict, where: str) -> None:
     """ProtocolError unless `args` are at most MAX_JOB_ARGS short ASCII identifiers, each naming
     a bool, a 64-bit int, a finite float or a string of at most MAX_JOB_ARG_STR characters."""
@@ -622,8 +715,30 @@ def _semantic_checks(msg: Message) -> None:
             if getattr(msg, n) < 0:
                 raise ProtocolError("schema", f"{msg.TYPE}.{n} must be >= 0")
 
-    if isinstance(msg, Heartbeat) and msg.state not in Heartbeat.STATES:
-        raise ProtocolError("schema", f"heartbeat.state {msg.state[:20]!r} unknown")
+    if isinstance(msg, Heartbeat):
+        if msg.state not in Heartbeat.STATES:
+            raise ProtocolError("schema", f"heartbeat.state {msg.state[:20]!r} unknown")
+        if msg.cache is not None and (
+                not set(msg.cache) <= CACHE_COUNTERS
+                or any(not 0 <= v < 2**62 for v in msg.cache.values())):
+            raise ProtocolError("schema", f"heartbeat.cache: counters of {sorted(CACHE_COUNTERS)}, "
+                                          "each a non-negative int")
+    elif isinstance(msg, Fetch):
+        non_negative("request", "offset")
+        if not is_sha256(msg.sha256):
+            raise ProtocolError("schema", "fetch.sha256 must be 64 lowercase hex digits")
+        if not 1 <= msg.length <= MAX_CHUNK_BYTES:
+            raise ProtocolError("schema", f"fetch.length must be 1 to {MAX_CHUNK_BYTES}")
+    elif isinstance(msg, Chunk):
+        non_negative("request", "offset", "total")
+        if not is_sha256(msg.sha256):
+            raise ProtocolError("schema", "chunk.sha256 must be 64 lowercase hex digits")
+        if len(msg.error) > MAX_NAME:
+            raise ProtocolError("schema", f"chunk.error over {MAX_NAME} characters")
+        size = 0 if msg.data is None else memoryview(msg.data).nbytes
+        if size > MAX_CHUNK_BYTES or msg.offset + size > msg.total:
+            raise ProtocolError("schema", f"chunk: {size} bytes at {msg.offset} of a blob of "
+                                          f"{msg.total} (chunks are at most {MAX_CHUNK_BYTES})")
     elif isinstance(msg, Hello):
         non_negative("cores", "threads", "memory_mb")
         if not 1 <= len(msg.worker_id) <= MAX_WORKER_ID:
@@ -640,6 +755,10 @@ def _semantic_checks(msg: Message) -> None:
             raise ProtocolError("schema", f"welcome.job must be 1 to {MAX_NAME} printable characters")
         if len(msg.fingerprint) > MAX_NAME or len(msg.instance) > MAX_NAME:
             raise ProtocolError("schema", f"welcome.fingerprint and instance: at most {MAX_NAME}")
+        if len(msg.blob_mirrors) > MAX_MIRRORS:
+            raise ProtocolError("schema", f"welcome.blob_mirrors: at most {MAX_MIRRORS}")
+        for url in msg.blob_mirrors:
+            check_blob_mirror(url, "welcome.blob_mirrors")
         if msg.result_dtype not in Welcome.RESULT_DTYPES:
             raise ProtocolError("schema", f"welcome.result_dtype {msg.result_dtype[:20]!r} unknown")
         if not (HEARTBEAT_S_RANGE[0] <= msg.heartbeat_s <= HEARTBEAT_S_RANGE[1]

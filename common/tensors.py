@@ -88,6 +88,24 @@ def blob_chunks(blob: Blob, expect_numel: int | None = None,
     return [torch.frombuffer(v, dtype=dtype) for v in views if v.nbytes]
 
 
+EXACT_INTEGER = 2.0 ** 53  # float64 holds every integer up to this exactly
+
+
+def buffer_vector(blob: Blob, numel: int, counters: torch.Tensor) -> torch.Tensor:
+    """A buffer frame (a model's persistent buffers, common/job.py's FlatModel) as a float64
+    vector, checked: float64, `numel` values, all finite, and those where `counters` is true
+    whole numbers of at most 2**53 in size. ProtocolError otherwise."""
+    vector = from_blob(blob, numel, torch.float64)
+    if not bool(torch.isfinite(vector).all()):
+        raise ProtocolError("tensor", "buffers hold non-finite values")
+    if counters.any():
+        counted = vector[counters]
+        if not (bool((counted == counted.round()).all())
+                and float(counted.abs().max()) <= EXACT_INTEGER):
+            raise ProtocolError("tensor", "buffer counters must be whole numbers under 2**53")
+    return vector
+
+
 def finite_norm(tensors: torch.Tensor | Sequence[torch.Tensor]) -> float:
     """The L2 norm, or inf/nan when a value is not finite: one BLAS pass, no temporary.
 

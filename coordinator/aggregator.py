@@ -16,6 +16,13 @@ moves as it would have with the gradient fresh. How that is done depends on the 
   shrink the normalisation and amplify every other gradient's share.
 - Any other optimizer: the gradient is scaled by w, exact only for optimizers linear in it; a
   warning at construction says so.
+
+The job's recipe acts here too: the round's mean gradient is clipped to the job's global norm
+before it is weighted (so the same whatever the code that decoded it: every code decodes the
+same mean), and the job's learning-rate schedule is stepped once per step taken.
+
+Buffers (BatchNorm statistics, counters) are not gradients: `merge_buffers` combines the states
+the results of an applied round ended with (module docstring of `merge_buffers`).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..common.errors import ConfigError, GradientRejected
-from ..common.job import FlatModel
+from ..common.job import FlatModel, clip_
 from ..common.tensors import sum_of_squares
 
 log = logging.getLogger(__name__)
@@ -69,11 +76,16 @@ class Aggregator:
     """Applies one decoded round at a time to the coordinator's model."""
 
     def __init__(self, model: FlatModel, optimizer: torch.optim.Optimizer, rule: StalenessRule,
-                 version: int = 0):
+                 version: int = 0, schedule=None, clip_norm: Optional[float] = None):
+        """`schedule`: a torch LR scheduler over `optimizer`, stepped after each step;
+        `clip_norm`: the global L2 norm a round's mean gradient is clipped to."""
         self.model = model
         self.optimizer = optimizer
         self.rule = rule
         self.version = version
+        self.schedule = schedule
+        self.clip_norm = clip_norm
+        self.clipped = 0  # steps whose gradient was clipped
         self._weigh = _weighing_for(optimizer)
 
     def weight_for(self, round_version: int) -> Optional[float]:
@@ -114,16 +126,52 @@ class Aggregator:
         bound = math.inf
         if norms is not None and len(norms) == len(terms):
             bound = sum(abs(c) / samples * n for (_, c), n in zip(terms, norms))
-        # the check below sums squares in the gradient's own precision: the bound must too
-        checked = not (bound * bound < torch.finfo(grads.dtype).max)
-        if not math.isfinite(_write_sum(grads, terms, samples, measure=checked)):
+        # the check below sums squares in the gradient's own precision: the bound must too;
+        # clipping needs the norm anyway
+        checked = self.clip_norm is not None or not (bound * bound < torch.finfo(grads.dtype).max)
+        squares = _write_sum(grads, terms, samples, measure=checked)
+        if not math.isfinite(squares):
             grads.zero_()
             raise GradientRejected("non-finite gradient")
+        if clip_(grads, self.clip_norm, math.sqrt(squares)):
+            self.clipped += 1
         if weight != 1.0:
             self._weigh(self.optimizer, self.model.grads, weight)
         self.optimizer.step()
+        if self.schedule is not None:
+            self.schedule.step()
         self.version += 1
         return weight
+
+
+def merge_buffers(current: torch.Tensor, states: Sequence[tuple[torch.Tensor, float]],
+                  weight: float, counters: torch.Tensor) -> torch.Tensor:
+    """The buffers after a round is applied, from `current` (float64, FlatModel.buffers_flat's
+    order) and the `states` the round's used results ended with, each with its slot's samples;
+    `weight` is the round's staleness weight and `counters` marks the integer values.
+
+    - Floating values (running mean and variance): the sample-weighted mean m of the states,
+      taken with the round's staleness weight w: current + w (m - current). A fresh round
+      (w = 1) replaces the buffers with the mean its workers ended with, as hivemind averages
+      peers' buffers and as DDP, whose ranks run the same batch size, ends with rank 0's
+      statistics; a stale round's statistics describe an older model, and count as much as its
+      gradient does. A convex combination: a variance stays non-negative.
+    - Counters (num_batches_tracked): the largest, never less than now. Each result counts the
+      forward passes on its own path from the round's version, and parallel slots are not
+      sequential passes; with every slot doing the same passes, as DDP's ranks, this is DDP's
+      count. A counter never goes back.
+    """
+    if not states:
+        return current
+    stacked = torch.stack([state.to(torch.float64) for state, _ in states])
+    samples = torch.tensor([max(0.0, float(n)) for _, n in states], dtype=torch.float64)
+    if not samples.sum() > 0:
+        samples = torch.ones_like(samples)
+    mean = (samples / samples.sum()) @ stacked
+    merged = current + weight * (mean - current)
+    if counters.any():
+        merged[counters] = torch.maximum(current[counters], stacked[:, counters].amax(dim=0))
+    return merged
 
 
 # Weighing a gradient: prepares the optimizer's gradient (and state) so that its next step takes

@@ -64,6 +64,8 @@ class CoordinatorConfig:
     local_link_factor: float = local.TaskMode.link_factor  # local:auto: compute / link seconds
     result_dtype: str = "float32"  # results on the wire: float32 or bfloat16 (workers round)
     verify_replicas: bool = False  # a replicated row counts once two copies of it agree
+    data_dir: Optional[str] = None  # a pack (idlegrad data pack --out) whose blobs are served
+    blob_mirrors: tuple[str, ...] = ()  # http(s) mirrors of those blobs, told to workers
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ def check(config: CoordinatorConfig) -> Checked:
     if config.verify_replicas:
         check_verify_replicas(config.result_dtype)
     _check_paths(config)
+    _check_data(config)
     return Checked(task_mode, redundancy, keypair, keys)
 
 
@@ -120,6 +123,21 @@ def _check_paths(config: CoordinatorConfig) -> None:
                 open(path, "a").close()
     except OSError as exc:
         raise ConfigError(f"{flag} {path}: cannot write there: {exc.strerror or exc}") from None
+
+
+def _check_data(config: CoordinatorConfig) -> None:
+    if config.blob_mirrors and not config.data_dir:
+        raise ConfigError("--blob-mirror needs --data DIR: mirrors serve the blobs of a pack")
+    if len(config.blob_mirrors) > proto.MAX_MIRRORS:
+        raise ConfigError(f"--blob-mirror: at most {proto.MAX_MIRRORS} mirrors")
+    for url in config.blob_mirrors:
+        try:
+            proto.check_blob_mirror(url, "--blob-mirror")
+        except proto.ProtocolError as exc:
+            raise ConfigError(exc.detail) from None
+    if config.data_dir and not os.path.isdir(config.data_dir):
+        raise ConfigError(f"--data {config.data_dir}: no such folder (the --out of idlegrad "
+                          "data pack)")
 
 
 def load_key_lists(config: CoordinatorConfig) -> KeyLists:

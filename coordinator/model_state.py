@@ -6,7 +6,9 @@ Snapshots: a task at version v carries the model at v, sent zero-copy and asynch
 live parameters (which the next step changes) must not be what its frames point at. A snapshot
 is made when a model is first sent at the current version, or just before a step while an open
 round still needs the current version; it goes back to a pool of buffers once no open round
-needs it and ZeroMQ is done sending it.
+needs it and ZeroMQ is done sending it. A snapshot holds the model's persistent buffers at v too
+(BatchNorm statistics: small, copied each time), sent with the parameters and loaded wherever
+the model at v is computed or evaluated.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..common import protocol as proto
+from ..common.errors import ProtocolError
 from ..common.job import BuiltJob, FlatModel, coded_gradient, evaluate, local_change
-from ..common.tensors import (TORCH_DTYPES, BufferPool, blob_chunks, distance, finite_norm,
-                              to_blob)
-from .aggregator import Aggregator, StalenessRule
+from ..common.tensors import (TORCH_DTYPES, BufferPool, blob_chunks, buffer_vector, distance,
+                              finite_norm, to_blob)
+from .aggregator import Aggregator, StalenessRule, merge_buffers
 from .effects import Compute
 
 log = logging.getLogger("idlegrad.coordinator")
@@ -29,16 +32,19 @@ log = logging.getLogger("idlegrad.coordinator")
 class ModelState:
     def __init__(self, built: BuiltJob, optimizer: torch.optim.Optimizer, rule: StalenessRule,
                  seed: int, result_dtype: str = "float32", version: int = 0,
-                 copy_threshold_bytes: int = 0):
+                 copy_threshold_bytes: int = 0, schedule=None, clip_norm: Optional[float] = None):
         self.built = built
         self.model: FlatModel = built.model
         self.optimizer = optimizer
+        self.schedule = schedule
         self.seed = seed
-        self.aggregator = Aggregator(self.model, optimizer, rule, version)
+        self.aggregator = Aggregator(self.model, optimizer, rule, version, schedule, clip_norm)
         self.result_dtype = (self.model.dtype if result_dtype == "float32"
                              else TORCH_DTYPES[result_dtype])
         # version -> (model, its blob, trackers of the zero-copy sends of it)
         self._snapshots: dict[int, tuple[torch.Tensor, proto.Blob, list]] = {}
+        # version -> (buffers, their blob), beside each snapshot of a model that has buffers
+        self._buffer_snapshots: dict[int, tuple[torch.Tensor, proto.Blob]] = {}
         self._buffers = BufferPool(self.model.numel, self.model.dtype)
         # below ZeroMQ's copy threshold a model is copied at send: cheaper than tracking it
         self.copy_numel = copy_threshold_bytes // self.model.params.element_size()
@@ -61,7 +67,15 @@ class ModelState:
             for version in [v for v in self._snapshots if not in_use(v)]:
                 tensor, _, trackers = self._snapshots.pop(version)
                 self._buffers.give(tensor, trackers)
+                # (a send of it in flight holds its memory: nothing to give back)
+                self._buffer_snapshots.pop(version, None)
         return weight
+
+    def merge_buffers(self, states: Sequence[tuple[torch.Tensor, int]], weight: float) -> None:
+        model = self.model
+        if model.buffers:
+            model.load_buffers(merge_buffers(model.buffers_flat(), states, weight,
+                                             model.counter_mask))
 
     def distance(self, a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
         return distance(a, b)
@@ -79,8 +93,22 @@ class ModelState:
             grad = [chunk.to(self.model.dtype) for chunk in grad]
         return grad
 
+    def buffers_of(self, blob: Optional[proto.Blob]) -> Optional[torch.Tensor]:
+        """A result's buffer frame, checked (ProtocolError when it is not the model's buffers:
+        missing, of another dtype or length, not finite, a counter not a whole number)."""
+        model = self.model
+        if not model.buffers:
+            if blob is not None:
+                raise ProtocolError("tensor", "buffers for a model that has none")
+            return None
+        if blob is None:
+            raise ProtocolError("tensor", "no buffers for a model that has some")
+        # a copy: small, and the frames it arrived in need not be held while its round is open
+        return buffer_vector(blob, model.buffer_numel, model.counter_mask).clone()
+
     def blob(self, version: int) -> proto.Blob:
-        """The model at `version`, as an immutable copy in a reused buffer."""
+        """The model at `version`, as an immutable copy in a reused buffer (its buffers are
+        snapshotted with it: `buffers_blob`)."""
         snap = self._snapshots.get(version)
         if snap is None:
             if version != self.version:
@@ -89,7 +117,15 @@ class ModelState:
             tensor.copy_(self.model.params.detach())
             snap = (tensor, to_blob(tensor), [])
             self._snapshots[version] = snap
+            if self.model.buffers:
+                buffers = self.model.buffers_flat()
+                self._buffer_snapshots[version] = (buffers, to_blob(buffers))
         return snap[1]
+
+    def buffers_blob(self, version: int) -> Optional[proto.Blob]:
+        """The buffers of the snapshot `blob(version)` made, or None for a model without."""
+        snap = self._buffer_snapshots.get(version)
+        return None if snap is None else snap[1]
 
     def tracked(self, version: int, tracker) -> None:
         """A zero-copy send of the snapshot at `version` is under way."""
@@ -103,12 +139,16 @@ class ModelState:
         snap = self._snapshots.get(request.version)
         if snap is not None:
             params = snap[0]
+            buffers = self._buffer_snapshots.get(request.version, (None,))[0]
         elif request.version == self.version:
             params = self.model.params.detach().clone()
+            buffers = self.model.buffers_flat()
         else:
             return None
         if self._scratch is None:
             self._scratch = FlatModel(self.built.job.build_model())
+        if buffers is not None and self._scratch.buffers:
+            self._scratch.load_buffers(buffers)  # where a forward reads them, as a worker's does
         job, train, seed, model = self.built.job, self.built.train, self.seed, self._scratch
         if request.kind == "local":
             (part,), (coefficient,) = request.parts, request.coefficients
@@ -123,16 +163,33 @@ class ModelState:
         if self._eval_model is None:
             self._eval_model = FlatModel(self.built.job.build_model())
         self._eval_model.load(self.model.params)
+        self._eval_model.load_buffers(self.model.buffers_flat())  # eval mode reads them
         model, job, test = self._eval_model, self.built.job, self.built.test
         return lambda: evaluate(job, model.module, test)
 
     # checkpoints ------------------------------------------------------------------------------
 
     def state(self) -> dict:
-        return {"params": self.model.params.detach().clone(),
-                "optimizer": self.optimizer.state_dict()}
+        state = {"params": self.model.params.detach().clone(),
+                 "buffers": self.model.buffer_state(),
+                 "optimizer": self.optimizer.state_dict()}
+        if self.schedule is not None:
+            state["schedule"] = self.schedule.state_dict()
+        return state
 
     def load(self, state: dict, with_optimizer: bool) -> None:
         self.model.load(state["params"])
+        buffers = state.get("buffers")
+        if self.model.buffers:
+            missing = self.model.load_buffer_state(buffers if isinstance(buffers, dict) else {})
+            if missing:
+                log.warning("the checkpoint holds no values for the buffers %s: they keep the "
+                            "values the model was built with", ", ".join(missing[:8]))
         if with_optimizer:
             self.optimizer.load_state_dict(state["optimizer"])
+            if self.schedule is not None:
+                if "schedule" in state:
+                    self.schedule.load_state_dict(state["schedule"])
+                else:
+                    log.warning("the checkpoint holds no learning-rate schedule: the job's "
+                                "schedule starts from its beginning")

@@ -18,7 +18,10 @@ of the scheduler's actions (decode, apply or replan, compare copies, settle).
 The model backend is whatever applies rounds: the server's `ModelState` (torch, snapshots for
 the wire), the simulator's costless or real gradients. It offers `version`, `apply(terms, norms,
 samples, round_version, in_use)` (the staleness weight used, None when too stale; raises
-GradientRejected), and `distance(a, b)` / `size(a)` over stored results.
+GradientRejected), `distance(a, b)` / `size(a)` over stored results, and, for a model with
+buffers, `merge_buffers(states, weight)`: the end states of the results an applied round used,
+each with the samples its slot covers, and the round's staleness weight (the rule is the
+backend's: coordinator/aggregator.py's `merge_buffers`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class Backend(Protocol):
     def distance(self, a: Any, b: Any) -> float: ...
 
     def size(self, a: Any) -> float: ...
+
+    def merge_buffers(self, states: Sequence[tuple[Any, int]], weight: float) -> None: ...
 
 
 class RoundCore:
@@ -148,9 +153,10 @@ class RoundCore:
 
     def result(self, worker_id: str, slot: int, gradient: Any, norm: float, compute_s: float,
                now: float, waited_s: float = 0.0, samples: int = 0,
-               loss: float = math.nan) -> list:
+               loss: float = math.nan, buffers: Any = None) -> list:
         """A worker's result for `slot`: `gradient` as the backend stores it, `norm` its L2 norm
-        (inf or nan when not finite). Screened, then used, settled or refused."""
+        (inf or nan when not finite), `buffers` the model's buffers its computation ended with
+        (None without buffers). Screened, then used, settled or refused."""
         identity = self.identity(worker_id)
         scale = self.scheduler.slot_scale(worker_id, slot)
         if not math.isfinite(norm):
@@ -159,7 +165,8 @@ class RoundCore:
             verdict = self.trust.judge(identity, norm, scale, now)
         else:
             verdict = None
-        stored = Stored(gradient, norm, worker_id, identity, compute_s, waited_s, samples, loss)
+        stored = Stored(gradient, norm, worker_id, identity, compute_s, waited_s, samples, loss,
+                        buffers=buffers)
         if verdict is not None and verdict.reason == "norm":
             return self.settlement.suspect(slot, stored, scale, verdict.detail, now)
         if verdict is not None and not verdict.ok:
@@ -267,6 +274,7 @@ class RoundCore:
         terms = [(store[s].gradient, w) for s, w in decoded.weights.items()]
         norms = [store[s].norm for s in decoded.weights]
         credits = self._contributions(decoded)
+        states = self._buffer_states(decoded)
         for slot in decoded.slots:
             store.pop(slot, None)
         staleness = self.backend.version - decoded.version
@@ -281,6 +289,8 @@ class RoundCore:
         else:
             if weight is None:
                 self.counters["rounds_too_stale"] += 1
+            elif states:
+                self.backend.merge_buffers(states, weight)
         if weight is None:
             self.scheduler.replan(decoded)
             out.append(Replanned(decoded.round, staleness, len(terms), decoded.slots))
@@ -292,11 +302,24 @@ class RoundCore:
                                credits))
         return out + self.interpret(self.scheduler.applied(self.backend.version, now), now)
 
+    @staticmethod
+    def _used(decoded: Decoded) -> list[int]:
+        """The slots whose results a decoded round uses (a zero decoding weight uses none)."""
+        return [s for s, w in decoded.weights.items() if w] or list(decoded.weights)
+
+    def _buffer_states(self, decoded: Decoded) -> list[tuple[Any, int]]:
+        """The buffers each result a decoded round uses ended with, weighted by the samples its
+        slot covers: the scheduler's count, never the worker's word (a worker claiming many
+        samples would outweigh the rest). Whatever the code, the same used slots as the credit:
+        a replicated row counts once, a cyclic slot by all the parts it covers."""
+        return [(self.store[s].buffers, decoded.slot_samples.get(s, 0))
+                for s in self._used(decoded) if self.store[s].buffers is not None]
+
     def _contributions(self, decoded: Decoded) -> tuple[Contribution, ...]:
         """What each result a decoded round uses earns, should it be applied: the round's
         samples shared out by the samples each used slot covers (a slot of a cyclic code covers
         several parts, so its share is not its own count), whole numbers that add up."""
-        used = [s for s, w in decoded.weights.items() if w] or list(decoded.weights)
+        used = self._used(decoded)
         split = shares(decoded.samples, [decoded.slot_samples.get(s, 0) for s in used])
         return tuple(Contribution(self.store[s].identity, n, self.store[s].compute_s,
                                   self.store[s].verified_by) for s, n in zip(used, split))

@@ -23,7 +23,7 @@ from ..common import protocol as proto
 from ..common.aio import on_reload_signal, on_stop_signals
 from ..common.errors import ConfigError, ProtocolError
 from ..common.throttle import Throttle
-from . import bans, enrolment, evaluation
+from . import bans, blobserve, enrolment, evaluation
 from .config import CoordinatorConfig, check, load_key_lists
 from .effects import Applied, Ban, Compute, Event, Used
 from .gate import BANNED, REVOKED, Gate, KeyLists
@@ -138,7 +138,8 @@ class Coordinator:
                 now = time.monotonic()
                 due = min(next_tick, next_checkpoint, plan.next_at if evaluating is None
                           else math.inf)
-                wait = max(0.0, due - now)
+                # chunks waiting to be served: look at the socket, and come straight back
+                wait = 0.0 if self._blobs_pending() else max(0.0, due - now)
                 waiting = {recv, self._stopping} | {f for f in (evaluating, self._computing) if f}
                 await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 overslept = time.monotonic() - now - wait
@@ -152,6 +153,8 @@ class Coordinator:
                     recv = asyncio.ensure_future(transport.receive())
                 if self._computing is not None and self._computing.done():
                     await self._computed()
+                if self._blobs_pending():
+                    await self._serve_blobs()
                 now = time.monotonic()
                 if now >= next_tick:
                     # What arrived while the loop was not looking (a frozen or busy coordinator)
@@ -324,10 +327,10 @@ class Coordinator:
         holding = sorted(self.scheduler.workers[msg.worker_id].assigned) if resumed else []
         await self._send(route, proto.Welcome(
             # the job's name, not the spec: no local paths to strangers
-            job=training.job.name, job_args=self.config.job_args, fingerprint=training.fingerprint,
+            job=training.job.name, job_args=training.job_args, fingerprint=training.fingerprint,
             seed=self.config.seed, heartbeat_s=self.config.heartbeat_s,
             liveness=self.config.liveness, instance=training.instance, holding=holding,
-            result_dtype=self.config.result_dtype))
+            result_dtype=self.config.result_dtype, blob_mirrors=list(self.config.blob_mirrors)))
         if resumed:  # tasks sent down its old connection may be lost: it ignores the ones it has
             await self.perform(self.core.resend(msg.worker_id, now))
 
@@ -354,11 +357,12 @@ class Coordinator:
             model, now = self.training.model, time.monotonic()
             try:
                 grad = model.gradient_of(msg.gradient)
+                buffers = model.buffers_of(msg.buffers)
             except ProtocolError:
                 await self.perform(self.core.malformed(worker_id, msg.slot, now))
                 raise
             effects = self.core.result(worker_id, msg.slot, grad, model.size(grad), msg.compute_s,
-                                       now, msg.waited_s, msg.samples, msg.loss)
+                                       now, msg.waited_s, msg.samples, msg.loss, buffers)
             await self.perform(effects)
         finally:
             self.records.write("ack", slot=msg.slot, worker=worker_id,
@@ -368,8 +372,47 @@ class Coordinator:
                 await self._tell(worker_id, proto.Ack(slots=[slot]))
 
     async def _on_heartbeat(self, route: bytes, msg: proto.Heartbeat, key) -> None:
-        await self.perform(self.core.seen(self._worker_of(route), msg.state, time.monotonic()))
+        worker_id = self._worker_of(route)
+        await self.perform(self.core.seen(worker_id, msg.state, time.monotonic()))
+        if msg.cache is not None and self.training.blobs is not None:
+            self.training.blobs.report(worker_id, msg.cache)
         await self._send(route, proto.Heartbeat(state="coordinator"))
+
+    async def _on_fetch(self, route: bytes, msg: proto.Fetch, key) -> None:
+        worker_id = self._worker_of(route)
+        blobs = self.training.blobs
+        if blobs is None:
+            refusal = proto.Chunk(request=msg.request, sha256=msg.sha256, offset=msg.offset,
+                                  total=0, error="this coordinator serves no data")
+        else:
+            refusal = blobs.request(worker_id, msg)
+        if refusal is not None:
+            await self._send(route, refusal)
+
+    def _blobs_pending(self) -> bool:
+        return self.training.blobs is not None and self.training.blobs.pending
+
+    async def _serve_blobs(self) -> None:
+        """One pass of serving (blobserve.py): at most its byte budget read from the pack and
+        sent, so the messages that wait are handled before the next."""
+        blobs, folder = self.training.blobs, self.training.pack[1]
+        for serve in blobs.take():
+            route = self.gate.routes.get(serve.worker)
+            if route is None:  # gone meanwhile
+                blobs.forget(serve.worker)
+                continue
+            try:
+                data = blobserve.read_chunk(folder, serve)
+            except (OSError, blobserve.BlobError) as exc:
+                self._event("data", f"cannot read blob {serve.sha256[:12]} of --data: {exc}",
+                            level=logging.WARNING)
+                await self._send(route, blobs.failed(serve))
+                continue
+            # chunk bytes are the data plane's, counted there (not in the gradient traffic)
+            await self.transport.send(route, proto.encode(proto.Chunk(
+                request=serve.request, sha256=serve.sha256, offset=serve.offset,
+                total=serve.total, data=data)), False)
+            blobs.sent(serve)
 
     async def _on_bye(self, route: bytes, msg: proto.Bye, key) -> None:
         worker_id = self.gate.peers.get(route)
@@ -457,7 +500,7 @@ class Coordinator:
                                              identities=len(credits.accounts)))
 
     _HANDLERS = {proto.Hello: _on_hello, proto.Ready: _on_ready, proto.Result: _on_result,
-                 proto.Heartbeat: _on_heartbeat, proto.Bye: _on_bye,
+                 proto.Heartbeat: _on_heartbeat, proto.Bye: _on_bye, proto.Fetch: _on_fetch,
                  proto.StatusRequest: _on_status, proto.Control: _on_control,
                  proto.Invite: _on_invite, proto.CreditRequest: _on_credit}
 
@@ -517,6 +560,8 @@ class Coordinator:
                 await self._tell(effect.worker, proto.Shutdown(reason="drained by the operator"))
             elif isinstance(effect, Evicted):
                 self.gate.forget(effect.worker)
+                if self.training.blobs is not None:
+                    self.training.blobs.forget(effect.worker)
 
     async def _send_task(self, action: Assign) -> None:
         model_state = self.training.model
@@ -528,7 +573,9 @@ class Coordinator:
         tracker = await self._send(self.gate.routes[action.worker], proto.Task(
             slot=action.slot, round=action.round, version=action.version, parts=action.parts,
             coefficients=action.coefficients, deadline_s=min(action.deadline_s, 1e9), model=model,
-            acks=[] if ack is None else [ack], kind=action.kind, steps=action.steps), track=track)
+            acks=[] if ack is None else [ack], kind=action.kind, steps=action.steps,
+            buffers=model_state.buffers_blob(action.version) if model is not None else None),
+            track=track)
         if track:
             model_state.tracked(action.version, tracker)
 

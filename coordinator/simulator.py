@@ -330,7 +330,7 @@ class RealGradients:
         """`local`: slots are local tasks, and the coordinator's optimizer is the outer one."""
         import torch
 
-        from ..common.job import FlatModel, build, load_job
+        from ..common.job import FlatModel, build, build_schedule, load_job, make_optimizer
         from . import outer
         from .aggregator import Aggregator
 
@@ -339,9 +339,13 @@ class RealGradients:
         self.built = build(job, seed=seed)
         self.seed = seed
         model = self.built.model
-        optimizer = (outer.build(model.module.parameters(), outer_config or outer.OuterConfig())
-                     if local else job.build_optimizer(model.module.parameters()))
-        self.aggregator = Aggregator(model, optimizer, rule)
+        if local:
+            optimizer = outer.build(model.module.parameters(), outer_config or outer.OuterConfig())
+            self.aggregator = Aggregator(model, optimizer, rule)
+        else:
+            optimizer = make_optimizer(job, model.module)
+            self.aggregator = Aggregator(model, optimizer, rule, schedule=build_schedule(
+                job, optimizer), clip_norm=job.clip_norm)
         self.worker = FlatModel(job.build_model())
         self.train_samples = len(self.built.train)
         self.batch_size = job.batch_size

@@ -128,6 +128,8 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
         "task": str(training.task_mode),
         "bytes_per_sample": training.bytes_per_sample(),
         "credits": training.credits.table(SHOWN_PER_STATUS),
+        # the data plane: what this coordinator served, what workers say of their caches
+        "data": training.blobs.summary() if training.blobs is not None else None,
     }
     staleness = config.staleness
     stats = scheduler.stats

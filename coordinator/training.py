@@ -16,9 +16,10 @@ from typing import Callable, Optional
 import torch
 
 from ..common.errors import CheckpointError, ConfigError, JobError
-from ..common.job import build, evaluate, load_job, reference_gradient_norm
+from ..common.job import (build, build_schedule, evaluate, load_job, make_optimizer,
+                          reference_gradient_norm, resolve_factory)
 from ..common.job import FlatModel
-from . import checkpoint, outer
+from . import blobserve, checkpoint, outer
 from .config import Checked, CoordinatorConfig, naming_job_args
 from .credits import Credits
 from .effects import Event
@@ -51,16 +52,37 @@ class Training:
         self.task_mode = checked.task_mode
         if config.threads:
             torch.set_num_threads(config.threads)
+        # The data a job declares by manifest: the pack served here (--data DIR), whose
+        # manifest's hash the job's factory is given as `data`, and so every worker too.
+        self.pack = blobserve.open_pack(config.data_dir) if config.data_dir else None
+        self.job_args = dict(config.job_args)
         try:
-            job = load_job(config.job, config.job_args)
-            self.built = build(job, seed=config.seed)
+            if self.pack is not None:
+                self.job_args = blobserve.job_args_with_data(
+                    resolve_factory(config.job), self.job_args, self.pack[0])
+            job = load_job(config.job, self.job_args)
+            if self.pack is not None and job.data != self.pack[0].sha256:
+                raise ConfigError(
+                    f"--data {config.data_dir}: job {job.name!r} does not train on it (it declares "
+                    f"{'no data' if job.data is None else 'manifest ' + str(job.data)[:12]}; a "
+                    "job takes its pack through a `data` argument, as the built-in packed does)")
+            self.built = build(job, seed=config.seed,
+                               store=self.pack[1] if self.pack is not None else None)
         except JobError as exc:
-            raise naming_job_args(exc, config.job_args) from None
+            raise naming_job_args(exc, self.job_args) from None
+        self.blobs = blobserve.BlobService(self.pack[0]) if self.pack is not None else None
         if config.target is not None:
             self._check_target(config.target)
         module = self.built.model.module
-        optimizer = (outer.build(module.parameters(), config.outer) if self.task_mode.local
-                     else job.build_optimizer(module.parameters()))
+        if self.task_mode.local and (job.lr_lambda or job.build_scheduler):
+            raise ConfigError(f"job {job.name!r} has a learning-rate schedule, which steps the "
+                              "coordinator's optimizer: use --task gradient (with --task local the "
+                              "job's optimizer is built afresh on the workers for every slot)")
+        if self.task_mode.local:
+            optimizer, schedule = outer.build(module.parameters(), config.outer), None
+        else:
+            optimizer = make_optimizer(job, module)
+            schedule = build_schedule(job, optimizer)
         self.sampler = Sampler(len(self.built.train), config.epochs)
         self.elapsed_before = 0.0  # training time of earlier runs resumed from a checkpoint
         self.metrics: dict[str, float] = {}
@@ -68,8 +90,10 @@ class Training:
         version, next_id, samples = 0, 1, 0
         if state is not None:
             version, next_id, samples = self._resume(state)
+        # Local tasks clip each inner step on the worker; the round's outer change is no gradient
         self.model = ModelState(self.built, optimizer, config.staleness, config.seed,
-                                config.result_dtype, version, copy_threshold_bytes)
+                                config.result_dtype, version, copy_threshold_bytes, schedule,
+                                None if self.task_mode.local else job.clip_norm)
         if state is not None:
             kind = state.get("task_kind", "gradient")
             if kind != self.task_mode.kind:  # the job's optimizer and the outer one share no state
@@ -195,6 +219,7 @@ class Training:
             "metrics": self.metrics, "workers": len(self.scheduler.workers),
             "samples_per_s": round(core.samples_per_s(now), 2),
             "bytes_per_sample": self.bytes_per_sample(), "task": str(self.task_mode),
+            **({"data": self.blobs.summary()} if self.blobs is not None else {}),
         }
 
     def bytes_per_sample(self) -> Optional[float]:

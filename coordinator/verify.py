@@ -46,6 +46,9 @@ class Stored:
     # identities whose copies of this row agreed or were settled right: each earns a verified
     # slot if the row's round is applied
     verified_by: tuple = ()
+    # the model's buffers as the slot's computation left them (as the backend stores them), or
+    # None when the model has none
+    buffers: Any = None
 
 
 class Settlement:

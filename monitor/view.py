@@ -424,7 +424,25 @@ def summary_rows(snap: dict) -> list[tuple[str, str]]:
         rows.append(("task", shown(snap["task"])))
     if snap.get("bytes_per_sample") is not None:  # wire bytes, both ways, per sample applied
         rows.append(("wire", f"{number(snap['bytes_per_sample'] / 1024, 1)} KiB/sample"))
+    data = snap.get("data")
+    if isinstance(data, dict):  # the data plane: served here, and what workers' caches say
+        rows.append(("data", data_line(data)))
     return rows
+
+
+def _mib(value: Any) -> str:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return f"{number(value / 2**20, 1)} MiB" if ok else "-"
+
+
+def data_line(data: dict) -> str:
+    """One line of the data plane from a snapshot's `data` (untrusted: every value shown)."""
+    return (f"{_mib(data.get('bytes'))} in {number(data.get('shards'))} shards; served "
+            f"{_mib(data.get('served_bytes'))}; workers fetched "
+            f"{_mib(data.get('bytes_from_mirrors'))} from mirrors, "
+            f"{_mib(data.get('bytes_from_coordinator'))} from here; "
+            f"{number(data.get('cache_hits'))} cache hits, "
+            f"{number(data.get('downloads_in_flight'))} downloads in flight")
 
 
 # credits ----------------------------------------------------------------------------------------

@@ -57,6 +57,10 @@ class CacheTooSmall(ConfigError):
     """The owner's cap is below one blob: nothing can be cached until it is raised."""
 
 
+class DiskFull(CacheError):
+    """The disk under the cache is full: the worker says so and stops, rather than fail again."""
+
+
 class TransferCapReached(CacheError):
     """Today's transfer allowance is spent; the partial download waits for tomorrow."""
 
@@ -193,6 +197,152 @@ class HttpSource:
         return response, 0, length
 
 
+class CoordinatorSource:
+    """The coordinator as a source (coordinator/blobserve.py): a blob asked for chunk by chunk
+    over the worker's session, `window` chunks asked at once and the next asked as each arrives,
+    so that at most `window` chunks are ever in flight to this worker.
+
+    The session's event loop `attach`es a thread-safe `send(message)` while connected, and hands
+    every `chunk` it receives to `deliver`; the cache reads in its own thread (the compute
+    thread), blocking on the chunks it waits for. Never benched: it is the source of last
+    resort, and a session that ends fails only the downloads under way (resumed later)."""
+
+    name = "coordinator"
+    benchable = False
+
+    def __init__(self, chunk_bytes: int = 1 << 20, window: int = 4, timeout_s: float = 30.0):
+        self.chunk_bytes, self.window, self.timeout_s = chunk_bytes, window, timeout_s
+        self._lock = threading.Lock()
+        self._send: Optional[Callable] = None
+        self._waiting: dict[int, "_ChunkStream"] = {}  # request id -> the stream that asked
+        self._next_request = 0
+
+    def attach(self, send: Callable) -> None:
+        with self._lock:
+            self._send = send
+
+    def detach(self) -> None:
+        with self._lock:
+            self._send = None
+            streams = set(self._waiting.values())
+            self._waiting.clear()
+        for stream in streams:
+            stream.put("the session with the coordinator ended")
+
+    def deliver(self, chunk) -> None:
+        """A `chunk` message (from the loop's thread): to the stream that asked, if any still
+        waits (a late answer to a stream given up is dropped)."""
+        with self._lock:
+            stream = self._waiting.pop(chunk.request, None)
+        if stream is not None:
+            stream.put(chunk)
+
+    def ask(self, stream: "_ChunkStream", offset: int) -> None:
+        from ..common.protocol import Fetch
+
+        with self._lock:
+            send = self._send
+            if send is None:
+                raise ConnectionError("not connected to the coordinator")
+            request = self._next_request
+            self._next_request += 1
+            self._waiting[request] = stream
+        send(Fetch(request=request, sha256=stream.sha256, offset=offset, length=self.chunk_bytes))
+
+    def forget(self, stream: "_ChunkStream") -> None:
+        with self._lock:
+            for request in [r for r, s in self._waiting.items() if s is stream]:
+                del self._waiting[request]
+
+    def open(self, sha256: str, offset: int):
+        stream = _ChunkStream(self, check_sha256(sha256), offset)
+        try:
+            total = stream.start()
+        except OSError as exc:
+            stream.close()
+            raise SourceFailed(str(exc)) from None
+        return stream, offset, total
+
+
+class _ChunkStream:
+    """A blob from the coordinator from `offset` on, read like a response body."""
+
+    def __init__(self, source: CoordinatorSource, sha256: str, offset: int):
+        import queue
+
+        self.source, self.sha256 = source, sha256
+        self.position = offset  # of the next byte `read` returns
+        self.asked = offset  # the end of what was asked for
+        self.total: Optional[int] = None
+        self._arrived: "queue.Queue" = queue.Queue()
+        self._chunks: dict[int, memoryview] = {}  # offset -> bytes arrived ahead of `position`
+        self._buffer = memoryview(b"")
+
+    def put(self, item) -> None:
+        self._arrived.put(item)
+
+    def _ask_more(self) -> None:
+        outstanding = (self.asked - self.position - len(self._buffer)
+                       - sum(len(c) for c in self._chunks.values()))
+        while self.asked < self.total and outstanding < self.source.window * self.source.chunk_bytes:
+            self.source.ask(self, self.asked)
+            self.asked += self.source.chunk_bytes
+            outstanding += self.source.chunk_bytes
+
+    def _take(self) -> None:
+        import queue
+
+        try:
+            item = self._arrived.get(timeout=self.source.timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"no chunk from the coordinator within {self.source.timeout_s:g} s") from None
+        if isinstance(item, str):
+            raise ConnectionError(item)
+        if item.error:
+            raise ConnectionError(f"the coordinator says: {item.error}")
+        if self.total is None:
+            self.total = item.total
+        data = memoryview(item.data if item.data is not None else b"")
+        expected = min(self.source.chunk_bytes, self.total - item.offset)
+        if (item.total != self.total or item.offset < self.position
+                or item.offset >= self.asked or len(data) != expected):
+            raise ConnectionError(f"a chunk at {item.offset} of {len(data)} bytes of a blob of "
+                                  f"{item.total} was not asked for")
+        self._chunks[item.offset] = data
+
+    def start(self) -> int:
+        """Ask for the first chunk (it tells the blob's size), then for the window."""
+        self.source.ask(self, self.asked)
+        self.asked += self.source.chunk_bytes
+        self._take()
+        self._ask_more()
+        return self.total
+
+    def read(self, n: int = -1) -> bytes:
+        while not len(self._buffer):
+            if self.position >= self.total:
+                return b""
+            if self.position in self._chunks:
+                self._buffer = self._chunks.pop(self.position)
+                self._ask_more()
+            else:
+                self._take()
+        n = len(self._buffer) if n is None or n < 0 else n
+        out = bytes(self._buffer[:n])
+        self._buffer = self._buffer[n:]
+        self.position += len(out)
+        return out
+
+    def close(self) -> None:
+        self.source.forget(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def _content_range(value: str) -> tuple[Optional[int], Optional[int]]:
     """'bytes START-END/TOTAL' -> (START, TOTAL); unknown parts None."""
     try:
@@ -226,6 +376,10 @@ class BlobCache:
         self._blob_locks: dict[str, threading.Lock] = {}
         self.downloads = 0  # finished downloads, for tests and status
         self.evicted = 0
+        self.hits = 0  # blobs handed out from the cache, checked, without a download
+        self.failures = 0  # a source that failed one blob once
+        self.in_flight = 0  # downloads under way now
+        self.bytes_from: dict[str, int] = {}  # source name -> bytes it delivered
         os.makedirs(os.path.join(root, "blobs"), exist_ok=True)
         os.makedirs(os.path.join(root, "partial"), exist_ok=True)
         os.makedirs(os.path.join(root, "locks"), exist_ok=True)
@@ -329,22 +483,36 @@ class BlobCache:
                 if (size is None or os.path.getsize(path) == size) and sha256_file(path) == sha256:
                     now = self.clock()
                     os.utime(path, (now, now))  # its last use, for LRU
+                    self.hits += 1
                     return path
                 log.warning("cache: blob %s is corrupt on disk: fetching it again", sha256[:12])
                 os.unlink(path)
             if size is not None:
                 self._make_room(sha256, size)
-            return self._download(sha256, size)
+            with self._lock:
+                self.in_flight += 1
+            try:
+                return self._download(sha256, size)
+            finally:
+                with self._lock:
+                    self.in_flight -= 1
 
     def _download(self, sha256: str, size: Optional[int]) -> str:
         reasons = []
-        for source in self.sources:
-            if not self.health.usable(source.name, self.clock()):
+        for source in list(self.sources):
+            # the coordinator is the source of last resort: never benched
+            benchable = getattr(source, "benchable", True)
+            if benchable and not self.health.usable(source.name, self.clock()):
                 reasons.append(f"{source.name}: skipped after a recent failure")
                 continue
             try:
                 path = self._fetch_from(source, sha256, size)
             except SourceFailed as exc:
+                self.failures += 1
+                if not benchable:
+                    log.warning("cache: %s failed for %s (%s)", source.name, sha256[:12], exc)
+                    reasons.append(f"{source.name}: {exc}")
+                    continue
                 wait = self.health.failed(source.name, self.clock())
                 log.warning("cache: %s failed for %s (%s); skipping it for %.0f s", source.name,
                             sha256[:12], exc, wait)
@@ -373,12 +541,12 @@ class BlobCache:
                 with open(partial, "r+b" if start and os.path.exists(partial) else "wb") as out:
                     out.seek(start)
                     out.truncate()
-                    self._copy(stream, out, sha256, start, expected)
+                    self._copy(stream, out, sha256, start, expected, source.name)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     _remove(partial)  # frees what it took; the next try starts clean
                     free = shutil.disk_usage(self.root).free
-                    raise CacheError(
+                    raise DiskFull(
                         f"disk full writing the cache in {self.root} ({free >> 20} MiB free): "
                         "free space or lower cache_max_gb") from None
                 raise
@@ -394,7 +562,8 @@ class BlobCache:
         os.utime(path, (now, now))
         return path
 
-    def _copy(self, stream, out, sha256: str, start: int, expected: Optional[int]) -> None:
+    def _copy(self, stream, out, sha256: str, start: int, expected: Optional[int],
+              source: str = "") -> None:
         written = start
         try:
             while True:
@@ -415,6 +584,8 @@ class BlobCache:
                     self.sleep(wait)
                 self._write(out, block)
                 written += len(block)
+                with self._lock:
+                    self.bytes_from[source] = self.bytes_from.get(source, 0) + len(block)
                 self.allowance.spend(self.clock(), len(block))
                 if expected is not None and written > expected:
                     raise SourceFailed(f"sends more than the {expected} bytes of the blob")
@@ -432,6 +603,21 @@ class BlobCache:
     def _write(out, block: bytes) -> None:
         out.write(block)
 
+    def counters(self) -> dict[str, int]:
+        """What the worker's heartbeat says of its cache (protocol.CACHE_COUNTERS)."""
+        with self._lock:
+            from_coordinator = sum(n for name, n in self.bytes_from.items()
+                                   if name == CoordinatorSource.name)
+            total = sum(self.bytes_from.values())
+            return {"hits": self.hits, "downloads": self.downloads, "in_flight": self.in_flight,
+                    "failures": self.failures, "bytes_coordinator": from_coordinator,
+                    "bytes_mirrors": total - from_coordinator}
+
+    def held(self, names: Iterable[str]) -> list[str]:
+        """Which of `names` are cached whole (a look at the folder, no hashing: cheap enough to
+        ask per heartbeat; `path_of` still checks a blob before it is used)."""
+        return [name for name in names if os.path.isfile(self._path(check_sha256(name)))]
+
 
 def _remove(path: str) -> None:
     try:
@@ -446,8 +632,8 @@ def default_cache_dir() -> str:
 
 
 def cache_from_settings(settings, extra_sources: Sequence[Source] = ()) -> BlobCache:
-    """The cache a worker's settings (worker/config.py's [cache] section) describe; mirrors first,
-    then `extra_sources` (the coordinator, once it serves blobs)."""
+    """The cache a worker's settings (worker/config.py's [cache] section, or a WorkerConfig)
+    describe; mirrors first, then `extra_sources` (the coordinator)."""
     mbps = settings.download_max_mbps
     daily = settings.daily_transfer_max_gb
     return BlobCache(

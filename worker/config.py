@@ -17,7 +17,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Optional
 
 from ..common.errors import ConfigError
-from ..common.protocol import MAX_WORKER_ID
+from ..common.errors import ProtocolError
+from ..common.protocol import MAX_WORKER_ID, check_blob_mirror
 from ..common.security import check_address
 from .idle import RULES, PolicyConfig, parse_hours
 
@@ -310,9 +311,11 @@ def _check(name: str, value: Any, where: str) -> Any:
         return None if value is None else n(strict=True, off=True)
     if name == "blob_mirrors":
         mirrors = tuple(m.strip() for m in _str_list(value, where, name))
-        bad = [m for m in mirrors if not m.startswith(("http://", "https://"))]
-        if bad:
-            raise _fail(where, name, f"{bad[0]!r} is not an http:// or https:// URL")
+        for mirror in mirrors:
+            try:
+                check_blob_mirror(mirror, repr(mirror))
+            except ProtocolError as exc:
+                raise _fail(where, name, exc.detail.removeprefix(f"{mirror!r}: ")) from None
         return mirrors
     if name == "slowdown":
         return n(minimum=1.0)

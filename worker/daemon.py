@@ -45,8 +45,11 @@ from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
 from ..common.job import BuiltJob, Job, build, model_bytes
 from ..common.job_loading import builtin_job_names, load_job
 from ..common.security import KEYS_HINT, ClientKeys
-from ..common.tensors import blob_chunks, to_blob
+from ..common.tensors import blob_chunks, buffer_vector, to_blob
 from ..common.throttle import Throttle
+from ..common.blobs import BlobError, Manifest, MAX_MANIFEST_BYTES
+from .cache import (BlobCache, CacheError, CacheTooSmall, CoordinatorSource, DiskFull, HttpSource,
+                    cache_from_settings)
 from .engine import Cancelled, Engine, Outcome, Work
 from .idle import Decision, IdlePolicy, PolicyConfig, Readings, memory_left_mb
 from .compress import ErrorFeedback
@@ -75,6 +78,12 @@ class WorkerConfig:
     poison: Optional[tuple[str, float]] = None  # fault injection: (kind, factor), engine.parse_poison
     keys: Optional[ClientKeys] = None  # CURVE: the coordinator's pinned key and this worker's pair
     link_mbps: Optional[float] = None  # link emulation (link.py): Mbit/s each way; None: off
+    # the blob cache, for jobs that declare their data by manifest (cache.py; worker.toml [cache])
+    cache_dir: Optional[str] = None  # None: $XDG_CACHE_HOME/idlegrad/blobs
+    cache_max_gb: float = 10.0
+    download_max_mbps: Optional[float] = None
+    daily_transfer_max_gb: Optional[float] = None
+    blob_mirrors: tuple[str, ...] = ()  # the owner's mirrors, tried before the coordinator's
 
 
 class Guest:
@@ -172,8 +181,8 @@ class Worker:
         self.heartbeat_s = 1.0
         self.liveness = 3
         self._queue: deque[Work] = deque()
-        # (version, model as views of the frames it came in)
-        self._cache: Optional[tuple[int, list[torch.Tensor]]] = None
+        # (version, model as views of the frames it came in, its buffers or None)
+        self._cache: Optional[tuple[int, list[torch.Tensor], Optional[torch.Tensor]]] = None
         self._current: Optional[tuple[Work, threading.Event]] = None
         self._refused_logged = Throttle()  # a flood of tasks past our credits
         self._began = 0.0  # when the current compute began (time.monotonic())
@@ -196,6 +205,12 @@ class Worker:
         self.project = project or config.coordinator
         self.compute_slot = compute_slot
         self._nudged: Optional[asyncio.Event] = None  # set by MultiWorker when the guest changed
+        # The data plane: the cache, made when a job first declares its data by manifest, and
+        # the coordinator as its source of last resort, attached to each session's socket.
+        self.cache: Optional[BlobCache] = None
+        self.coordinator_source = CoordinatorSource()
+        self.manifest: Optional[Manifest] = None  # of the job built, when it declares its data
+        self._cache_logged = Throttle()
 
     @property
     def policy(self) -> IdlePolicy:
@@ -330,19 +345,97 @@ class Worker:
 
     # a session ------------------------------------------------------------------------------
 
-    def _prepare(self, welcome: proto.Welcome) -> None:
-        """Build the job the coordinator names, from this machine's own code."""
+    def _job_spec(self, welcome: proto.Welcome) -> str:
+        if self.config.job is None and welcome.job not in builtin_job_names():
+            raise Refused(f"the coordinator trains job {welcome.job!r}, which is not built in; "
+                          "start this worker with --job SPEC naming that job's code on this machine")
+        return self.config.job or welcome.job
+
+    async def _data_store(self, sock, welcome: proto.Welcome) -> Optional[BlobCache]:
+        """For a job that declares its data by manifest: the cache, its sources set (the owner's
+        mirrors, the coordinator's, the coordinator) and the manifest in it, fetched while the
+        session stays alive. None for a job that builds its own data."""
+        key = (welcome.job, tuple(sorted(welcome.job_args.items())), welcome.seed)
+        if self._built_for == key and self.built is not None and self.built.job.data is None:
+            return None
+        job = load_job(self._job_spec(welcome), welcome.job_args)
+        if job.data is None:
+            return None
+        if self.cache is None:
+            self.cache = cache_from_settings(self.config)
+        mirrors = list(dict.fromkeys([*self.config.blob_mirrors, *welcome.blob_mirrors]))
+        self.cache.sources = [HttpSource(url) for url in mirrors] + [self.coordinator_source]
+        self.heartbeat_s, self.liveness = welcome.heartbeat_s, welcome.liveness
+        try:
+            path = await self._while_fetching(sock, asyncio.to_thread(self.cache.path_of, job.data))
+            with open(path, "rb") as fh:
+                manifest = Manifest.from_bytes(fh.read(MAX_MANIFEST_BYTES + 1), job.data)
+        except (CacheError, BlobError, OSError) as exc:
+            raise Refused(f"cannot fetch the manifest of job {job.name!r}'s data: {exc}") from None
+        biggest = max((s.size for s in manifest.shards), default=0)
+        if biggest > self.cache.max_bytes:
+            raise CacheTooSmall(
+                f"the cache cap of {self.cache.max_bytes / 2**30:.3g} GB (cache_max_gb) is below "
+                f"one shard of job {job.name!r}'s data ({biggest / 2**30:.3g} GB): raise "
+                "cache_max_gb in worker.toml (or --cache-max-gb)")
+        self.manifest = manifest
+        return self.cache
+
+    async def _while_fetching(self, sock, work):
+        """Await `work` (a fetch in a thread) while the session lives: heartbeats go out, and the
+        chunks it asked the coordinator for are delivered."""
+        task = asyncio.ensure_future(work)
+        recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
+        next_beat = time.monotonic()
+        try:
+            while not task.done():
+                if time.monotonic() >= next_beat:
+                    await self._send(sock, proto.Heartbeat(state=self._beat_state(None),
+                                                           cache=self._cache_counters()))
+                    next_beat = time.monotonic() + self.heartbeat_s
+                await asyncio.wait({task, recv}, timeout=max(0.0, next_beat - time.monotonic()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if recv.done():
+                    frames = recv.result()
+                    recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
+                    try:
+                        msg = proto.decode(frames)
+                    except ProtocolError as exc:
+                        log.warning("dropped a bad message from the coordinator: %s", exc)
+                        continue
+                    if isinstance(msg, proto.Chunk):
+                        self.coordinator_source.deliver(msg)
+                    elif isinstance(msg, proto.Reject):
+                        self._on_reject(msg)
+                    elif isinstance(msg, proto.Shutdown):
+                        self._stop = f"shutdown: {msg.reason}"
+                        self.coordinator_source.detach()
+            return task.result()
+        finally:
+            recv.cancel()
+
+    def _cache_counters(self) -> Optional[dict]:
+        return self.cache.counters() if self.cache is not None and self.manifest is not None else None
+
+    def held_shards(self) -> list[int]:
+        """The indices of the current manifest's shards that this worker's cache holds whole
+        (a look at the folder, no hashing): what a worker can tell the coordinator for locality."""
+        if self.cache is None or self.manifest is None:
+            return []
+        held = set(self.cache.held(s.sha256 for s in self.manifest.shards))
+        return [k for k, s in enumerate(self.manifest.shards) if s.sha256 in held]
+
+    def _prepare(self, welcome: proto.Welcome, store: Optional[BlobCache] = None) -> None:
+        """Build the job the coordinator names, from this machine's own code (its data from
+        `store` when it declares its data by manifest)."""
         key = (welcome.job, tuple(sorted(welcome.job_args.items())), welcome.seed)
         if self._built_for != key:
-            spec = self.config.job or welcome.job
-            if self.config.job is None and welcome.job not in builtin_job_names():
-                raise Refused(f"the coordinator trains job {welcome.job!r}, which is not built in; "
-                            "start this worker with --job SPEC naming that job's code on this machine")
+            spec = self._job_spec(welcome)
             # The previous job is of no use now, and its memory is the next one's.
             self.built = self.engine = self._built_for = None
             job = load_job(spec, welcome.job_args)
             self._check_memory(job)
-            self.built = build(job, device=self.device)
+            self.built = build(job, device=self.device, store=store)
             self._check_memory(job, self.built)
             self.engine = Engine(self.built, welcome.seed, self.device)
             self.engine.slowdown, self.engine.stall = self.config.slowdown, self.config.stall
@@ -385,10 +478,30 @@ class Worker:
                 "memory the machine has free): refused")
 
     async def _session(self, sock, welcome: proto.Welcome) -> None:
+        self._attach(sock)
+        try:
+            await self._session_on(sock, welcome)
+        finally:
+            self.coordinator_source.detach()  # fetches under way fail, and resume later
+
+    def _attach(self, sock) -> None:
+        """Let the cache's thread ask the coordinator for chunks on this session's socket."""
+        loop = asyncio.get_running_loop()
+
+        def send(msg: proto.Message) -> None:  # from the cache's thread
+            try:
+                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._send(sock, msg)))
+            except RuntimeError:  # the loop is closing
+                raise ConnectionError("the worker is stopping") from None
+
+        self.coordinator_source.attach(send)
+
+    async def _session_on(self, sock, welcome: proto.Welcome) -> None:
         while True:
             try:
                 try:
-                    self._prepare(welcome)
+                    store = await self._data_store(sock, welcome)
+                    self._prepare(welcome, store)
                 except (Refused, ConfigError) as exc:  # this worker cannot run that job
                     await self._send(sock, proto.Bye(reason=str(exc)[:500]))
                     raise
@@ -464,7 +577,8 @@ class Worker:
                     return
                 now = time.monotonic()
                 if now >= next_beat:
-                    await self._send(sock, proto.Heartbeat(state=self._beat_state(computing)))
+                    await self._send(sock, proto.Heartbeat(state=self._beat_state(computing),
+                                                           cache=self._cache_counters()))
                     next_beat = now + self.heartbeat_s
                 if now - last_heard > self.heartbeat_s * self.liveness:
                     return  # the coordinator is gone: the caller reconnects
@@ -542,7 +656,8 @@ class Worker:
         result = proto.Result(
             slot=outcome.slot, version=outcome.version, samples=outcome.samples,
             loss=outcome.loss, compute_s=outcome.compute_s,
-            gradient=to_blob(self._wire.encode(outcome.gradient)), waited_s=outcome.waited_s)
+            gradient=to_blob(self._wire.encode(outcome.gradient)), waited_s=outcome.waited_s,
+            buffers=None if outcome.buffers is None else to_blob(outcome.buffers))
         self._drop_results([outcome.slot])  # a recomputed slot replaces its older result
         self._unacked[outcome.slot] = result
         self._held[outcome.slot] = (outcome.gradient, [])
@@ -589,6 +704,14 @@ class Worker:
             return outcome
         except Cancelled:
             return None
+        except (CacheTooSmall, DiskFull) as exc:  # no slot can be computed here until fixed
+            log.error("%s; leaving", exc)
+            self._stop = str(exc)
+            return None
+        except CacheError as exc:  # no source has the shard now (the slot goes to another)
+            if self._cache_logged.ready(time.monotonic()):
+                log.warning("slot %d: %s", work.slot, exc)
+            return None
         except Exception as exc:  # the job's own code failed on this slot
             log.exception("slot %d failed: %s", work.slot, exc)
             return None
@@ -599,7 +722,9 @@ class Worker:
         except ProtocolError as exc:
             log.warning("dropped a bad message from the coordinator: %s", exc)
             return
-        if isinstance(msg, proto.Task):
+        if isinstance(msg, proto.Chunk):
+            self.coordinator_source.deliver(msg)
+        elif isinstance(msg, proto.Task):
             if msg.acks:
                 self._drop_results(msg.acks)
             self._on_task(msg)
@@ -626,12 +751,18 @@ class Worker:
 
     def _on_task(self, task: proto.Task) -> None:
         if task.model is not None:
+            model = self.built.model
             try:
-                params = blob_chunks(task.model, self.built.model.numel, self.built.model.dtype)
+                params = blob_chunks(task.model, model.numel, model.dtype)
+                buffers = None
+                if model.buffers or task.buffers is not None:
+                    if task.buffers is None:
+                        raise ProtocolError("tensor", "no buffers with the model")
+                    buffers = buffer_vector(task.buffers, model.buffer_numel, model.counter_mask)
             except ProtocolError as exc:
                 log.warning("task %d: bad model: %s", task.slot, exc)
                 return
-            self._cache = (task.version, params)
+            self._cache = (task.version, params, buffers)
         elif self._cache is None or self._cache[0] != task.version:
             # The coordinator thinks we hold a model we do not: start the session afresh.
             self._forget_session()
@@ -648,7 +779,7 @@ class Worker:
                             held, self.config.credits)
             return
         work = Work(task.slot, task.version, self._cache[1], task.parts, task.coefficients,
-                    task.kind, task.steps, arrived=time.monotonic())
+                    task.kind, task.steps, arrived=time.monotonic(), buffers=self._cache[2])
         try:
             self.engine.check(work)
         except ValueError as exc:

@@ -37,6 +37,9 @@ class Work:
     kind: str = "gradient"  # "local": `steps` inner steps of the job's optimizer (compute_local)
     steps: int = 0
     arrived: Optional[float] = None  # time.monotonic() when the task reached the worker
+    # the model's persistent buffers at `version` (float64, FlatModel.buffers_flat's order);
+    # None when it has none
+    buffers: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class Outcome:
     loss: float
     compute_s: float
     waited_s: float = 0.0  # from the task's arrival to the start of its compute (the daemon's)
+    # the persistent buffers the computation left (float64, CPU); None when the model has none
+    buffers: Optional[torch.Tensor] = None
 
 
 class Engine:
@@ -73,6 +78,8 @@ class Engine:
         """Raise ValueError for a task this worker cannot compute (parts outside its data).
         Bounds only: it runs on the event loop, and building each part's epoch permutation here
         let one task of 65,536 parts hold the loop (and its heartbeats) for 20 s."""
+        if self.built.model.buffers and work.buffers is None:
+            raise ValueError("no buffers with the model, which has some")
         n = len(self.built.train)
         for epoch, offset, count in work.parts:
             if offset < 0 or count < 0 or offset + count > n:
@@ -94,6 +101,7 @@ class Engine:
             self._loaded = None
             model.load(work.params if isinstance(work.params, torch.Tensor) else list(work.params))
             self._loaded = work.params
+        self._load_buffers(work)
         on_cpu = model.grads.device.type == "cpu"
         if on_cpu:
             model.use_grads(self._gradients.take())
@@ -115,7 +123,18 @@ class Engine:
             gradient = poisoned(gradient, *self.poison)
         return Outcome(work.slot, work.version, gradient, tally.samples,
                        tally.loss_sum / tally.samples if tally.samples else 0.0,
-                       max(0.0, time.perf_counter() - start - paused_s))
+                       max(0.0, time.perf_counter() - start - paused_s), buffers=self._buffers())
+
+    def _load_buffers(self, work: Work) -> None:
+        """Every slot starts from its version's buffers: the forward passes of the last slot
+        moved them (BatchNorm's running statistics), even at the same version."""
+        if self.built.model.buffers:
+            if work.buffers is None:
+                raise ValueError("a task without the buffers of a model that has some")
+            self.built.model.load_buffers(work.buffers)
+
+    def _buffers(self) -> Optional[torch.Tensor]:
+        return self.built.model.buffers_flat() if self.built.model.buffers else None
 
     def release(self, gradient: torch.Tensor, trackers: Sequence = ()) -> None:
         """Hand back an outcome's gradient, to be reused once every tracker (of its zero-copy
@@ -137,6 +156,7 @@ class Engine:
         self._loaded = None  # the inner steps move the model away from any params object
         (part,) = work.parts
         (coefficient,) = work.coefficients
+        self._load_buffers(work)
         result = local_change(self.built.job, self.built.model, initial, self.built.train,
                               self.seed, part, coefficient, work.steps, self.device,
                               micro_batch=lambda: self.micro_batch, between=gate.between,
@@ -150,7 +170,7 @@ class Engine:
             change = poisoned(change, *self.poison)
         return Outcome(work.slot, work.version, change, result.samples,
                        result.loss_sum / result.samples if result.samples else 0.0,
-                       max(0.0, time.perf_counter() - start - paused_s))
+                       max(0.0, time.perf_counter() - start - paused_s), buffers=self._buffers())
 
     INJECT_STEP_S = 0.05  # injected delays sleep in steps this small: cancel and pause stay prompt
 

@@ -54,6 +54,13 @@ def sample_messages() -> list[proto.Message]:
         Heartbeat(state="working"),
         Heartbeat(state="paused"),
         Heartbeat(state="coordinator"),
+        Heartbeat(state="idle", cache={"hits": 3, "bytes_mirrors": 2**40, "in_flight": 0}),
+        proto.Fetch(request=0, sha256="0f" * 32, offset=2**40, length=proto.MAX_CHUNK_BYTES),
+        proto.Chunk(request=5, sha256="0f" * 32, offset=0, total=0),
+        proto.Chunk(request=5, sha256="0f" * 32, offset=7, total=9, error="busy"),
+        Welcome(job="packed", job_args={"data": "0f" * 32}, fingerprint="f", seed=0,
+                heartbeat_s=1.0, liveness=3, blob_mirrors=["http://127.0.0.1:8080/m",
+                                                           "https://mirror.example.org"]),
         Bye(),
         Bye(reason="owner is back"),
         Hello(worker_id="w", host="h", cores=1, threads=1, device="cpu", memory_mb=1, versions={},
@@ -305,7 +312,7 @@ def test_header_not_a_map(header):
     assert reason_of([packb(header)]) == "schema"
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 4, -1, "3", None, [3], 1.5, 2**64 - 1])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 5, -1, "4", None, [4], 1.5, 2**64 - 1])
 def test_wrong_version(version):
     assert reason_of([packb({**READY, "v": version})]) == "version"
 

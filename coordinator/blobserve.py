@@ -1,0 +1,194 @@
+"""The coordinator serves the blobs of its job's data: what is served, to whom, in what order.
+
+A worker asks for a blob chunk by chunk (`fetch`: name, offset, length); it keeps a few chunks
+asked for at once (its window) and asks for the next as each arrives, so the bytes in flight to
+one worker are bounded by its window. The coordinator queues what it is asked (a few requests per
+worker, a bound overall) and answers in passes of its event loop: each pass reads and sends at
+most `pass_bytes`, taking the workers in turn, and the messages that arrived meanwhile (results,
+heartbeats) are handled between two passes. Serving never holds the loop longer than one pass.
+
+Requests are untrusted: a name is answered only when it is a blob of the served pack (its
+manifest or a shard), and an offset only inside that blob; anything else is answered with a
+one-line error, and counted. `BlobService` is pure (no sockets, no clock); `read_chunk` is its
+one piece of I/O, a bounded read from the pack's folder.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass
+from typing import Optional
+
+from ..common import protocol as proto
+from ..common.blobs import MANIFEST_FILE, BlobError, BlobFolder, Manifest, load_manifest
+from ..common.errors import ConfigError, JobError
+
+PASS_BYTES = 4 << 20  # read and sent per pass of the loop, at most (plus one chunk)
+QUEUE_PER_WORKER = 16  # requests waiting per worker; an honest worker's window is below it
+QUEUE_TOTAL = 4096  # requests waiting, all workers together
+
+
+def open_pack(data_dir: str) -> tuple[Manifest, BlobFolder]:
+    """The pack a coordinator serves (`idlegrad data pack`'s --out): its manifest, checked, and
+    its blob folder. ConfigError with one line when it is not one."""
+    path = os.path.join(data_dir, MANIFEST_FILE)
+    try:
+        manifest = load_manifest(path)
+    except BlobError as exc:
+        raise ConfigError(f"--data {data_dir}: {exc} (give the --out folder of idlegrad data "
+                          "pack)") from None
+    except OSError as exc:
+        raise ConfigError(f"--data {data_dir}: cannot read {MANIFEST_FILE}: "
+                          f"{exc.strerror or exc}") from None
+    folder = BlobFolder(data_dir)
+    missing = [s.sha256[:12] for s in manifest.shards if not folder.has(s.sha256)]
+    if missing:
+        raise ConfigError(f"--data {data_dir}: {len(missing)} of its {len(manifest.shards)} "
+                          f"shards are missing (first {missing[0]}): the pack is incomplete")
+    if not folder.has(manifest.sha256):
+        folder.put_bytes(manifest.to_bytes())  # a pack copied without its blobs/ copy of it
+    return manifest, folder
+
+
+def job_args_with_data(factory, job_args: dict, manifest: Manifest, flag: str = "--data") -> dict:
+    """The job arguments with `data` set to the served manifest's hash, for a job factory that
+    takes `data` (as the built-in `packed` does). A `data` given too must be the same."""
+    given = job_args.get("data")
+    if given is not None and given != manifest.sha256:
+        raise JobError(f"--job-arg data={str(given)[:16]}... is not the manifest of {flag} "
+                       f"({manifest.sha256[:16]}...): give one or the other")
+    try:
+        takes_data = "data" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        takes_data = False
+    if not takes_data:
+        return job_args
+    return {**job_args, "data": manifest.sha256}
+
+
+@dataclass(frozen=True)
+class Serve:
+    """One chunk to read and send: `length` bytes of `sha256` from `offset`."""
+
+    worker: str
+    request: int
+    sha256: str
+    offset: int
+    length: int
+    total: int
+
+
+class BlobService:
+    """What the coordinator serves, and the queue of what it was asked (pure)."""
+
+    def __init__(self, manifest: Manifest, pass_bytes: int = PASS_BYTES,
+                 queue_per_worker: int = QUEUE_PER_WORKER, queue_total: int = QUEUE_TOTAL):
+        self.manifest = manifest
+        self.sizes = {s.sha256: s.size for s in manifest.shards}
+        self.sizes[manifest.sha256] = len(manifest.to_bytes())
+        self.pass_bytes = pass_bytes
+        self.queue_per_worker = queue_per_worker
+        self.queue_total = queue_total
+        self._queues: OrderedDict[str, deque[Serve]] = OrderedDict()  # in turn: first is next
+        self._queued = 0
+        self.counters: Counter[str] = Counter()  # chunks_sent, bytes_sent, refused_*
+        self.bytes_to: Counter[str] = Counter()  # worker -> bytes sent to it
+        self.caches: dict[str, dict[str, int]] = {}  # worker -> its cache counters (heartbeats)
+
+    @property
+    def pending(self) -> bool:
+        return self._queued > 0
+
+    def request(self, worker: str, fetch: proto.Fetch) -> Optional[proto.Chunk]:
+        """Queue a fetch; or the refusal to send at once (a name not served, an offset outside
+        the blob, too many requests waiting)."""
+        total = self.sizes.get(fetch.sha256)
+        refuse = None
+        if total is None:
+            refuse, reason = "unknown", "not a blob of the data this coordinator serves"
+        elif fetch.offset >= total and total > 0:
+            refuse, reason = "range", f"offset {fetch.offset} is past the end ({total} bytes)"
+        else:
+            queue = self._queues.get(worker)
+            if (queue is not None and len(queue) >= self.queue_per_worker) \
+                    or self._queued >= self.queue_total:
+                refuse, reason = "busy", "busy: too many requests waiting; ask again"
+        if refuse is not None:
+            self.counters["refused_" + refuse] += 1
+            return proto.Chunk(request=fetch.request, sha256=fetch.sha256, offset=fetch.offset,
+                               total=total or 0, error=reason)
+        length = min(fetch.length, total - fetch.offset)
+        self._queues.setdefault(worker, deque()).append(
+            Serve(worker, fetch.request, fetch.sha256, fetch.offset, length, total))
+        self._queued += 1
+        return None
+
+    def take(self) -> list[Serve]:
+        """The chunks of one pass: workers in turn, one chunk each per turn, until `pass_bytes`
+        are taken (at least one chunk, so a pass always makes progress)."""
+        out, taken = [], 0
+        while self._queues and (not out or taken < self.pass_bytes):
+            worker, queue = next(iter(self._queues.items()))
+            serve = queue.popleft()
+            self._queued -= 1
+            if queue:
+                self._queues.move_to_end(worker)  # its next chunk waits for the others' turn
+            else:
+                del self._queues[worker]
+            out.append(serve)
+            taken += serve.length
+        return out
+
+    def sent(self, serve: Serve) -> None:
+        self.counters["chunks_sent"] += 1
+        self.counters["bytes_sent"] += serve.length
+        self.bytes_to[serve.worker] += serve.length
+
+    def failed(self, serve: Serve) -> proto.Chunk:
+        """A read of the pack failed here (a file gone or damaged): the worker hears one line,
+        and tries its other sources."""
+        self.counters["read_errors"] += 1
+        return proto.Chunk(request=serve.request, sha256=serve.sha256, offset=serve.offset,
+                           total=serve.total, error="the coordinator cannot read this blob now")
+
+    def report(self, worker: str, cache: dict[str, int]) -> None:
+        """A worker's heartbeat told its cache counters (schema-checked: known names, ints)."""
+        self.caches[worker] = dict(cache)
+
+    def forget(self, worker: str) -> None:
+        queue = self._queues.pop(worker, None)
+        if queue is not None:
+            self._queued -= len(queue)
+        self.caches.pop(worker, None)
+
+    def summary(self) -> dict:
+        """For the status snapshot and the metrics log: what was served here, and what the
+        workers say of their caches (summed over the workers present)."""
+        workers = Counter()
+        for cache in self.caches.values():
+            workers.update(cache)
+        return {
+            "manifest": self.manifest.sha256, "shards": len(self.manifest.shards),
+            "bytes": sum(s.size for s in self.manifest.shards),
+            "served_bytes": self.counters["bytes_sent"],
+            "served_chunks": self.counters["chunks_sent"],
+            "refused": sum(v for k, v in self.counters.items() if k.startswith("refused_")),
+            "queued": self._queued,
+            "workers_reporting": len(self.caches),
+            "cache_hits": workers["hits"], "downloads": workers["downloads"],
+            "downloads_in_flight": workers["in_flight"],
+            "bytes_from_mirrors": workers["bytes_mirrors"],
+            "bytes_from_coordinator": workers["bytes_coordinator"],
+        }
+
+
+def read_chunk(folder: BlobFolder, serve: Serve) -> bytes:
+    """The chunk's bytes from the pack's folder (OSError or BlobError when it cannot be read)."""
+    path = folder.path_of(serve.sha256)
+    with open(path, "rb") as fh:
+        data = os.pread(fh.fileno(), serve.length, serve.offset)
+    if len(data) != serve.length:
+        raise BlobError(f"blob {serve.sha256[:12]}: {len(data)} bytes read, {serve.length} asked")
+    return data
