@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 from .. import __version__
 from ..common.errors import ConfigError, IdlegradError
+from .ban import add_ban_parser
 from .data import add_data_parser
 from .invite import add_invite_parser
 from .simulate import add_simulate_parser
@@ -71,7 +72,7 @@ def _add_client_keys(p: argparse.ArgumentParser) -> None:
                    help="CURVE: the coordinator's public key (NAME.key), pinned")
     p.add_argument("--secret-key", metavar="FILE",
                    help="CURVE: this client's NAME.key_secret; its NAME.key must be in the "
-                        "coordinator's --monitor-keys, or --operator-keys to pause or drain")
+                        "coordinator's --monitor-keys, or --operator-keys to pause, drain or ban")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(idlegrad status, top, credits); re-read on SIGHUP")
     c.add_argument("--operator-keys", metavar="DIR",
                    help="CURVE: directory of the NAME.key public keys that may read the status "
-                        "and command: pause, resume, drain; re-read on SIGHUP")
+                        "and command: pause, resume, drain, ban, revoke and mint invitations; "
+                        "re-read on SIGHUP")
     c.add_argument("--enrolled", metavar="DIR",
                    help="CURVE: enrol workers by invitation (`idlegrad invite`): the invitations "
                         "and enrolled keys live here; the enrolment endpoint listens on the "
@@ -269,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_keys(t)
     _add_common(t)
     t.set_defaults(func=_run_top, log_level="warning")
+
+    add_ban_parser(sub, _add_common, _add_client_keys, _positive)
 
     k = sub.add_parser("keys", help="CURVE key pairs for coordinators, workers and monitors",
                        description="Manage CurveZMQ keys (pyzmq's certificate files).")
@@ -377,13 +381,20 @@ def _run_credits(args) -> int:
 
 
 def _run_top(args) -> int:
+    from ..common.security import check_address, client_keys
+
+    check_address(args.coordinator, "--coordinator")  # bad input: one line, before the UI
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        # A terminal UI without a terminal draws escape codes into a pipe, or waits for keys
+        # that never come: one snapshot as text instead.
+        print("idlegrad top: not a terminal: one snapshot instead (idlegrad status)",
+              file=sys.stderr)
+        args.json, args.timeout = False, max(3.0, args.interval)
+        return _run_status(args)
     try:
         from ..monitor.app import run
     except ImportError as exc:
         raise ConfigError(f"the terminal UI needs textual ({exc}): pip install 'textual>=4'") from None
-    from ..common.security import check_address, client_keys
-
-    check_address(args.coordinator, "--coordinator")  # bad input: one line, before the UI
     keys = client_keys(args.coordinator_key, args.secret_key)
     return run(args.coordinator, interval=args.interval, keys=keys)
 

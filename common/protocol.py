@@ -289,14 +289,19 @@ class Status(Message):
 
 @dataclass(frozen=True)
 class Control(Message):
-    """An operator's command: pause or resume training, or drain one worker (it finishes the
-    slots it holds, gets no more, and is then sent home)."""
+    """An operator's command: pause or resume training; drain one worker (it finishes the
+    slots it holds, gets no more, and is then sent home); ban one (a worker id, or a key in Z85:
+    it is sent home and refused from then on, across restarts) or lift a ban; revoke an
+    invitation (its unused uses)."""
 
     TYPE: ClassVar[str] = "control"
     action: str
-    worker: Optional[str] = None  # required by "drain"
+    worker: Optional[str] = None  # required by "drain", "ban" and "unban"
+    invitation: Optional[str] = None  # required by "revoke": 16 hex digits
 
-    ACTIONS: ClassVar[frozenset] = frozenset({"pause", "resume", "drain"})
+    ACTIONS: ClassVar[frozenset] = frozenset({"pause", "resume", "drain", "ban", "unban",
+                                              "revoke"})
+    NEED_WORKER: ClassVar[frozenset] = frozenset({"drain", "ban", "unban"})
 
 
 @dataclass(frozen=True)
@@ -307,6 +312,58 @@ class ControlReply(Message):
     action: str
     ok: bool
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class CreditRequest(Message):
+    """What has this worker earned here? Any listed key may ask; a worker key hears only its own
+    row. `worker` names the row to read: needed without keys (where a worker is its id), and,
+    with keys, only a monitor or operator may name another key's."""
+
+    TYPE: ClassVar[str] = "credit_request"
+    worker: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Credit(Message):
+    """The answer to a `credit_request`: one row of the credits (`row` empty: nothing earned or
+    seen yet), the name it is shown by, how many identities hold credit here; or, `ok` false, one
+    line saying why not."""
+
+    TYPE: ClassVar[str] = "credit"
+    ok: bool
+    worker: str = ""
+    row: dict[str, float] = field(default_factory=dict)
+    identities: int = 0
+    reason: str = ""
+
+    FIELDS: ClassVar[frozenset] = frozenset({"samples", "compute_s", "verified", "refused",
+                                             "first_seen", "last_seen"})
+
+
+@dataclass(frozen=True)
+class Invite(Message):
+    """An operator's request to mint an invitation on the running coordinator (its --enrolled
+    folder). `address`: the training address volunteers dial, which goes into the token."""
+
+    TYPE: ClassVar[str] = "invite"
+    address: str
+    uses: int = 1
+    expires_s: float = 7 * 86400.0
+    name: str = "worker"
+
+
+@dataclass(frozen=True)
+class Invited(Message):
+    """The answer to an `invite`: the token (with the invitation's id and expiry), or one line
+    saying why not."""
+
+    TYPE: ClassVar[str] = "invited"
+    ok: bool
+    token: str = ""
+    invitation: str = ""
+    expires: float = 0.0
+    reason: str = ""
 
 
 # a volunteer's worker <-> the coordinator's enrolment endpoint ----------------------------------
@@ -336,7 +393,8 @@ class Enrolled(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (Hello, Ready, Result, Heartbeat, Fetch, Bye, Welcome, Task, Chunk, Cancel, Ack,
-                Reject, Shutdown, StatusRequest, Status, Control, ControlReply, Enrol, Enrolled)
+                Reject, Shutdown, StatusRequest, Status, Control, ControlReply, CreditRequest,
+                Credit, Invite, Invited, Enrol, Enrolled)
 }
 
 
@@ -756,12 +814,33 @@ def _semantic_checks(msg: Message) -> None:
     elif isinstance(msg, Control):
         if msg.action not in Control.ACTIONS:
             raise ProtocolError("schema", f"control.action {msg.action[:20]!r} unknown")
-        if msg.action == "drain" and not msg.worker:
-            raise ProtocolError("schema", "control.worker is required to drain")
+        if msg.action in Control.NEED_WORKER and not msg.worker:
+            raise ProtocolError("schema", f"control.worker is required to {msg.action}")
         if msg.worker is not None and len(msg.worker) > MAX_WORKER_ID:
             raise ProtocolError("schema", f"control.worker over {MAX_WORKER_ID} characters")
+        if msg.action == "revoke" and not _is_invitation_id(msg.invitation):
+            raise ProtocolError("schema", "control.invitation must be 16 hex digits to revoke")
+    elif isinstance(msg, CreditRequest):
+        if msg.worker is not None and not 1 <= len(msg.worker) <= MAX_WORKER_ID:
+            raise ProtocolError("schema", f"credit_request.worker: 1 to {MAX_WORKER_ID} "
+                                          "characters")
+    elif isinstance(msg, Credit):
+        if set(msg.row) - Credit.FIELDS or any(v < 0 for v in msg.row.values()):
+            raise ProtocolError("schema", "credit.row: only the credit fields, none negative")
+        non_negative("identities")
+        if len(msg.worker) > MAX_NAME or len(msg.reason) > MAX_NAME:
+            raise ProtocolError("schema", f"credit.worker and reason: at most {MAX_NAME}")
+    elif isinstance(msg, Invite):
+        if not 1 <= msg.uses <= 1_000_000 or not 0 < msg.expires_s <= 10 * 365 * 86400:
+            raise ProtocolError("schema", "invite.uses 1 to 1e6, invite.expires_s up to 10 years")
+        if len(msg.address) > MAX_NAME or len(msg.name) > 64:
+            raise ProtocolError("schema", f"invite.address over {MAX_NAME} or name over 64")
+    elif isinstance(msg, Invited):
+        if len(msg.token) > 1024 or len(msg.reason) > MAX_NAME or len(msg.invitation) > 16:
+            raise ProtocolError("schema", "invited: token over 1024, reason over 256 or "
+                                          "invitation over 16 characters")
     elif isinstance(msg, Enrol):
-        if not (len(msg.invitation) == 16 and all(c in "0123456789abcdef" for c in msg.invitation)):
+        if not _is_invitation_id(msg.invitation):
             raise ProtocolError("schema", "enrol.invitation must be 16 hex digits")
         if not (len(msg.secret) == 43 and all(c.isascii() and (c.isalnum() or c in "-_")
                                               for c in msg.secret)):
@@ -770,3 +849,7 @@ def _semantic_checks(msg: Message) -> None:
         if len(msg.name) > MAX_WORKER_ID or len(msg.reason) > MAX_NAME:
             raise ProtocolError("schema", f"enrolled.name over {MAX_WORKER_ID} or reason over "
                                           f"{MAX_NAME} characters")
+
+
+def _is_invitation_id(text: Optional[str]) -> bool:
+    return text is not None and len(text) == 16 and all(c in "0123456789abcdef" for c in text)

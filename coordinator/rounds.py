@@ -222,6 +222,17 @@ class RoundCore:
             return out  # the id is someone else's now (the banned one left; another key took it)
         return out + [Ban(worker_id)] + self._leave(worker_id, "banned", now)
 
+    def expel(self, identity: str, reason: str, now: float) -> list:
+        """The operator banned `identity`: each of its workers is sent home as banned (told
+        `reason`) and its slots go back to the pool."""
+        out: list = []
+        for worker_id in [w for w, i in self.identities.items() if i == identity]:
+            self.counters["workers_banned"] += 1
+            out += [Event("banned", f"{worker_id} banned by the operator", worker_id,
+                          logging.WARNING), Ban(worker_id, reason)]
+            out += self._leave(worker_id, "banned by the operator", now)
+        return out
+
     def compute_request(self, slot_id: int) -> Optional[Compute]:
         """What computing slot `slot_id` here takes; None once its round has closed."""
         task = self.scheduler.slot_task(slot_id)

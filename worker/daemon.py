@@ -260,6 +260,11 @@ class Worker:
         reached within connect_timeout: PeerGone)."""
         backoff = 0.25
         give_up_at = self._deadline()
+        timeout = self.config.connect_timeout
+        # one line, so that a worker waiting for its coordinator is not taken for a hung one
+        log.info("connecting to the coordinator at %s (%s)", self.config.coordinator,
+                 f"giving up after {timeout:g}s without an answer" if timeout > 0
+                 else "until it answers")
         while self._stop is None:
             sock = self._socket(ctx)
             try:
