@@ -157,9 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "shuffled, then the samples within windows of --shuffle-window shards) "
                         "and give workers slots of the shards they hold; off: a full shuffle. "
                         "Data that is not sharded is always fully shuffled (default: on)")
-    c.add_argument("--shuffle-window", type=_positive(int), default=4, metavar="W",
+    c.add_argument("--shuffle-window", type=_positive(int), default=2, metavar="W",
                    help="with --locality on: shards whose samples are shuffled together; a "
-                        "worker needs W shards at once (default: 4)")
+                        "worker needs W shards at once (default: 2)")
     c.add_argument("--threads", type=_positive(int), metavar="N", help="torch threads")
     c.add_argument("--reject-norm", type=_non_negative(float), default=10.0, metavar="K",
                    help="refuse a gradient whose norm per sample is over K times the running "

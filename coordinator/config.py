@@ -70,7 +70,7 @@ class CoordinatorConfig:
     # within blocks of `shuffle_window` shards) and prefer slots whose shards a worker holds.
     # Data that is not sharded keeps the full shuffle whatever this says.
     locality: bool = True
-    shuffle_window: int = 4
+    shuffle_window: int = 2
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,214 @@
+"""The real built-in jobs, `lm` and `resnet`, side by side: idlegrad (a coordinator and `--workers`
+workers on this machine) against torch DDP (gloo, as many ranks) and one process.
+
+All three train the same job from the same initial model with the same global batch (the job's
+`batch_size`), optimizer and parameter groups, learning-rate schedule (stepped per applied
+step), gradient clipping and data order (benchmarks/job_ddp.py builds the job as the coordinator
+does), and evaluate on the same cadence (`--eval-every` seconds of training, the coordinator's
+`--eval-every`). The single process uses every core's worth of threads (the best one process can
+do); each DDP rank and each idlegrad worker gets cores // workers (at least 1); the coordinator
+gets 1. idlegrad runs with `--sync --partitions N` by default (`--idlegrad-flags` to change):
+the mode an operator picks for equal machines on one site, and the one whose updates match
+DDP's (asynchronous rounds on Adam take more samples to the same loss; see docs/scaling.md).
+
+Per job and system: seconds of training to the target (the coordinator's elapsed at the first
+evaluation that reached it; DDP's and one process's from their first step), the target metric
+when the run ended (at the target, or at `--budget` seconds), and wire bytes per sample
+(idlegrad: what its coordinator sent and received, from its metrics; DDP: a ring all-reduce of
+the float32 gradient per step, 2 (N-1)/N of it per rank). The systems run alternately, `--runs`
+times (harness.side_by_side); medians. `--plot FILE.png`: the metric against training time, every
+run. `--json`: the last line is {"jobs": {"lm": {"idlegrad_s": ..., "ddp_s": ..., "single_s":
+..., "ratio_vs_ddp": ...}, "resnet": {...}}} (seconds are medians over runs that reached the
+target; null when none did).
+
+    python benchmarks/real_jobs.py --runs 3 --plot real_jobs.png --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from harness import Run, med, paired_runs, read_metrics, stopped_on_interrupt  # noqa: E402
+
+JOB_DDP = os.path.join(HERE, "job_ddp.py")
+
+# The jobs as measured: sizes whose steps take long enough for the fleet to matter on a small
+# machine, and targets every system reaches within minutes.
+JOBS = {
+    "lm": {"args": ["size=tiny", "context=64", "batch_size=32", "lr=0.003", "warmup=20",
+                    "steps=3000", "eval_windows=256"],
+           "target": "bits_per_byte=3.0", "eval_every": 5.0},
+    "resnet": {"args": ["width=32", "batch_size=128"], "target": "accuracy=0.97",
+               "eval_every": 2.0},
+}
+SYSTEMS = ("idlegrad", "ddp", "single")
+
+
+def wait_all(procs, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    for proc in procs:
+        proc.wait(timeout=max(0.01, end - time.monotonic()))
+
+
+def measure_idlegrad(job: str, spec: dict, args, directory: Path) -> dict:
+    from idlegrad.cli.processes import free_port
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    metric = spec["target"].split("=")[0]
+    job_args = [a for arg in spec["args"] for a in ("--job-arg", arg)]
+    t0 = time.perf_counter()
+    with Run(directory) as run:
+        coordinator = run.spawn_idlegrad("coordinator", [
+            "coordinator", "--job", job, *job_args, "--bind", address, "--target", spec["target"],
+            "--epochs", "50", "--checkpoint-dir", directory / "ckpt", "--threads", "1",
+            "--eval-every", spec["eval_every"], "--log-level", "warning",
+            *args.idlegrad_flags.replace("N", str(args.workers)).split()])
+        for i in range(args.workers):
+            run.spawn_idlegrad(f"worker-{i + 1}", [
+                "worker", "--coordinator", address, "--threads", args.threads, "--id", f"w{i + 1}",
+                "--connect-timeout", "120", "--log-level", "warning", "--no-idle-policy"])
+        deadline = time.perf_counter() + args.budget + 120
+        while coordinator.poll() is None:
+            if time.perf_counter() > deadline:
+                break  # the budget is spent: the coordinator is stopped with the rest
+            time.sleep(0.2)
+        wall = time.perf_counter() - t0
+    records = read_metrics(directory / "ckpt" / "metrics.jsonl")
+    evaluated = [r for r in records if r.get("metrics") and metric in r["metrics"]]
+    final = records[-1] if records else {}
+    reached = final.get("reason") == "target"
+    return {"wall_s": wall, "train_s": float(final.get("elapsed", wall)), "reached": reached,
+            "metric": (evaluated[-1]["metrics"][metric] if evaluated else None),
+            "steps": final.get("version"), "samples": final.get("samples"),
+            "bytes_per_sample": next((r["bytes_per_sample"] for r in reversed(records)
+                                      if r.get("bytes_per_sample")), None),
+            "curve": [[r["elapsed"], r["metrics"][metric]] for r in evaluated if r["version"]]}
+
+
+def measure_torch(job: str, spec: dict, args, directory: Path, world: int) -> dict:
+    from idlegrad.cli.processes import free_port
+
+    out = directory / "result.json"
+    threads = args.threads if world > 1 else max(1, os.cpu_count() or 1)
+    common = ["--job", job, *[a for arg in spec["args"] for a in ("--job-arg", arg)],
+              "--world", world, "--port", free_port(), "--target", spec["target"],
+              "--threads", threads, "--eval-every", spec["eval_every"], "--budget", args.budget,
+              "--out", out]
+    t0 = time.perf_counter()
+    with Run(directory) as run:
+        ranks = [run.spawn_python(f"rank{r}", [JOB_DDP, "--rank", r, *common]) for r in range(world)]
+        wait_all(ranks, args.budget + 300)
+        wall = time.perf_counter() - t0
+        codes = [p.returncode for p in ranks]
+    if any(codes) or not out.exists():
+        raise RuntimeError(f"{'ddp' if world > 1 else 'single'} failed (exit codes {codes}); "
+                           f"see {directory}")
+    got = json.loads(out.read_text())
+    metric = spec["target"].split("=")[0]
+    # a ring all-reduce moves 2 (N-1)/N of the float32 gradient per rank per step
+    wire = 8 * got["params"] * (world - 1) / (got["samples"] / max(1, got["steps"])) if world > 1 else 0
+    return {"wall_s": wall, "train_s": got["train_s"], "reached": got["reached"],
+            "metric": got["metrics"].get(metric), "steps": got["steps"], "samples": got["samples"],
+            "bytes_per_sample": wire, "curve": got["curve"]}
+
+
+def plot(path: str, rows: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4), squeeze=False)
+    colours = {"idlegrad": "tab:blue", "ddp": "tab:orange", "single": "tab:green"}
+    for ax, (job, by_system) in zip(axes[0], rows.items()):
+        for system, runs in by_system.items():
+            for i, r in enumerate(runs):
+                if r["curve"]:
+                    xs, ys = zip(*r["curve"])
+                    ax.plot(xs, ys, color=colours[system], alpha=0.8,
+                            label=system if i == 0 else None)
+        ax.axhline(float(JOBS[job]["target"].split("=")[1]), color="grey", linestyle=":")
+        ax.set_title(f"{job}: {JOBS[job]['target']}")
+        ax.set_xlabel("seconds of training")
+        ax.set_ylabel(JOBS[job]["target"].split("=")[0])
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--jobs", default="lm,resnet", help="comma-separated, of " + ", ".join(JOBS))
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--workers", type=int, default=4, help="idlegrad workers = DDP ranks")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per worker and rank (default cores // workers, >= 1)")
+    p.add_argument("--budget", type=float, default=300.0, help="seconds of training at most")
+    p.add_argument("--idlegrad-flags", default="--sync --partitions N",
+                   help="coordinator flags (N: the number of workers)")
+    p.add_argument("--dir", default=None, help="keep logs here (default: a temp dir)")
+    p.add_argument("--plot", default=None, help="write the curves to this PNG")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    if args.threads is None:
+        args.threads = max(1, (os.cpu_count() or 1) // args.workers)
+    jobs = [j.strip() for j in args.jobs.split(",") if j.strip()]
+    unknown = [j for j in jobs if j not in JOBS]
+    if unknown:
+        p.error(f"unknown job(s) {unknown}: choose among {', '.join(JOBS)}")
+    base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="idlegrad-real-jobs-"))
+    print(f"logs under {base}; workers {args.workers}, threads {args.threads}, budget "
+          f"{args.budget:g} s, idlegrad {args.idlegrad_flags!r}", flush=True)
+    rows = {job: {s: [] for s in SYSTEMS} for job in jobs}
+    summary = {}
+    with stopped_on_interrupt():
+        for job in jobs:
+            spec = JOBS[job]
+
+            def measure(system: str, i: int) -> dict:
+                directory = base / job / f"run{i + 1}" / system
+                directory.mkdir(parents=True, exist_ok=True)
+                if system == "idlegrad":
+                    return measure_idlegrad(job, spec, args, directory)
+                return measure_torch(job, spec, args, directory, args.workers if system == "ddp" else 1)
+
+            print(f"== {job} ({' '.join(spec['args'])}), target {spec['target']}", flush=True)
+            for i, got in paired_runs(list(SYSTEMS), args.runs, measure):
+                for system in SYSTEMS:
+                    r = got[system]
+                    rows[job][system].append(r)
+                    print(f"  run {i + 1} {system:<9} train {r['train_s']:7.1f} s  wall "
+                          f"{r['wall_s']:7.1f} s  reached {str(r['reached']):<5}  metric "
+                          f"{r['metric']}  steps {r['steps']}  bytes/sample "
+                          f"{r['bytes_per_sample'] and round(r['bytes_per_sample'])}", flush=True)
+            times = {s: [r["train_s"] for r in rows[job][s] if r["reached"]] for s in SYSTEMS}
+            medians = {s: (med(t) if t else None) for s, t in times.items()}
+            ratio = (medians["idlegrad"] / medians["ddp"]
+                     if medians["idlegrad"] and medians["ddp"] else None)
+            summary[job] = {"idlegrad_s": medians["idlegrad"], "ddp_s": medians["ddp"],
+                            "single_s": medians["single"], "ratio_vs_ddp": ratio,
+                            "reached": {s: len(t) for s, t in times.items()},
+                            "metric_at_end": {s: med([r["metric"] for r in rows[job][s]
+                                                      if r["metric"] is not None] or [None])
+                                              for s in SYSTEMS},
+                            "bytes_per_sample": {s: med([r["bytes_per_sample"] or 0
+                                                         for r in rows[job][s]]) for s in SYSTEMS}}
+            print(f"  medians: {json.dumps(summary[job])}", flush=True)
+    if args.plot:
+        plot(args.plot, rows)
+        print(f"curves in {args.plot}")
+    if args.json:
+        print(json.dumps({"jobs": summary}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
