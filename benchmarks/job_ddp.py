@@ -37,6 +37,26 @@ def share(count: int, world: int, rank: int) -> tuple[int, int]:
     return start, base + (1 if rank < extra else 0)
 
 
+def fastest_threads(job, module, train, order, batch: int) -> int:
+    """On a shared machine more threads can be slower (OpenMP threads spin while the cores are
+    busy elsewhere): time a forward and backward pass with each choice, the model left as it was."""
+    from idlegrad.common.job import part_batch
+
+    timings = {}
+    data = part_batch(train, order, 0, 0, min(batch, len(train)), job.collate)
+    for threads in sorted({1, os.cpu_count() or 1}):
+        torch.set_num_threads(threads)
+        job.loss(module, data).backward()  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(3):
+            job.loss(module, data).backward()
+        timings[threads] = time.perf_counter() - t0
+    module.zero_grad(set_to_none=True)
+    best = min(timings, key=timings.get)
+    torch.set_num_threads(best)
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--job", required=True)
@@ -45,7 +65,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--target", required=True, help="METRIC=VALUE, as the coordinator's")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads; 0: the faster of 1 and all")
     p.add_argument("--eval-every", type=float, default=2.0, help="seconds of training")
     p.add_argument("--budget", type=float, default=600.0, help="seconds of training at most")
     p.add_argument("--epochs", type=int, default=50)
@@ -58,7 +78,8 @@ def main() -> None:
                                      make_optimizer, parse_job_args, part_batch)
     from idlegrad.coordinator.target import Target
 
-    torch.set_num_threads(args.threads)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     distributed = args.world > 1
     if distributed:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
@@ -72,6 +93,8 @@ def main() -> None:
     schedule = build_schedule(job, optimizer)
     order = epoch_order(built.train, args.seed, args.shuffle_window)
     n, batch = len(built.train), job.batch_size
+    if args.threads == 0:  # the faster of one thread and every core, timed on a few batches
+        args.threads = fastest_threads(job, module, built.train, order, batch)
     if distributed:
         dist.barrier()
     t0 = time.perf_counter()
@@ -117,7 +140,8 @@ def main() -> None:
         with open(args.out, "w") as fh:
             json.dump({"steps": steps, "samples": samples, "metrics": metrics,
                        "reached": target.reached(metrics), "train_s": time.perf_counter() - t0,
-                       "curve": curve, "params": sum(p.numel() for p in module.parameters())},
+                       "curve": curve, "params": sum(p.numel() for p in module.parameters()),
+                       "threads": args.threads},
                       fh)
     if distributed:
         dist.barrier()  # nobody tears gloo down while a peer still talks

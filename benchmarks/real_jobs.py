@@ -5,8 +5,9 @@ All three train the same job from the same initial model with the same global ba
 `batch_size`), optimizer and parameter groups, learning-rate schedule (stepped per applied
 step), gradient clipping and data order (benchmarks/job_ddp.py builds the job as the coordinator
 does), and evaluate on the same cadence (`--eval-every` seconds of training, the coordinator's
-`--eval-every`). The single process uses every core's worth of threads (the best one process can
-do); each DDP rank and each idlegrad worker gets cores // workers (at least 1); the coordinator
+`--eval-every`). The single process uses the faster of one thread and one per core, timed on its
+first batches (on a busy machine two threads ran the lm step 8x slower than one: OpenMP threads
+spin while the cores are taken); each DDP rank and each idlegrad worker gets cores // workers (at least 1); the coordinator
 gets 1. idlegrad runs with `--sync --partitions N` by default (`--idlegrad-flags` to change):
 the mode an operator picks for equal machines on one site, and the one whose updates match
 DDP's (asynchronous rounds on Adam take more samples to the same loss; see docs/scaling.md).
@@ -97,7 +98,7 @@ def measure_torch(job: str, spec: dict, args, directory: Path, world: int) -> di
     from idlegrad.cli.processes import free_port
 
     out = directory / "result.json"
-    threads = args.threads if world > 1 else max(1, os.cpu_count() or 1)
+    threads = args.threads if world > 1 else 0  # one process: the faster thread count
     common = ["--job", job, *[a for arg in spec["args"] for a in ("--job-arg", arg)],
               "--world", world, "--port", free_port(), "--target", spec["target"],
               "--threads", threads, "--eval-every", spec["eval_every"], "--budget", args.budget,
@@ -117,7 +118,7 @@ def measure_torch(job: str, spec: dict, args, directory: Path, world: int) -> di
     wire = 8 * got["params"] * (world - 1) / (got["samples"] / max(1, got["steps"])) if world > 1 else 0
     return {"wall_s": wall, "train_s": got["train_s"], "reached": got["reached"],
             "metric": got["metrics"].get(metric), "steps": got["steps"], "samples": got["samples"],
-            "bytes_per_sample": wire, "curve": got["curve"]}
+            "bytes_per_sample": wire, "curve": got["curve"], "threads": got.get("threads")}
 
 
 def plot(path: str, rows: dict) -> None:
