@@ -175,3 +175,43 @@ def test_resnet_on_digits_learns():
         opt.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < losses[0] * 0.5
+
+
+def test_lm_recipe_decay_groups_clipping_and_a_schedule_that_resumes(tmp_path, pack_cache):
+    from idlegrad.common.job import build_schedule
+
+    corpus = tmp_path / "corpus"
+    write_corpus(str(corpus))
+    job = load_job("lm", {"corpus": str(corpus), "context": 16, "warmup": 4, "steps": 20,
+                          "lr": 0.01})
+    module = build(job).model.module
+    assert job.clip_norm == 1.0
+    decayed, undecayed = make_optimizer(job, module).param_groups
+    assert decayed["weight_decay"] == 0.1 and undecayed["weight_decay"] == 0.0
+    names = {id(p): n for n, p in module.named_parameters()}
+    assert all(p.dim() >= 2 for p in decayed["params"])
+    assert {names[id(p)] for p in undecayed["params"]} >= {"norm.weight", "norm.bias",
+                                                          "blocks.0.qkv.bias"}
+
+    def lrs(optimizer, schedule, steps):
+        out = []
+        for _ in range(steps):
+            optimizer.step()
+            schedule.step()
+            out.append(optimizer.param_groups[0]["lr"])
+        return out
+
+    optimizer = make_optimizer(job, module)
+    schedule = build_schedule(job, optimizer)
+    straight = lrs(optimizer, schedule, 10)
+    assert straight[1] < straight[2] and straight[2] == pytest.approx(0.01)  # warm-up ...
+    assert straight[9] < straight[3] <= straight[2]  # ... then the cosine
+    first = make_optimizer(job, module)
+    first_schedule = build_schedule(job, first)
+    lrs(first, first_schedule, 4)
+    saved = (first.state_dict(), first_schedule.state_dict())
+    resumed = make_optimizer(job, module)
+    resumed_schedule = build_schedule(job, resumed)  # built before loading, as the coordinator does
+    resumed.load_state_dict(saved[0])
+    resumed_schedule.load_state_dict(saved[1])
+    assert lrs(resumed, resumed_schedule, 6) == straight[4:]
