@@ -31,7 +31,8 @@ WORK, READ, OPERATE = "work", "read", "operate"  # what a message asks to do
 # What each message to the coordinator asks to do; anything else is not for the coordinator.
 NEEDS: dict[type, str] = {
     proto.Hello: WORK, proto.Ready: WORK, proto.Result: WORK, proto.Heartbeat: WORK,
-    proto.Bye: WORK, proto.Fetch: WORK, proto.StatusRequest: READ, proto.Control: OPERATE,
+    proto.Bye: WORK, proto.Fetch: WORK, proto.Handback: WORK, proto.StatusRequest: READ,
+    proto.Control: OPERATE,
 }
 
 
