@@ -509,6 +509,12 @@ class BlobCache:
             return None
         return (int(now) // 86400 + 1) * 86400.0
 
+    def discard(self, sha256: str) -> None:
+        """Delete a blob that is of no further use (an old model snapshot), rather than let it
+        push the data's shards out in its turn."""
+        with self._blob_lock(sha256):
+            _remove(self._path(check_sha256(sha256)))
+
     def has(self, sha256: str) -> bool:
         return os.path.isfile(self._path(check_sha256(sha256)))
 

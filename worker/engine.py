@@ -18,6 +18,7 @@ import math
 import random
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -97,6 +98,9 @@ class Engine:
         # pause gate interrupts; None until the worker makes one
         self.store = None
         self._snapshot: Optional[tuple[str, torch.Tensor, Optional[torch.Tensor]]] = None
+        # the snapshots loaded lately: one older than these goes from the cache (a task of a
+        # round opened a version or two back may still name one of them)
+        self._recent_snapshots: deque[str] = deque()
 
     def check(self, work: Work) -> None:
         """Raise ValueError for a task this worker cannot compute (parts outside its data).
@@ -113,6 +117,7 @@ class Engine:
                 raise ValueError(f"part [{epoch}, {offset}, {count}] outside a data set of "
                                  f"{n} samples")
 
+    SNAPSHOTS_KEPT = 3
     PAUSE_POLL_S = 0.25  # while paused, how often the cancel flag is looked at
 
     def compute(self, work: Work, cancel: threading.Event,
@@ -139,6 +144,10 @@ class Engine:
             path = self.store.path_of(ref.sha256, ref.size or None)
             params, buffers = read_snapshot(path, self.built.model, work.version)
             self._snapshot = (ref.sha256, params, buffers)
+            if ref.sha256 not in self._recent_snapshots:
+                self._recent_snapshots.append(ref.sha256)
+            while len(self._recent_snapshots) > self.SNAPSHOTS_KEPT:
+                self.store.discard(self._recent_snapshots.popleft())
         _, params, buffers = self._snapshot
         return dataclasses.replace(work, params=params, buffers=buffers, snapshot=None)
 

@@ -1,6 +1,6 @@
 """A real HTTP mirror on loopback for the cache's tests: the standard library's server, serving a
 published blob folder with Range requests (which http.server's own handler lacks), and faults
-to order: a body cut short, wrong bytes, a stall."""
+to order: a body cut short, wrong bytes, a stall, a slow link."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ class Mirror:
         self.lie = False  # flip the first byte of every body
         self.stall_s = 0.0  # wait this long before answering
         self.ignore_range = False
+        self.rate_bytes_per_s: float | None = None  # a slow link: the body goes out at this rate
+        self.sent = 0  # body bytes written, all requests together
         mirror = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -59,7 +61,19 @@ class Mirror:
                     self.wfile.flush()
                     self.close_connection = True
                     return
+                if mirror.rate_bytes_per_s:
+                    step = 4096
+                    try:
+                        for i in range(0, len(body), step):
+                            self.wfile.write(body[i:i + step])
+                            self.wfile.flush()
+                            mirror.sent += len(body[i:i + step])
+                            time.sleep(step / mirror.rate_bytes_per_s)
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass  # the client stopped reading (and resumes with a range later)
+                    return
                 self.wfile.write(body)
+                mirror.sent += len(body)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
