@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--snapshot-min-mb", type=_non_negative(float), default=None, metavar="MB",
                    help="a model of at least this many MB of parameters goes to workers as a "
                         "snapshot blob they fetch once per version, from a --blob-mirror first, "
-                        "instead of inside tasks (default 8; 1 with --task local; 0: always)")
+                        "instead of inside tasks (default 8; 1 with --task local and a "
+                        "--blob-mirror; 0: always)")
     c.add_argument("--snapshot-dir", metavar="DIR",
                    help="where the snapshot blobs are written (default: a temporary folder): "
                         "point a web server at it, or sync it to one, and name that server with "

@@ -1,8 +1,9 @@
 """Model snapshots as blobs: which models go by name, and the folder of snapshot blobs.
 
-A model over `--snapshot-min-mb` of parameters (or, with local tasks, whose versions change once
-per round of H inner steps, over a lower default) goes to a worker as the name of a blob instead
-of in the task's frames. The coordinator writes the blob of a version the first time a task
+A model over `--snapshot-min-mb` of parameters goes to a worker as the name of a blob instead of
+in the task's frames. With local tasks and a mirror the default threshold is lower: a version
+lives for a round of H inner steps, long enough for a mirror to have it, and without a mirror the
+coordinator sends every byte either way (inline, a mid-sized model costs it less). The coordinator writes the blob of a version the first time a task
 names it, into a folder laid out like a mirror's (FOLDER/blobs/<sha[:2]>/<sha>): its own blob
 service serves it from there, and so can any web server pointed at the folder (or at a copy the
 operator syncs), named to workers by --blob-mirror. Snapshots no open round can name are deleted
@@ -29,15 +30,16 @@ from ..common.protocol import Blob
 log = logging.getLogger("idlegrad.coordinator")
 
 DEFAULT_MIN_MB = 8.0  # a model frame over this costs the coordinator's link more than a fetch
-DEFAULT_MIN_MB_LOCAL = 1.0  # local tasks: a version lives for a round of H steps
+DEFAULT_MIN_MB_LOCAL = 1.0  # local tasks with a mirror: a version lives for a round of H steps
 INDEX_FILE = "snapshot-index.json"
 
 
-def min_mb_for(given: Optional[float], local_tasks: bool) -> float:
-    """The threshold in effect: the one given, else the default for the kind of task."""
+def min_mb_for(given: Optional[float], local_tasks: bool, mirrors: bool) -> float:
+    """The threshold in effect: the one given, else the default for the kind of task (lower
+    for local tasks when a mirror can take the snapshots' bytes off the coordinator)."""
     if given is not None:
         return given
-    return DEFAULT_MIN_MB_LOCAL if local_tasks else DEFAULT_MIN_MB
+    return DEFAULT_MIN_MB_LOCAL if local_tasks and mirrors else DEFAULT_MIN_MB
 
 
 def uses_snapshots(param_bytes: int, min_mb: float) -> bool:

@@ -72,7 +72,8 @@ class Training:
             raise naming_job_args(exc, self.job_args) from None
         # A large model goes by name (snapshots.py): its snapshots are blobs served here too.
         param_bytes = self.built.model.params.nbytes
-        min_mb = snapshots.min_mb_for(config.snapshot_min_mb, self.task_mode.local)
+        min_mb = snapshots.min_mb_for(config.snapshot_min_mb, self.task_mode.local,
+                                     bool(config.blob_mirrors))
         self.snapshots = (snapshots.SnapshotFolder(config.snapshot_dir)
                           if snapshots.uses_snapshots(param_bytes, min_mb) else None)
         if config.blob_mirrors and self.pack is None and self.snapshots is None:

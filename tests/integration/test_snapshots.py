@@ -82,3 +82,23 @@ def test_a_mirror_serving_corrupt_snapshots_costs_a_retry_and_the_coordinator_se
     assert "do not hash to the blob's name" in worker.output()
     assert final["metrics"]["accuracy"] > 0.6
     cluster.assert_no_tracebacks()
+
+
+def test_local_tasks_with_a_mirror_send_a_mid_sized_model_by_snapshot(cluster, tmp_path):
+    """1.2 MB of parameters: inline by default, by snapshot with local tasks and a mirror."""
+    snaps = tmp_path / "snapshots"
+    metrics = cluster.dir / "metrics.jsonl"
+    with Mirror(str(snaps)) as mirror:
+        coordinator, (worker,) = cluster.start_together(
+            ["--job", "digits", "--job-arg", "hidden=4096", "--task", "local:4", "--epochs", "3",
+             "--snapshot-dir", str(snaps), "--blob-mirror", mirror.url, "--metrics",
+             str(metrics)], ["w1"])
+        assert coordinator.wait(DEADLINE) == 0, coordinator.tail()
+        assert worker.wait(DEADLINE) == 0, worker.tail()
+    final = final_metrics(metrics)
+    assert final["task"] == "local:4"
+    assert final["snapshots"]["published"] >= 5
+    assert len(mirror.requests) == final["snapshots"]["published"]
+    assert final["data"]["snapshot_served_bytes"] == 0
+    assert final["metrics"]["accuracy"] > 0.8
+    cluster.assert_no_tracebacks()

@@ -44,9 +44,10 @@ def params_of(b, seed=0):
 
 
 def test_which_models_go_by_snapshot():
-    assert min_mb_for(None, local_tasks=False) == 8.0
-    assert min_mb_for(None, local_tasks=True) == 1.0
-    assert min_mb_for(3.0, local_tasks=True) == 3.0
+    assert min_mb_for(None, local_tasks=False, mirrors=True) == 8.0
+    assert min_mb_for(None, local_tasks=True, mirrors=False) == 8.0
+    assert min_mb_for(None, local_tasks=True, mirrors=True) == 1.0
+    assert min_mb_for(3.0, local_tasks=True, mirrors=True) == 3.0
     assert not uses_snapshots(8 * 2**20 - 1, 8.0)
     assert uses_snapshots(8 * 2**20, 8.0)
     assert uses_snapshots(1, 0.0)
