@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 from .. import __version__
 from ..common.errors import ConfigError, IdlegradError
+from .ban import add_ban_parser
 from .data import add_data_parser
 from .invite import add_invite_parser
 from .simulate import add_simulate_parser
@@ -71,7 +72,7 @@ def _add_client_keys(p: argparse.ArgumentParser) -> None:
                    help="CURVE: the coordinator's public key (NAME.key), pinned")
     p.add_argument("--secret-key", metavar="FILE",
                    help="CURVE: this client's NAME.key_secret; its NAME.key must be in the "
-                        "coordinator's --monitor-keys, or --operator-keys to pause or drain")
+                        "coordinator's --monitor-keys, or --operator-keys to pause, drain or ban")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,6 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--result-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="how workers send results: bfloat16 halves the bytes (rounding errors "
                         "are fed back into the next result) (default: float32)")
+    c.add_argument("--locality", choices=["on", "off"], default="on",
+                   help="sharded training data: read each epoch shard-aware (the shards "
+                        "shuffled, then the samples within windows of --shuffle-window shards) "
+                        "and give workers slots of the shards they hold; off: a full shuffle. "
+                        "Data that is not sharded is always fully shuffled (default: on)")
+    c.add_argument("--shuffle-window", type=_positive(int), default=4, metavar="W",
+                   help="with --locality on: shards whose samples are shuffled together; a "
+                        "worker needs W shards at once (default: 4)")
     c.add_argument("--threads", type=_positive(int), metavar="N", help="torch threads")
     c.add_argument("--reject-norm", type=_non_negative(float), default=10.0, metavar="K",
                    help="refuse a gradient whose norm per sample is over K times the running "
@@ -172,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(idlegrad status, top, credits); re-read on SIGHUP")
     c.add_argument("--operator-keys", metavar="DIR",
                    help="CURVE: directory of the NAME.key public keys that may read the status "
-                        "and command: pause, resume, drain; re-read on SIGHUP")
+                        "and command: pause, resume, drain, ban, revoke and mint invitations; "
+                        "re-read on SIGHUP")
     c.add_argument("--enrolled", metavar="DIR",
                    help="CURVE: enrol workers by invitation (`idlegrad invite`): the invitations "
                         "and enrolled keys live here; the enrolment endpoint listens on the "
@@ -272,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(t)
     t.set_defaults(func=_run_top, log_level="warning")
 
+    add_ban_parser(sub, _add_common, _add_client_keys, _positive)
+
     k = sub.add_parser("keys", help="CURVE key pairs for coordinators, workers and monitors",
                        description="Manage CurveZMQ keys (pyzmq's certificate files).")
     ksub = k.add_subparsers(dest="keys_action", metavar="generate", parser_class=_Parser)
@@ -350,6 +362,7 @@ def _run_coordinator(args) -> int:
         local_max_steps=args.local_max_steps, local_link_factor=args.local_link_factor,
         result_dtype=args.result_dtype, verify_replicas=args.verify_replicas,
         data_dir=args.data, blob_mirrors=tuple(args.blob_mirror),
+        locality=args.locality == "on", shuffle_window=args.shuffle_window,
         snapshot_min_mb=args.snapshot_min_mb, snapshot_dir=args.snapshot_dir)
     coordinator = Coordinator(config)
     reason = coordinator.run()
@@ -379,13 +392,20 @@ def _run_credits(args) -> int:
 
 
 def _run_top(args) -> int:
+    from ..common.security import check_address, client_keys
+
+    check_address(args.coordinator, "--coordinator")  # bad input: one line, before the UI
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        # A terminal UI without a terminal draws escape codes into a pipe, or waits for keys
+        # that never come: one snapshot as text instead.
+        print("idlegrad top: not a terminal: one snapshot instead (idlegrad status)",
+              file=sys.stderr)
+        args.json, args.timeout = False, max(3.0, args.interval)
+        return _run_status(args)
     try:
         from ..monitor.app import run
     except ImportError as exc:
         raise ConfigError(f"the terminal UI needs textual ({exc}): pip install 'textual>=4'") from None
-    from ..common.security import check_address, client_keys
-
-    check_address(args.coordinator, "--coordinator")  # bad input: one line, before the UI
     keys = client_keys(args.coordinator_key, args.secret_key)
     return run(args.coordinator, interval=args.interval, keys=keys)
 

@@ -8,6 +8,7 @@ side by side on the same fleet and seed: a table, a PNG, and a JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Callable
@@ -93,6 +94,21 @@ def add_simulate_parser(sub, add_common: Callable, positive: Callable,
                      help="real gradients: stop a mode when the test metric reaches VALUE")
     run.add_argument("--eval-every", type=positive(float), default=0.5, metavar="SECONDS",
                      help="real gradients: virtual seconds between evaluations (default: 0.5)")
+
+    data = s.add_argument_group("sharded data (bytes each worker downloads)")
+    data.add_argument("--shards", type=non_negative(int), default=0, metavar="N",
+                      help="the training set in N equal shards that workers fetch, over their "
+                           "--bandwidth, before computing on them; 0: every worker has the data "
+                           "(default)")
+    data.add_argument("--shard-mb", type=positive(float), default=64.0, metavar="MB",
+                      help="bytes of one shard (default: 64)")
+    data.add_argument("--locality", choices=["on", "off", "compare"], default="on",
+                      help="the shard-aware order and the scheduler's preference for a worker's "
+                           "shards; compare: each mode with and without (default: on)")
+    data.add_argument("--shuffle-window", type=positive(int), default=4, metavar="W",
+                      help="shards whose samples are shuffled together (default: 4)")
+    data.add_argument("--cache-shards", type=positive(int), metavar="N",
+                      help="shards a worker's cache keeps (default: no limit)")
 
     coord = s.add_argument_group("coordinator costs")
     coord.add_argument("--coord-message-us", type=non_negative(float), default=60.0, metavar="US",
@@ -192,7 +208,10 @@ def run_simulate(args) -> int:
         train_samples=args.train_samples,
         costs=sim.CoordinatorCosts(args.coord_message_us * 1e-6, args.coord_gbps * 1e9),
         target_samples=args.target_samples, eval_every_s=args.eval_every,
-        bye_fraction=args.bye_fraction, startup_s=args.startup, seed=args.seed)
+        bye_fraction=args.bye_fraction, startup_s=args.startup, seed=args.seed,
+        shards=args.shards, shard_bytes=int(args.shard_mb * 2**20),
+        locality=args.locality != "off", shuffle_window=args.shuffle_window,
+        cache_shards=args.cache_shards)
     make_gradients = None
     if args.job:
         from ..common.job_loading import parse_job_args
@@ -210,10 +229,18 @@ def run_simulate(args) -> int:
               f"{args.train_samples} samples of --train-samples", file=sys.stderr)
     print(f"{len(fleet)} workers, {args.duration:g} virtual s, modes {', '.join(modes)}",
           file=sys.stderr, flush=True)
+    def progress(r):
+        print(f"  {r.mode}: {r.wall_s:.1f} s wall", file=sys.stderr, flush=True)
+
     results = sim.compare(fleet, config, modes, make_gradients,
-                          target.reached if target else None,
-                          progress=lambda r: print(f"  {r.mode}: {r.wall_s:.1f} s wall",
-                                                   file=sys.stderr, flush=True))
+                          target.reached if target else None, progress=progress)
+    if args.locality == "compare" and args.shards:
+        without = sim.compare(fleet, dataclasses.replace(config, locality=False), modes,
+                              make_gradients, target.reached if target else None,
+                              progress=progress)
+        for mode, r in without.items():
+            r.mode = f"{mode}/no-locality"
+            results[r.mode] = r
     print_table(results, target)
     if args.plot:
         plot(results, args.plot, f"{len(fleet)} workers, seed {args.seed}")
@@ -258,6 +285,10 @@ def print_table(results, target=None) -> None:
                            sorted(r.coordinator_by.items(), key=lambda kv: -kv[1]) if v >= 0.005)
         print(f"  {mode}: coordinator busy with {causes or 'nothing'}; {r.slots_assigned} slots "
               f"handed out, {r.slots_cancelled} cancelled")
+        if r.downloaded:
+            print(f"  {mode}: workers downloaded {sum(r.downloaded.values()) / 2**20:,.0f} MB "
+                  f"of shards ({r.data_bytes / 2**20:,.0f} MB of data); the most any one did is "
+                  f"{r.download_ratio:.2f} x its share")
     print("samples/s: applied samples over the virtual time (to the target when reached); "
           "wasted: worker compute not in an applied step; tau: staleness of applied rounds; "
           "coord: coordinator busy; us/slot: scheduler time per slot handed out, all of it (us/dec: "

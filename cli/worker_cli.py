@@ -3,6 +3,7 @@
     idlegrad worker [--coordinator ADDR] [settings...]          run (the settings override the file)
     idlegrad worker --print-config [settings...]                the effective settings, as TOML
     idlegrad worker join TOKEN [--install] [--config FILE]   enrol by invitation, write the file
+    idlegrad worker status [--json] [settings...]           this worker's credit at each coordinator
     idlegrad worker install [--user|--system] [--print] [settings...]
     idlegrad worker uninstall [--user|--system]
     idlegrad worker service-status [--user|--system]
@@ -132,7 +133,7 @@ def add_worker_parser(sub, add_common: Callable, positive: Callable, non_negativ
     w.set_defaults(func=run_worker)
 
     actions = w.add_subparsers(dest="worker_action",
-                               metavar="[join|install|uninstall|service-status]",
+                               metavar="[join|status|install|uninstall|service-status]",
                                parser_class=parser_class)
     actions.required = False
     j = actions.add_parser("join", help="join a coordinator with an invitation token",
@@ -150,6 +151,19 @@ def add_worker_parser(sub, add_common: Callable, positive: Callable, non_negativ
                    help="wait this long for the coordinator's answer (default: 20)")
     add_common(j)
     j.set_defaults(func=run_join)
+    st = actions.add_parser("status", help="what this worker has earned at its coordinators",
+                            description="Ask each coordinator this worker serves (every "
+                                        "[[project]] of its configuration) what it has earned: "
+                                        "samples accepted, compute-seconds, slots verified, "
+                                        "results refused, first and last seen.")
+    _add_settings(st, positive, non_negative)
+    st.add_argument("--json", action="store_true",
+                    help='print {"projects": {NAME: {"coordinator", "worker", "credit", '
+                         '"error"}}} as the last line')
+    st.add_argument("--timeout", type=positive(float), default=5.0, metavar="SECONDS",
+                    help="wait this long for each coordinator (default: 5)")
+    add_common(st)
+    st.set_defaults(func=run_status, log_level="warning")
     i = actions.add_parser("install", help="install and start the worker as a service",
                            description="Install the worker as a service (systemd on Linux, launchd "
                                        "on macOS) that starts with the machine or the login, at the "
@@ -305,6 +319,13 @@ def run_join(args) -> int:
         for line in service.install(fmt, "user", text, unit):
             print(line)
     return 0
+
+
+def run_status(args) -> int:
+    from .worker_status import run_worker_status
+
+    settings, _ = settings_of(args)
+    return run_worker_status(settings, args.json, args.timeout)
 
 
 def run_uninstall(args) -> int:

@@ -24,7 +24,7 @@ import os
 import re
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -249,6 +249,10 @@ class ShardWriter:
         self._pending_count = 0
         os.makedirs(folder.root, exist_ok=True)
 
+    @property
+    def samples_written(self) -> int:
+        return sum(s.samples for s in self.shards) + self._pending_count
+
     def add(self, columns: Sequence[np.ndarray]) -> None:
         """Append n samples: columns[k] holds field k's values, shape (n, *field.shape)."""
         n = len(columns[0])
@@ -310,10 +314,16 @@ def _field_for(name: str, array: np.ndarray, where: str) -> Field:
     return Field(name, dtype, tuple(int(d) for d in array.shape[1:]))
 
 
-def pack_corpus(source: str, out: str, window: int, shard_mb: float = DEFAULT_SHARD_MB) -> Manifest:
+def pack_corpus(source: str, out: str, window: int, shard_mb: float = DEFAULT_SHARD_MB,
+                include: Optional[Callable[[str], bool]] = None,
+                held_out: Optional[Callable[[str], bool]] = None) -> Manifest:
     """A folder of text files, read in sorted relative-path order and concatenated, cut into
     windows of `window` bytes: each sample is one field `tokens` (uint8, byte-level tokens). The
-    tail shorter than a window is dropped."""
+    tail shorter than a window is dropped. `include(relative_path)` picks files (default: all).
+
+    `held_out(relative_path)` picks files for a held-out set: they come last, after the others'
+    tail is dropped (no window spans both), and the manifest's decode names how many samples
+    they are (`held_out_samples`), so one pack holds a training and a test set."""
     if window < 1:
         raise DataError(f"--window must be at least 1, got {window}")
     if not os.path.isdir(source):
@@ -324,14 +334,22 @@ def pack_corpus(source: str, out: str, window: int, shard_mb: float = DEFAULT_SH
         for name in names:
             path = os.path.join(base, name)
             if not name.startswith(".") and os.path.isfile(path) and not os.path.islink(path):
-                files.append(os.path.relpath(path, source).replace(os.sep, "/"))
-    files.sort()
+                rel = os.path.relpath(path, source).replace(os.sep, "/")
+                if include is None or include(rel):
+                    files.append(rel)
+    files.sort(key=lambda rel: (held_out is not None and held_out(rel), rel))
     if not files:
         raise DataError(f"{source}: no files in the folder")
     field = Field("tokens", "uint8", (window,))
     writer = ShardWriter(BlobFolder(out), [field], samples_per_shard(field.sample_bytes, shard_mb))
     carry = b""
+    dropped = 0
+    boundary = None  # samples before the first held-out file
     for rel in files:
+        if boundary is None and held_out is not None and held_out(rel):
+            dropped += len(carry)
+            carry = b""
+            boundary = writer.samples_written
         with open(os.path.join(source, rel), "rb") as fh:
             while True:
                 block = fh.read(1 << 22)
@@ -344,8 +362,15 @@ def pack_corpus(source: str, out: str, window: int, shard_mb: float = DEFAULT_SH
                     carry = carry[whole:]
     if writer._pending_count == 0 and not writer.shards:
         raise DataError(f"{source}: fewer than --window {window} bytes in all")
-    return writer.finish("corpus", {"sample": "tensor", "window": window, "files": len(files),
-                                    "dropped_tail_bytes": len(carry)})
+    decode = {"sample": "tensor", "window": window, "files": len(files),
+              "dropped_tail_bytes": dropped + len(carry)}
+    if held_out is not None:
+        if boundary is None or writer.samples_written == boundary:
+            raise DataError(f"{source}: no held-out window (too few or too small held-out files)")
+        if boundary == 0:
+            raise DataError(f"{source}: every file is held out: no training window")
+        decode["held_out_samples"] = writer.samples_written - boundary
+    return writer.finish("corpus", decode)
 
 
 def pack_arrays(inputs: np.ndarray, targets: np.ndarray, out: str,

@@ -9,10 +9,15 @@ A built-in job's name (common/job_loading.py's BUILTIN_JOBS) is its factory's na
 
 from __future__ import annotations
 
+import glob
 import gzip
+import hashlib
 import importlib.util
 import math
 import os
+import shutil
+import tempfile
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -226,4 +231,241 @@ def packed(data: str, features: int, classes: int, hidden: int = 64, lr: float =
         batch_size=batch_size,
         evaluate=evaluate,
         data=data,
+    )
+
+
+# lm -----------------------------------------------------------------------------------------------
+
+# Shards of a packed corpus: small enough that a cold worker's first shard comes in seconds and
+# the shard-aware order has shards to shuffle (the standard library's ~30 MB: about 8 shards).
+CORPUS_SHARD_MB = 4.0
+# Files of a corpus folder that go to the held-out set: one in VALIDATION_EVERY, picked by a hash of
+# the relative path, so the split is the same on every machine and no file is in both.
+VALIDATION_EVERY = 50
+SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def stdlib_corpus() -> str:
+    """The standard library's own source folder: tens of MB of real text every Python has."""
+    import sysconfig
+
+    return sysconfig.get_paths()["stdlib"]
+
+
+def corpus_files(only_python: bool) -> Callable[[str], bool]:
+    def include(rel: str) -> bool:
+        if any(part in SKIPPED_DIRS for part in rel.split("/")[:-1]):
+            return False
+        return rel.endswith(".py") or not only_python
+    return include
+
+
+def held_out_files(files: list[str]) -> set[str]:
+    """One file in VALIDATION_EVERY, picked by a hash of its relative path; at least one (the
+    lowest hash) when the corpus is too small for the hash to pick any."""
+    rank = {rel: int(hashlib.sha1(rel.encode()).hexdigest()[:8], 16) for rel in files}
+    held = {rel for rel, h in rank.items() if h % VALIDATION_EVERY == 0}
+    return held or ({min(rank, key=rank.get)} if len(files) > 1 else set())
+
+
+def pack_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "idlegrad", "packs")
+
+
+def packed_corpus(corpus: str, window: int, only_python: bool) -> str:
+    """The pack of `corpus` cut into `window`-byte samples, its held-out files last (the
+    manifest's `held_out_samples`): packed once per state of the corpus into the user's cache, so
+    a later build with the same files reuses it. Returns the pack's folder."""
+    from . import blobs
+
+    if not os.path.isdir(corpus):
+        raise JobError(f"lm: corpus {corpus!r} is not a folder")
+    include = corpus_files(only_python)
+    listing = hashlib.sha256(f"{window}:{only_python}:{CORPUS_SHARD_MB}".encode())
+    files = []
+    for base, dirs, names in os.walk(corpus):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(names):
+            path = os.path.join(base, name)
+            rel = os.path.relpath(path, corpus).replace(os.sep, "/")
+            if name.startswith(".") or not include(rel) or os.path.islink(path):
+                continue
+            stat = os.stat(path)
+            listing.update(f"{rel}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+            files.append(rel)
+    held = held_out_files(files)
+    target = os.path.join(pack_cache_dir(), "corpus-" + listing.hexdigest()[:24])
+    if os.path.exists(os.path.join(target, blobs.MANIFEST_FILE)):
+        return target
+    os.makedirs(pack_cache_dir(), exist_ok=True)
+    temp = tempfile.mkdtemp(dir=pack_cache_dir(), prefix=".packing-")
+    try:
+        blobs.pack_corpus(corpus, temp, window, CORPUS_SHARD_MB, include=include,
+                          held_out=held.__contains__)
+        try:
+            os.rename(temp, target)
+        except OSError:  # another process packed the same corpus first: theirs is as good
+            pass
+    except blobs.DataError as exc:
+        raise JobError(f"lm: {exc}") from None
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    return target
+
+
+def train_and_held_out(data):
+    """A corpus pack's two parts: the samples before its held-out tail, and that tail."""
+    held = data.manifest.decode.get("held_out_samples")
+    if type(held) is not int or not 0 < held < len(data):
+        raise JobError("lm: the pack has no held-out part (pack it with the lm job: a "
+                       "coordinator started with --job lm packs its corpus itself)")
+    return data.view(0, len(data) - held), data.view(len(data) - held, held)
+
+
+def lm(corpus: str = "", size: str = "tiny", context: int = 128, batch_size: int = 32,
+       lr: float = 2e-3, warmup: int = 100, steps: int = 5000, weight_decay: float = 0.1,
+       clip: float = 1.0, eval_windows: int = 256, data: Optional[str] = None) -> Job:
+    """A byte-level decoder-only transformer on a folder of text (`corpus`; by default the Python
+    standard library's source), cut into windows of `context`+1 bytes. The recipe: AdamW
+    (no decay on biases and norms), linear warm-up then cosine decay over `steps` applied steps,
+    clipping at global norm `clip`. Metric: held-out bits per byte over `eval_windows` windows.
+
+    The coordinator packs the corpus (job.pack) and serves it; workers get `data`, the pack's
+    manifest, and fetch its shards, so they need neither the corpus nor the same Python."""
+    from .blobs import BlobError, check_sha256
+    from .models import LM_SIZES, ByteTransformer, byte_loss
+    from .sharded import ShardedDataset
+
+    if size not in LM_SIZES:
+        raise JobError(f"lm: size must be one of {', '.join(LM_SIZES)}, got {size!r}")
+    if not 8 <= context <= 4096:
+        raise JobError(f"lm: context must be between 8 and 4096, got {context}")
+    if eval_windows < 1 or steps < 1 or warmup < 0 or clip < 0 or weight_decay < 0:
+        raise JobError("lm: eval_windows and steps >= 1; warmup, clip, weight_decay >= 0")
+    if data is not None:
+        try:
+            check_sha256(data)
+        except BlobError as exc:
+            raise JobError(f"lm: data must be a manifest's sha256 ({exc})") from None
+    width, layers, heads = LM_SIZES[size]
+
+    def pack() -> str:
+        return packed_corpus(corpus or stdlib_corpus(), context + 1, only_python=not corpus)
+
+    def build_datasets(store=None):
+        if data is None:
+            return train_and_held_out(ShardedDataset(os.path.join(pack(), "manifest.json")))
+        return train_and_held_out(ShardedDataset.from_store(data, store))
+
+    def evaluate(model: nn.Module, test) -> dict[str, float]:
+        count = min(len(test), eval_windows)
+        loss_sum = 0.0
+        for start in range(0, count, 64):
+            windows = torch.stack([test[i] for i in range(start, min(count, start + 64))])
+            loss_sum += float(byte_loss(model, windows)) * len(windows)
+        loss = loss_sum / count
+        return {"loss": loss, "bits_per_byte": loss / math.log(2)}
+
+    def build_optimizer(named_parameters):
+        decayed = [p for n, p in named_parameters if not no_decay(n, p)]
+        undecayed = [p for n, p in named_parameters if no_decay(n, p)]
+        return torch.optim.AdamW([{"params": decayed, "weight_decay": weight_decay},
+                                  {"params": undecayed, "weight_decay": 0.0}],
+                                 lr=lr, betas=(0.9, 0.95))
+
+    return Job(
+        name="lm",
+        build_model=lambda: ByteTransformer(context, width, layers, heads),
+        build_datasets=build_datasets,
+        loss=byte_loss,
+        build_optimizer=build_optimizer,
+        batch_size=batch_size,
+        evaluate=evaluate,
+        data=data,
+        lr_lambda=warmup_cosine(warmup, steps) if warmup or steps else None,
+        clip_norm=clip or None,
+        pack=pack if data is None else None,
+    )
+
+
+# resnet -------------------------------------------------------------------------------------------
+
+CIFAR_RECORD = 1 + 3 * 32 * 32
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+
+
+def read_cifar_batches(folder: str):
+    """CIFAR-10's binary version: data_batch_*.bin (train) and test_batch.bin, each a run of
+    records of one label byte and 3x32x32 pixel bytes. Returns ((x, y) train, (x, y) test), x
+    uint8 of shape (n, 3, 32, 32)."""
+
+    def read(paths: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        chunks = []
+        for path in paths:
+            raw = np.fromfile(path, dtype=np.uint8)
+            if raw.size == 0 or raw.size % CIFAR_RECORD:
+                raise JobError(f"resnet: {path} is not CIFAR-10 binary ({raw.size} bytes is not a "
+                               f"multiple of {CIFAR_RECORD})")
+            chunks.append(raw.reshape(-1, CIFAR_RECORD))
+        records = np.concatenate(chunks)
+        labels = records[:, 0].astype(np.int64)
+        if labels.max() > 9:
+            raise JobError(f"resnet: a label above 9 in {', '.join(paths)}: not CIFAR-10 binary")
+        return records[:, 1:].reshape(-1, 3, 32, 32).copy(), labels
+
+    train = sorted(glob.glob(os.path.join(folder, "data_batch_*.bin")))
+    test = os.path.join(folder, "test_batch.bin")
+    if not train or not os.path.isfile(test):
+        raise JobError(f"resnet: {folder!r} needs CIFAR-10 binary batches (data_batch_*.bin and "
+                       "test_batch.bin)")
+    return read(train), read([test])
+
+
+class Normalised(nn.Module):
+    """Pixels travel and are stored as bytes (4x fewer than floats), and are scaled here."""
+
+    def __init__(self, net: nn.Module, mean: tuple[float, ...], std: tuple[float, ...]):
+        super().__init__()
+        self.net = net
+        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net((x.float() / 255 - self.mean) / self.std)
+
+
+def resnet(data: str = "", width: int = 16, depth: int = 1, batch_size: int = 64, lr: float = 0.05,
+           momentum: float = 0.9, weight_decay: float = 5e-4, seed: int = 0) -> Job:
+    """A small ResNet with BatchNorm. `data`: a folder of CIFAR-10 binary batches; by default
+    scikit-learn's 8x8 digits as one-channel images (the image data every install can have)."""
+    from .models import ResNet
+
+    if width < 1 or depth < 1:
+        raise JobError(f"resnet: width and depth must be at least 1, got {width} and {depth}")
+
+    if data:
+        channels, mean, std = 3, CIFAR_MEAN, CIFAR_STD
+
+        def build_datasets():
+            (xtr, ytr), (xte, yte) = read_cifar_batches(data)
+            as_ds = lambda x, y: TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+            return as_ds(xtr, ytr), as_ds(xte, yte)
+    else:
+        channels, mean, std = 1, (0.5,), (0.5,)
+
+        def build_datasets():
+            x, y = load_digits_arrays()
+            images = (x.reshape(-1, 1, 8, 8) * (255 / 16)).round().astype(np.uint8)
+            return split(images, y, test_fraction=0.2, seed=seed)
+
+    return Job(
+        name="resnet",
+        build_model=lambda: Normalised(ResNet(channels, 10, width, depth), mean, std),
+        build_datasets=build_datasets,
+        loss=classification_loss,
+        build_optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum,
+                                                       weight_decay=weight_decay, nesterov=True),
+        batch_size=batch_size,
     )

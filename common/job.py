@@ -26,13 +26,14 @@ from .blobs import dataset_fingerprint
 from .errors import JobError
 from .job_definition import MIXED_PRECISION, Job
 from .job_loading import builtin_job_names, load_job, parse_job_args, resolve_factory
-from .permutation import part_indices
+from .permutation import EpochOrder, ShardOrder, part_indices
 
 __all__ = [
-    "BuiltJob", "FlatModel", "Job", "LocalChange", "LossTally", "accumulate_coded_gradient",
-    "autocast_for", "batch_to", "build", "build_schedule", "builtin_job_names", "clip_",
-    "coded_gradient", "evaluate", "gather", "load_job", "local_change", "make_optimizer",
-    "model_bytes", "parse_job_args", "part_batch", "reference_gradient_norm", "resolve_factory",
+    "BuiltJob", "EpochOrder", "FlatModel", "Job", "LocalChange", "LossTally",
+    "accumulate_coded_gradient", "autocast_for", "batch_to", "build", "build_schedule",
+    "builtin_job_names", "clip_", "coded_gradient", "epoch_order", "evaluate", "gather",
+    "load_job", "local_change", "make_optimizer", "model_bytes", "parse_job_args", "part_batch",
+    "reference_gradient_norm", "resolve_factory", "shard_samples",
 ]
 
 
@@ -318,9 +319,31 @@ def gather(dataset: Dataset, indices, collate: Optional[Callable[[list], Any]] =
     return default_collate([dataset[int(i)] for i in indices])
 
 
-def part_batch(dataset: Dataset, seed: int, epoch: int, offset: int, count: int,
+def shard_samples(dataset: Dataset) -> Optional[tuple[int, ...]]:
+    """Samples per shard of a sharded data set (a ShardedDataset's manifest), in the order it
+    numbers them; None for a data set that is not sharded."""
+    if dataset_fingerprint(dataset) is None:
+        return None
+    sizes = getattr(dataset, "shard_sizes", None)
+    if sizes is not None:  # a ShardedDataset, maybe a view of part of its pack
+        return tuple(int(n) for n in sizes())
+    manifest = getattr(dataset, "manifest", None)
+    return None if manifest is None else tuple(int(shard.samples) for shard in manifest.shards)
+
+
+def epoch_order(dataset: Dataset, seed: int, window: int) -> EpochOrder:
+    """The order both sides read `dataset` in: shard-aware with a window of `window` shards
+    when it is sharded and `window` > 0, else the full shuffle of `seed` (today's order)."""
+    sizes = shard_samples(dataset) if window > 0 else None
+    if not sizes:
+        return seed
+    return ShardOrder(seed, sizes, window)
+
+
+def part_batch(dataset: Dataset, order: EpochOrder, epoch: int, offset: int, count: int,
                collate: Optional[Callable[[list], Any]] = None) -> Any:
-    return gather(dataset, part_indices(seed, len(dataset), epoch, offset, count), collate)
+    """`order`: a seed (the full shuffle) or a ShardOrder (`epoch_order`)."""
+    return gather(dataset, part_indices(order, len(dataset), epoch, offset, count), collate)
 
 
 def batch_to(batch: Any, device: torch.device) -> Any:
@@ -374,7 +397,7 @@ def _default_evaluate(job: Job, module: nn.Module, test: Dataset, chunk: int) ->
     return metrics
 
 
-def reference_gradient_norm(job: Job, model: FlatModel, train: Dataset, seed: int,
+def reference_gradient_norm(job: Job, model: FlatModel, train: Dataset, seed: EpochOrder,
                             count: int = 32) -> float:
     """The norm of the summed per-sample gradient of the first `count` samples of epoch 0, divided
     by `count`: what an honest slot's gradient looks like, per sample, at `model`'s parameters.
@@ -397,14 +420,15 @@ class LossTally:
     samples: int
 
 
-def accumulate_coded_gradient(job: Job, model: FlatModel, train: Dataset, seed: int,
+def accumulate_coded_gradient(job: Job, model: FlatModel, train: Dataset, seed: EpochOrder,
                               parts: Sequence[Sequence[int]], coefficients: Sequence[float],
                               micro_batch: Callable[[], int] = lambda: 256,
                               device: torch.device | str | None = None,
                               between: Optional[Callable[[], None]] = None,
                               observe: Optional[Callable[[int], None]] = None) -> LossTally:
     """Add sum_j coefficients[j] * (summed per-sample gradient of parts[j]) at `model`'s
-    parameters to `model.grads`, each part = (epoch, offset, count): a slot's coded gradient. The
+    parameters to `model.grads`, each part = (epoch, offset, count) into the order `seed` names
+    (a seed, or a ShardOrder: `epoch_order`): a slot's coded gradient. The
     one implementation that a worker runs for a slot (worker/engine.py) and the coordinator runs
     to check one, so that an honest worker and the coordinator compute alike, bit for bit when
     their micro-batches are the same.
@@ -443,7 +467,8 @@ def accumulate_coded_gradient(job: Job, model: FlatModel, train: Dataset, seed: 
     return LossTally(loss_sum, samples)
 
 
-def coded_gradient(job: Job, model: FlatModel, params: torch.Tensor, train: Dataset, seed: int,
+def coded_gradient(job: Job, model: FlatModel, params: torch.Tensor, train: Dataset,
+                   seed: EpochOrder,
                    parts: Sequence[Sequence[int]], coefficients: Sequence[float],
                    micro_batch: int = 256) -> torch.Tensor:
     """A slot's coded gradient at `params`, computed on the coordinator to check a worker's (its
@@ -465,7 +490,8 @@ class LocalChange:
     samples: int
 
 
-def local_change(job: Job, model: FlatModel, initial: torch.Tensor, train: Dataset, seed: int,
+def local_change(job: Job, model: FlatModel, initial: torch.Tensor, train: Dataset,
+                 seed: EpochOrder,
                  part, coefficient: float, steps: int, device: torch.device | str = "cpu",
                  micro_batch: Callable[[], int] = lambda: 256,
                  between: Optional[Callable[[], None]] = None,

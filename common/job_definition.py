@@ -55,3 +55,8 @@ class Job:
     clip_norm: Optional[float] = None
     mixed_precision: Optional[str] = None
     collate: Optional[Callable[[list], Any]] = None
+    # A job that can pack its own data (a job-arg names a local corpus, say) and takes `data`:
+    # `pack()` returns the folder of that pack. A coordinator started without --data calls it
+    # and serves the pack as if given --data DIR, so workers fetch the data instead of needing
+    # the corpus; a job built without a store (one process, a baseline) reads it locally.
+    pack: Optional[Callable[[], str]] = None

@@ -25,7 +25,7 @@ from .job_definition import Job
 from .protocol import check_job_args
 
 # Each is the name of its factory in common/builtin_jobs.py.
-BUILTIN_JOBS = ("digits", "packed", "synthetic")
+BUILTIN_JOBS = ("digits", "lm", "packed", "resnet", "synthetic")
 
 
 def builtin_job_names() -> list[str]:

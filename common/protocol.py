@@ -25,7 +25,8 @@ from .errors import ProtocolError
 
 # 2: ack; hello.instance; welcome.instance and welcome.holding. 3: task.acks, result.waited_s.
 # 4: fetch, chunk, welcome.blob_mirrors, heartbeat.cache (the data plane); task.buffers,
-#    result.buffers (model state beyond parameters)
+#    result.buffers (model state beyond parameters); welcome.shuffle_window, heartbeat.shards,
+#    task.prefetch (locality)
 # 5: task.snapshot and task.snapshot_bytes (a large model by name), handback, heartbeat "capped"
 PROTOCOL_VERSION = 5
 
@@ -51,6 +52,11 @@ MAX_REPORTED_S = 1e6
 # coordinator's welcome, and a beat of a microsecond would have it send nothing else.
 HEARTBEAT_S_RANGE = (0.01, 86400.0)
 LIVENESS_RANGE = (1, 1000)
+# Locality: shards a worker may say it holds, shards one prefetch hint names, and the largest
+# shuffle window (shards) of a shard-aware epoch order.
+MAX_HELD_SHARDS = 4096
+MAX_PREFETCH = 64
+MAX_SHUFFLE_WINDOW = 65536
 # ZMQ_MAXMSGSIZE for every socket: the peer is disconnected by ZeroMQ itself past this.
 SOCKET_MAX_MSG_BYTES = max(MAX_FRAME_BYTES, MAX_HEADER_BYTES) + 4096
 
@@ -141,6 +147,9 @@ class Heartbeat(Message):
     state: str = "idle"
     # a worker's blob cache, as counted since it started (CACHE_COUNTERS); None: no cache in use
     cache: Optional[dict[str, int]] = None
+    # A worker's training shards in its cache (indices into the manifest), when they changed
+    # since it last said; None: unchanged. At most MAX_HELD_SHARDS.
+    shards: Optional[list[int]] = None
 
     # "capped": the owner's daily transfer cap is spent; the worker asks for no work that needs
     # data it does not hold until the allowance returns
@@ -195,6 +204,9 @@ class Welcome(Message):
     result_dtype: str = "float32"  # how results travel: float32, or bfloat16 (error feedback)
     # HTTP(S) mirrors of the blobs of the job's data, tried before the coordinator
     blob_mirrors: list[str] = field(default_factory=list)
+    # 0: each epoch is a full shuffle of the seed; W: the shard-aware order, samples shuffled
+    # within blocks of W shards of the (sharded) training set (common/permutation.py)
+    shuffle_window: int = 0
 
     RESULT_DTYPES: ClassVar[frozenset] = frozenset({"float32", "bfloat16"})
 
@@ -225,6 +237,8 @@ class Task(Message):
     acks: list[int] = field(default_factory=list)
     # the model's persistent buffers at `version` (float64), sent with `model` when it has any
     buffers: Optional[Blob] = None
+    # shards of the training set the worker will likely need next: fetch them ahead (locality)
+    prefetch: list[int] = field(default_factory=list)
     # instead of `model` (and `buffers`): the sha256 of the model at `version` as a snapshot
     # blob (common/snapshot.py) of `snapshot_bytes`, fetched from mirrors or the coordinator
     snapshot: Optional[str] = None
@@ -293,14 +307,19 @@ class Status(Message):
 
 @dataclass(frozen=True)
 class Control(Message):
-    """An operator's command: pause or resume training, or drain one worker (it finishes the
-    slots it holds, gets no more, and is then sent home)."""
+    """An operator's command: pause or resume training; drain one worker (it finishes the
+    slots it holds, gets no more, and is then sent home); ban one (a worker id, or a key in Z85:
+    it is sent home and refused from then on, across restarts) or lift a ban; revoke an
+    invitation (its unused uses)."""
 
     TYPE: ClassVar[str] = "control"
     action: str
-    worker: Optional[str] = None  # required by "drain"
+    worker: Optional[str] = None  # required by "drain", "ban" and "unban"
+    invitation: Optional[str] = None  # required by "revoke": 16 hex digits
 
-    ACTIONS: ClassVar[frozenset] = frozenset({"pause", "resume", "drain"})
+    ACTIONS: ClassVar[frozenset] = frozenset({"pause", "resume", "drain", "ban", "unban",
+                                              "revoke"})
+    NEED_WORKER: ClassVar[frozenset] = frozenset({"drain", "ban", "unban"})
 
 
 @dataclass(frozen=True)
@@ -311,6 +330,58 @@ class ControlReply(Message):
     action: str
     ok: bool
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class CreditRequest(Message):
+    """What has this worker earned here? Any listed key may ask; a worker key hears only its own
+    row. `worker` names the row to read: needed without keys (where a worker is its id), and,
+    with keys, only a monitor or operator may name another key's."""
+
+    TYPE: ClassVar[str] = "credit_request"
+    worker: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Credit(Message):
+    """The answer to a `credit_request`: one row of the credits (`row` empty: nothing earned or
+    seen yet), the name it is shown by, how many identities hold credit here; or, `ok` false, one
+    line saying why not."""
+
+    TYPE: ClassVar[str] = "credit"
+    ok: bool
+    worker: str = ""
+    row: dict[str, float] = field(default_factory=dict)
+    identities: int = 0
+    reason: str = ""
+
+    FIELDS: ClassVar[frozenset] = frozenset({"samples", "compute_s", "verified", "refused",
+                                             "first_seen", "last_seen"})
+
+
+@dataclass(frozen=True)
+class Invite(Message):
+    """An operator's request to mint an invitation on the running coordinator (its --enrolled
+    folder). `address`: the training address volunteers dial, which goes into the token."""
+
+    TYPE: ClassVar[str] = "invite"
+    address: str
+    uses: int = 1
+    expires_s: float = 7 * 86400.0
+    name: str = "worker"
+
+
+@dataclass(frozen=True)
+class Invited(Message):
+    """The answer to an `invite`: the token (with the invitation's id and expiry), or one line
+    saying why not."""
+
+    TYPE: ClassVar[str] = "invited"
+    ok: bool
+    token: str = ""
+    invitation: str = ""
+    expires: float = 0.0
+    reason: str = ""
 
 
 # a volunteer's worker <-> the coordinator's enrolment endpoint ----------------------------------
@@ -339,8 +410,9 @@ class Enrolled(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Ready, Result, Heartbeat, Fetch, Handback, Bye, Welcome, Task, Chunk, Cancel, Ack,
-                Reject, Shutdown, StatusRequest, Status, Control, ControlReply, Enrol, Enrolled)
+    for cls in (Hello, Ready, Result, Heartbeat, Fetch, Handback, Bye, Welcome, Task, Chunk,
+                Cancel, Ack, Reject, Shutdown, StatusRequest, Status, Control, ControlReply,
+                CreditRequest, Credit, Invite, Invited, Enrol, Enrolled)
 }
 
 
@@ -675,9 +747,16 @@ def _semantic_checks(msg: Message) -> None:
             if getattr(msg, n) < 0:
                 raise ProtocolError("schema", f"{msg.TYPE}.{n} must be >= 0")
 
+    def shard_list(name: str, limit: int):
+        shards = getattr(msg, name)
+        if shards is not None and (len(shards) > limit or any(k < 0 for k in shards)):
+            raise ProtocolError("schema", f"{msg.TYPE}.{name}: at most {limit} shard indices "
+                                          ">= 0")
+
     if isinstance(msg, Heartbeat):
         if msg.state not in Heartbeat.STATES:
             raise ProtocolError("schema", f"heartbeat.state {msg.state[:20]!r} unknown")
+        shard_list("shards", MAX_HELD_SHARDS)
         if msg.cache is not None and (
                 not set(msg.cache) <= CACHE_COUNTERS
                 or any(not 0 <= v < 2**62 for v in msg.cache.values())):
@@ -719,6 +798,9 @@ def _semantic_checks(msg: Message) -> None:
             raise ProtocolError("schema", f"welcome.blob_mirrors: at most {MAX_MIRRORS}")
         for url in msg.blob_mirrors:
             check_blob_mirror(url, "welcome.blob_mirrors")
+        if not 0 <= msg.shuffle_window <= MAX_SHUFFLE_WINDOW:
+            raise ProtocolError("schema", f"welcome.shuffle_window must be 0 to "
+                                          f"{MAX_SHUFFLE_WINDOW}")
         if msg.result_dtype not in Welcome.RESULT_DTYPES:
             raise ProtocolError("schema", f"welcome.result_dtype {msg.result_dtype[:20]!r} unknown")
         if not (HEARTBEAT_S_RANGE[0] <= msg.heartbeat_s <= HEARTBEAT_S_RANGE[1]
@@ -740,6 +822,7 @@ def _semantic_checks(msg: Message) -> None:
         for part in msg.parts:
             if len(part) != 3 or min(part) < 0:
                 raise ProtocolError("schema", "task.parts items are [epoch, offset, count] >= 0")
+        shard_list("prefetch", MAX_PREFETCH)
         if msg.kind not in Task.KINDS:
             raise ProtocolError("schema", f"task.kind {msg.kind[:20]!r} unknown")
         if msg.kind == "local" and (msg.steps < 1 or len(msg.parts) != 1):
@@ -756,12 +839,33 @@ def _semantic_checks(msg: Message) -> None:
     elif isinstance(msg, Control):
         if msg.action not in Control.ACTIONS:
             raise ProtocolError("schema", f"control.action {msg.action[:20]!r} unknown")
-        if msg.action == "drain" and not msg.worker:
-            raise ProtocolError("schema", "control.worker is required to drain")
+        if msg.action in Control.NEED_WORKER and not msg.worker:
+            raise ProtocolError("schema", f"control.worker is required to {msg.action}")
         if msg.worker is not None and len(msg.worker) > MAX_WORKER_ID:
             raise ProtocolError("schema", f"control.worker over {MAX_WORKER_ID} characters")
+        if msg.action == "revoke" and not _is_invitation_id(msg.invitation):
+            raise ProtocolError("schema", "control.invitation must be 16 hex digits to revoke")
+    elif isinstance(msg, CreditRequest):
+        if msg.worker is not None and not 1 <= len(msg.worker) <= MAX_WORKER_ID:
+            raise ProtocolError("schema", f"credit_request.worker: 1 to {MAX_WORKER_ID} "
+                                          "characters")
+    elif isinstance(msg, Credit):
+        if set(msg.row) - Credit.FIELDS or any(v < 0 for v in msg.row.values()):
+            raise ProtocolError("schema", "credit.row: only the credit fields, none negative")
+        non_negative("identities")
+        if len(msg.worker) > MAX_NAME or len(msg.reason) > MAX_NAME:
+            raise ProtocolError("schema", f"credit.worker and reason: at most {MAX_NAME}")
+    elif isinstance(msg, Invite):
+        if not 1 <= msg.uses <= 1_000_000 or not 0 < msg.expires_s <= 10 * 365 * 86400:
+            raise ProtocolError("schema", "invite.uses 1 to 1e6, invite.expires_s up to 10 years")
+        if len(msg.address) > MAX_NAME or len(msg.name) > 64:
+            raise ProtocolError("schema", f"invite.address over {MAX_NAME} or name over 64")
+    elif isinstance(msg, Invited):
+        if len(msg.token) > 1024 or len(msg.reason) > MAX_NAME or len(msg.invitation) > 16:
+            raise ProtocolError("schema", "invited: token over 1024, reason over 256 or "
+                                          "invitation over 16 characters")
     elif isinstance(msg, Enrol):
-        if not (len(msg.invitation) == 16 and all(c in "0123456789abcdef" for c in msg.invitation)):
+        if not _is_invitation_id(msg.invitation):
             raise ProtocolError("schema", "enrol.invitation must be 16 hex digits")
         if not (len(msg.secret) == 43 and all(c.isascii() and (c.isalnum() or c in "-_")
                                               for c in msg.secret)):
@@ -770,3 +874,7 @@ def _semantic_checks(msg: Message) -> None:
         if len(msg.name) > MAX_WORKER_ID or len(msg.reason) > MAX_NAME:
             raise ProtocolError("schema", f"enrolled.name over {MAX_WORKER_ID} or reason over "
                                           f"{MAX_NAME} characters")
+
+
+def _is_invitation_id(text: Optional[str]) -> bool:
+    return text is not None and len(text) == 16 and all(c in "0123456789abcdef" for c in text)

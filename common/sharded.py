@@ -31,7 +31,8 @@ class ShardedDataset(Dataset):
     a sample in it is first read; `dataset[i]` is a tensor (one field, decode "tensor") or a tuple
     of tensors, copied out of the map (so writable, and the map may go)."""
 
-    def __init__(self, manifest: "Manifest | str", store: Optional[BlobStore] = None):
+    def __init__(self, manifest: "Manifest | str", store: Optional[BlobStore] = None,
+                 first: int = 0, count: Optional[int] = None):
         if isinstance(manifest, str):
             path = manifest
             manifest = load_manifest(path)
@@ -42,6 +43,11 @@ class ShardedDataset(Dataset):
         self.store = store
         self.manifest_sha256 = manifest.sha256  # what the job's fingerprint folds in
         self._starts = np.cumsum([0] + [s.samples for s in manifest.shards])
+        total = int(self._starts[-1])
+        count = total - first if count is None else count
+        if not (0 <= first and 0 <= count and first + count <= total):
+            raise BlobError(f"samples {first} to {first + count} of a pack of {total}")
+        self.first, self.count = first, count
         self._maps: dict[int, list[np.ndarray]] = {}
         self._tuple = manifest.decode.get("sample") != "tensor" or len(manifest.fields) != 1
 
@@ -53,11 +59,30 @@ class ShardedDataset(Dataset):
             data = fh.read(MAX_MANIFEST_BYTES + 1)
         return cls(Manifest.from_bytes(data, manifest_sha256), store)
 
+    def view(self, first: int, count: int) -> "ShardedDataset":
+        """Samples first..first+count-1 of this one (e.g. a held-out tail), sharing its maps."""
+        if not (0 <= first and 0 <= count and first + count <= self.count):
+            raise BlobError(f"samples {first} to {first + count} of a data set of {self.count}")
+        other = ShardedDataset(self.manifest, self.store, self.first + first, count)
+        other._maps = self._maps
+        return other
+
     def __len__(self) -> int:
-        return int(self._starts[-1])
+        return self.count
+
+    def shard_sizes(self) -> tuple[int, ...]:
+        """Samples of this data set in each of the manifest's shards, numbered as the manifest
+        numbers them (a view's shards past its end left out): the shard-aware order's input."""
+        end = self.first + self.count
+        sizes = [max(0, min(end, int(b)) - max(self.first, int(a)))
+                 for a, b in zip(self._starts[:-1], self._starts[1:])]
+        while sizes and sizes[-1] == 0:
+            sizes.pop()
+        return tuple(sizes)
 
     def shard_of(self, index: int) -> int:
-        return int(np.searchsorted(self._starts, index, side="right")) - 1
+        """The manifest's shard holding sample `index` of this data set."""
+        return int(np.searchsorted(self._starts, self.first + index, side="right")) - 1
 
     def opened_shards(self) -> list[int]:
         return sorted(self._maps)
@@ -86,7 +111,7 @@ class ShardedDataset(Dataset):
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} of {len(self)}")
         k = self.shard_of(index)
-        row = index - int(self._starts[k])
+        row = self.first + index - int(self._starts[k])
         # np.array copies (and makes native byte order): torch wants writable memory
         values = [torch.from_numpy(np.array(column[row], dtype=column.dtype.newbyteorder("=")))
                   for column in self._columns(k)]

@@ -30,22 +30,22 @@ QUEUE_PER_WORKER = 16  # requests waiting per worker; an honest worker's window 
 QUEUE_TOTAL = 4096  # requests waiting, all workers together
 
 
-def open_pack(data_dir: str) -> tuple[Manifest, BlobFolder]:
+def open_pack(data_dir: str, flag: str = "--data") -> tuple[Manifest, BlobFolder]:
     """The pack a coordinator serves (`idlegrad data pack`'s --out): its manifest, checked, and
     its blob folder. ConfigError with one line when it is not one."""
     path = os.path.join(data_dir, MANIFEST_FILE)
     try:
         manifest = load_manifest(path)
     except BlobError as exc:
-        raise ConfigError(f"--data {data_dir}: {exc} (give the --out folder of idlegrad data "
+        raise ConfigError(f"{flag} {data_dir}: {exc} (give the --out folder of idlegrad data "
                           "pack)") from None
     except OSError as exc:
-        raise ConfigError(f"--data {data_dir}: cannot read {MANIFEST_FILE}: "
+        raise ConfigError(f"{flag} {data_dir}: cannot read {MANIFEST_FILE}: "
                           f"{exc.strerror or exc}") from None
     folder = BlobFolder(data_dir)
     missing = [s.sha256[:12] for s in manifest.shards if not folder.has(s.sha256)]
     if missing:
-        raise ConfigError(f"--data {data_dir}: {len(missing)} of its {len(manifest.shards)} "
+        raise ConfigError(f"{flag} {data_dir}: {len(missing)} of its {len(manifest.shards)} "
                           f"shards are missing (first {missing[0]}): the pack is incomplete")
     if not folder.has(manifest.sha256):
         folder.put_bytes(manifest.to_bytes())  # a pack copied without its blobs/ copy of it

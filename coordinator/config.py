@@ -66,8 +66,13 @@ class CoordinatorConfig:
     verify_replicas: bool = False  # a replicated row counts once two copies of it agree
     data_dir: Optional[str] = None  # a pack (idlegrad data pack --out) whose blobs are served
     blob_mirrors: tuple[str, ...] = ()  # http(s) mirrors of those blobs, told to workers
+    # Sharded training data: read each epoch in the shard-aware order (shards shuffled, samples
+    # within blocks of `shuffle_window` shards) and prefer slots whose shards a worker holds.
+    # Data that is not sharded keeps the full shuffle whatever this says.
+    locality: bool = True
+    shuffle_window: int = 4
     # a model of at least this many MB of parameters goes to workers as a snapshot blob
-    # (snapshots.py); None: 8, or 1 with local tasks
+    # (snapshots.py); None: 8, or 1 with local tasks and a mirror
     snapshot_min_mb: Optional[float] = None
     snapshot_dir: Optional[str] = None  # where snapshot blobs are written; None: a temporary one
 
@@ -106,6 +111,9 @@ def check(config: CoordinatorConfig) -> Checked:
                     verify_replicas=config.verify_replicas)
     if config.verify_replicas:
         check_verify_replicas(config.result_dtype)
+    if not 1 <= config.shuffle_window <= proto.MAX_SHUFFLE_WINDOW:
+        raise ConfigError(f"--shuffle-window must be from 1 to {proto.MAX_SHUFFLE_WINDOW} "
+                          f"shards, not {config.shuffle_window}")
     _check_paths(config)
     _check_data(config)
     return Checked(task_mode, redundancy, keypair, keys)

@@ -68,6 +68,7 @@ class Credits:
     def __init__(self, max_accounts: int = MAX_ACCOUNTS):
         self.accounts: dict[str, Account] = {}
         self.max_accounts = max_accounts
+        self._named: dict[str, str] = {}  # a worker name -> the identity that used it last
 
     def take(self, effects: Iterable, now: float) -> None:
         """The round core's effects, as they are performed; those that earn or cost credit
@@ -88,7 +89,7 @@ class Credits:
                 account.last_seen = now
             elif kind is Joined:
                 account = self._account(effect.identity, now, effect.worker)
-                account.name = effect.worker
+                self._rename(effect.identity, account, effect.worker)
                 account.last_seen = now
 
     def _account(self, identity: str, now: float, name: Optional[str] = None) -> Account:
@@ -97,7 +98,23 @@ class Credits:
             if len(self.accounts) >= self.max_accounts:
                 self._forget_idle()
             account = self.accounts[identity] = Account(name or identity, now, now)
+            self._named[account.name] = identity
         return account
+
+    def _rename(self, identity: str, account: Account, name: str) -> None:
+        if self._named.get(account.name) == identity:
+            del self._named[account.name]
+        account.name = name
+        self._named[name] = identity
+
+    def named(self, name: str) -> Optional[str]:
+        """The identity that last used the worker name `name`; None when none did."""
+        return self._named.get(name)
+
+    def row(self, identity: str) -> tuple[str, dict]:
+        """(the name `identity` is shown by, its row); an identity never seen: ("", {})."""
+        account = self.accounts.get(identity)
+        return ("", {}) if account is None else (account.name, account.row())
 
     def _forget_idle(self) -> None:
         """Make room: forget a tenth of the accounts that never earned anything, oldest
@@ -105,7 +122,9 @@ class Credits:
         idle = [(a.last_seen, i) for i, a in self.accounts.items()
                 if not a.samples and not a.verified]
         for _, identity in heapq.nsmallest(max(1, self.max_accounts // 10), idle):
-            del self.accounts[identity]
+            name = self.accounts.pop(identity).name
+            if self._named.get(name) == identity:
+                del self._named[name]
 
     @property
     def samples(self) -> int:
@@ -148,11 +167,12 @@ class Credits:
             if state["format"] != FORMAT:
                 raise ValueError(f"format {state['format']!r}")
             for identity, row in state["accounts"].items():
-                credits.accounts[str(identity)] = Account(
+                account = credits.accounts[str(identity)] = Account(
                     name=str(row["name"]), first_seen=float(row["first_seen"]),
                     last_seen=float(row["last_seen"]), samples=int(row["samples"]),
                     compute_s=float(row["compute_s"]), verified=int(row["verified"]),
                     refused=int(row["refused"]))
+                credits._named[account.name] = str(identity)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CheckpointError(f"the checkpoint's credits cannot be read: "
                                   f"{type(exc).__name__}: {exc}"[:300]) from None

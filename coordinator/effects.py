@@ -66,6 +66,7 @@ class Ban:
     """Send this worker home as banned and forget its connection."""
 
     worker: str
+    reason: str = ""  # what it is told; empty: the trust policy's ban
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,16 @@ it becomes a worker key at once, and across restarts: its NAME.key is written un
 The folder (`--enrolled DIR`):
     DIR/invites/ID.json   an invitation: hash of the secret, uses, expiry (written by `invite`)
     DIR/invites/ID.used   how many keys it has enrolled (written by the coordinator only)
+    DIR/invites/ID.revoked  present once the invitation is revoked (its record stays, listed)
     DIR/keys/NAME.key     an enrolled worker's public key
-Every file is written whole (tmp, fsync, rename); `invite --revoke` removes ID.json, and the
-coordinator reads the record at every enrolment, so a new or revoked invitation needs no signal.
+    DIR/bans.json         the operator's bans (bans.py)
+Every file is written whole (tmp, fsync, rename); the coordinator reads the record at every
+enrolment, so an invitation minted or revoked by `idlegrad invite` on this machine needs no
+signal. An operator elsewhere mints and revokes through the running coordinator (`invite`, and
+`control` "revoke"), which writes the same files.
+
+Each source address may have a few refused enrolments a minute (invitations.SourceLimit); past
+that it is told to wait, unread, and the window's overall bound (`Refusals`) is left to others.
 """
 
 from __future__ import annotations
@@ -32,8 +39,8 @@ import zmq.asyncio
 from ..common import protocol as proto
 from ..common import security
 from ..common.errors import ConfigError, ProtocolError
-from ..common.invitation import ID_RE, Token, digest, enrol_address
-from .invitations import Invitation, Refusals, judge, key_name
+from ..common.invitation import ID_RE, NAME_RE, Token, digest, enrol_address
+from .invitations import Invitation, Refusals, SourceLimit, judge, key_name
 
 log = logging.getLogger("idlegrad.coordinator.enrolment")
 
@@ -100,23 +107,29 @@ class Store:
         except (OSError, ValueError):
             return 1 << 30  # unreadable: counted as used up, failing closed
 
-    def all(self) -> list[tuple[Invitation, int]]:
+    def revoked(self, inv_id: str) -> bool:
+        return bool(ID_RE.match(inv_id)) and os.path.exists(
+            os.path.join(self.invites, inv_id + ".revoked"))
+
+    def all(self) -> list[tuple[Invitation, int, bool]]:
+        """(invitation, keys enrolled, revoked?) for each, the oldest first."""
         out = []
         for name in sorted(os.listdir(self.invites)):
             if name.endswith(".json"):
                 inv = self.load(name[:-5])
                 if inv is not None:
-                    out.append((inv, self.used(inv.id)))
-        return sorted(out, key=lambda pair: pair[0].created)
+                    out.append((inv, self.used(inv.id), self.revoked(inv.id)))
+        return sorted(out, key=lambda row: row[0].created)
 
-    def revoke(self, inv_id: str) -> bool:
-        if not ID_RE.match(inv_id):
+    def revoke(self, inv_id: str, now: float) -> Optional[bool]:
+        """Revoke an invitation: True, or False when it already was; None when there is no
+        such invitation. The record stays, so that it is listed as revoked."""
+        if self.load(inv_id) is None:
+            return None
+        if self.revoked(inv_id):
             return False
-        try:
-            os.remove(os.path.join(self.invites, inv_id + ".json"))
-            return True
-        except (FileNotFoundError, ValueError):
-            return False
+        write_atomic(os.path.join(self.invites, inv_id + ".revoked"), f"{now:.3f}".encode())
+        return True
 
     def enrol(self, inv: Invitation, used: int, name: str, key: bytes) -> None:
         """Count the use first: a crash between the two writes loses a use, never exceeds one."""
@@ -131,6 +144,34 @@ class Store:
         return security.load_allowed(self.keys, f"{self.flag} {self.dir}: keys")
 
 
+def issue(store: Store, address: str, server_key: bytes, uses: int, expires_s: float, name: str,
+          now: float) -> tuple[Invitation, str]:
+    """Mint an invitation to the coordinator at `address` (the address workers dial): the
+    record written, and the token. ConfigError with one line on a bad address or name."""
+    check_invite(address, name)
+    inv, secret = store.mint(uses, expires_s, name, now)
+    return inv, token(address, server_key, inv, secret)
+
+
+def check_invite(address: str, name: str) -> None:
+    """ConfigError with one line unless workers can dial `address`, and `name` is a name."""
+    security.check_address(address, "--coordinator")
+    enrol_address(address)
+    if "*" in address or "0.0.0.0" in address:
+        raise ConfigError(f"--coordinator {address}: give the address workers dial, not a bind "
+                          "address")
+    if not NAME_RE.match(name):
+        raise ConfigError(f"--name {name!r}: letters, digits, '.', '_' and '-', at most 64")
+
+
+def peer_address(frame) -> str:
+    """The source address of a received frame (ZeroMQ's Peer-Address), "?" when unknown."""
+    try:
+        return str(frame.get("Peer-Address"))[:64]
+    except (AttributeError, zmq.ZMQError, TypeError, UnicodeDecodeError):
+        return "?"
+
+
 def token(coordinator: str, server_key: bytes, inv: Invitation, secret: str) -> str:
     return Token(coordinator, server_key, inv.id, secret).encode()
 
@@ -141,6 +182,7 @@ class Endpoint:
     def __init__(self, owner, store: Store):
         self.owner, self.store = owner, store
         self.refusals = Refusals()
+        self.sources = SourceLimit()
         self.address = enrol_address(owner.config.bind)
         self.ctx = zmq.asyncio.Context()
         from .transport import _authenticator  # any key may finish this handshake
@@ -178,17 +220,22 @@ class Endpoint:
         from .transport import short, user_id
 
         key = user_id(frames[1]) if len(frames) > 1 else None
+        source = peer_address(frames[1]) if len(frames) > 1 else "?"
+        wait_s = self.sources.wait(source, now)
+        if wait_s > 0:
+            counters["enrolments_throttled"] += 1
+            return proto.Enrolled(ok=False, reason=SourceLimit.told(source, wait_s))
         try:
             msg = proto.decode(frames[1:])
             if not isinstance(msg, proto.Enrol) or key is None:
                 raise ProtocolError("unexpected", "only enrol is heard here")
         except ProtocolError as exc:
-            return self._refuse(f"bad enrolment message: {exc}"[:200], key, now)
+            return self._refuse(f"bad enrolment message: {exc}"[:200], key, now, source=source)
         inv = self.store.load(msg.invitation)
         used = self.store.used(msg.invitation)
-        reason = judge(inv, used, msg.secret, now)
+        reason = judge(inv, used, msg.secret, now, self.store.revoked(msg.invitation))
         if reason is not None:
-            return self._refuse(reason, key, now, msg.invitation)
+            return self._refuse(reason, key, now, msg.invitation, source)
         name = key_name(inv, used)
         self.store.enrol(inv, used, name, key)
         self.owner.gate.enrol(key)
@@ -197,13 +244,16 @@ class Endpoint:
                                               f"invitation {inv.id} (use {used + 1} of {inv.uses})")
         return proto.Enrolled(ok=True, name=name)
 
-    def _refuse(self, reason: str, key, now: float, inv_id: str = "?") -> proto.Message:
+    def _refuse(self, reason: str, key, now: float, inv_id: str = "?",
+                source: str = "?") -> proto.Message:
         self.refusals.refused(now)
+        self.sources.refused(source, now)
         self.owner.counters["enrolments_refused"] += 1
         # one line each: the window's bound (Refusals) already caps how many
         who = key[:8].decode("ascii", "replace") + "..." if key else "?"
-        self.owner.training.event("refused", f"enrolment of key {who} with invitation "
-                                             f"{inv_id} refused: {reason}", level=logging.WARNING)
+        self.owner.training.event("refused", f"enrolment of key {who} from {source} with "
+                                             f"invitation {inv_id} refused: {reason}",
+                                  level=logging.WARNING)
         return proto.Enrolled(ok=False, reason=reason)
 
     def close(self) -> None:

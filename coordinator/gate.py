@@ -8,7 +8,8 @@ again, so a key revoked after its handshake (SIGHUP) is not heard from its next 
 
 Roles, with keys: a key in `--allow-keys` may work (hello, results, heartbeats); one in
 `--monitor-keys` may read the status; one in `--operator-keys` may read the status and command
-(pause, resume, drain, and any command to come). A key in several folders holds each of their
+(pause, resume, drain, ban, revoke and mint invitations). Any listed key may ask for its own
+credit; only monitors and operators may name another's. A key in several folders holds each of their
 roles, so an operator who lends their own machine lists its key twice. Without keys (a loopback
 coordinator) whoever can reach the socket is already on this machine: anyone may do anything.
 
@@ -17,6 +18,9 @@ enrols becomes a worker key here (`enrol`), as if its NAME.key had been added to
 
 Without keys a worker's identity is its worker id; with keys it is its key, so a worker name is
 held by one key and bans apply to the key.
+
+Bans come from two places: the trust policy's (repeated bad gradients, for this run) and the
+operator's (`ban`, kept in `bans`; the server saves them, so they hold across restarts).
 """
 
 from __future__ import annotations
@@ -26,14 +30,17 @@ from typing import Callable, Optional
 
 from ..common import protocol as proto
 
-WORK, READ, OPERATE = "work", "read", "operate"  # what a message asks to do
+# what a message asks to do; OWN: something about its own key (any listed key may)
+WORK, READ, OPERATE, OWN = "work", "read", "operate", "own"
 
 # What each message to the coordinator asks to do; anything else is not for the coordinator.
 NEEDS: dict[type, str] = {
     proto.Hello: WORK, proto.Ready: WORK, proto.Result: WORK, proto.Heartbeat: WORK,
     proto.Bye: WORK, proto.Fetch: WORK, proto.Handback: WORK, proto.StatusRequest: READ,
-    proto.Control: OPERATE,
+    proto.Control: OPERATE, proto.Invite: OPERATE, proto.CreditRequest: OWN,
 }
+KEY_LENGTH = 40  # a public key in Z85
+_Z85 = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
 
 
 @dataclass(frozen=True)
@@ -62,19 +69,31 @@ class Refusal:
         that), anything else a Reject."""
         if isinstance(msg, proto.Control):
             return proto.ControlReply(action=msg.action, ok=False, detail=self.reason)
+        if isinstance(msg, proto.CreditRequest):
+            return proto.Credit(ok=False, reason=self.reason)
+        if isinstance(msg, proto.Invite):
+            return proto.Invited(ok=False, reason=self.reason)
         return proto.Reject(code=self.code or "refused", reason=self.reason)
 
 
 BANNED = "banned by this coordinator for repeated bad gradients"
+BANNED_BY_OPERATOR = "banned by this coordinator's operator"
+REVOKED = "this worker's key was revoked by the coordinator's operator"
 
 _ROLE_REFUSALS = {
     WORK: Refusal("work_refused", "role", "this key may not work here: only keys in the "
                                           "coordinator's --allow-keys may"),
     READ: Refusal("status_refused", "role", "this key may not read the status: only keys in the "
                                             "coordinator's --monitor-keys or --operator-keys may"),
-    OPERATE: Refusal("controls_refused", "role", "this key may not pause, resume or drain: only "
-                                                 "keys in the coordinator's --operator-keys may"),
+    OPERATE: Refusal("controls_refused", "role", "this key may not pause, resume, drain, ban, "
+                                                 "revoke or invite: only keys in the "
+                                                 "coordinator's --operator-keys may"),
+    OWN: Refusal("credits_refused", "role", "this key is in none of the coordinator's key "
+                                            "folders"),
 }
+OTHERS_CREDIT = Refusal("credits_refused", "role", "a worker key reads only its own credit: only "
+                                                   "keys in the coordinator's --monitor-keys or "
+                                                   "--operator-keys may read another's")
 
 
 class Gate:
@@ -82,7 +101,8 @@ class Gate:
         """`keys`: who holds which role; None for a coordinator without keys."""
         self.keys = keys
         self._listed = self._every(keys)
-        self.is_banned = is_banned
+        self.trust_banned = is_banned
+        self.bans: dict[str, str] = {}  # identity -> the name it was banned under (the operator's)
         self.key_of: dict[str, bytes] = {}  # worker id -> the key that holds it
         self.routes: dict[str, bytes] = {}  # worker id -> its connection's routing id
         self.peers: dict[bytes, str] = {}  # routing id -> the worker id it said hello as
@@ -120,6 +140,8 @@ class Gate:
             return key in keys.workers
         if need == READ:
             return key in keys.monitors or key in keys.operators
+        if need == OWN:
+            return key in self._listed
         return need == OPERATE and key in keys.operators
 
     def identity(self, worker_id: str, key: Optional[bytes] = None) -> str:
@@ -132,8 +154,10 @@ class Gate:
         """A decoded message from a listed key, on the connection `route`. None: it may be
         handled."""
         hello_id = msg.worker_id if isinstance(msg, proto.Hello) else None
-        if hello_id is not None and self.is_banned(self.identity(hello_id, key)):
-            return Refusal("hello_banned", "banned", BANNED)
+        if hello_id is not None:
+            why = self.ban_reason(self.identity(hello_id, key))
+            if why is not None:
+                return Refusal("hello_banned", "banned", why)
         if key is not None and self.is_banned(self.identity("", key)):
             # A banned key still listed: a monitor's commands (pause, drain) need no hello, and
             # a ban is of the key, whatever it says next or whichever roles it holds.
@@ -151,6 +175,74 @@ class Gate:
             return Refusal("identity", reason="message under another key than its hello",
                            bad_message=True)
         return None
+
+    # bans -------------------------------------------------------------------------------------
+
+    def is_banned(self, identity: str) -> bool:
+        return identity in self.bans or self.trust_banned(identity)
+
+    def ban_reason(self, identity: str) -> Optional[str]:
+        """What a banned identity is told; None when it is not banned."""
+        if identity in self.bans:
+            return BANNED_BY_OPERATOR
+        return BANNED if self.trust_banned(identity) else None
+
+    def resolve(self, target: str, identities: dict[str, str],
+                named: Callable[[str], Optional[str]]) -> Optional[str]:
+        """Whom an operator's `target` names: a worker connected now (its id), one the credits
+        know by name, or a key (Z85); without keys any worker id is an identity. None: nobody
+        known (with keys, a name alone cannot be banned before its key is known)."""
+        if target in identities:
+            return identities[target]
+        known = named(target)
+        if known is not None:
+            return known
+        if not self.secure:
+            return target
+        return "key:" + target if len(target) == KEY_LENGTH and set(target) <= _Z85 else None
+
+    def ban(self, action: str, target: str, identities: dict[str, str],
+            named: Callable[[str], Optional[str]]) -> tuple[bool, str, Optional[str]]:
+        """An operator's `ban` or `unban` of `target`: (done?, one line, the identity)."""
+        identity = self.resolve(target, identities, named)
+        shown = str(target)[:80]
+        if identity is None:
+            return False, (f"no worker or key {shown!r} known here (give its key, from its "
+                           "NAME.key, or the name of a worker that has joined)"), None
+        if action == "unban":
+            if self.bans.pop(identity, None) is None:
+                return False, f"{shown} was not banned by the operator", identity
+            return True, f"{shown} unbanned", identity
+        if identity in self.bans:
+            return True, f"{shown} was already banned", identity
+        self.bans[identity] = shown
+        return True, f"{shown} banned", identity
+
+    def load_bans(self, bans: dict[str, str]) -> None:
+        self.bans = dict(bans)
+
+    # credit -------------------------------------------------------------------------------------
+
+    def credit_of(self, key: Optional[bytes], worker: Optional[str],
+                  named: Callable[[str], Optional[str]]) -> tuple[Optional[str], Optional[Refusal]]:
+        """Whose credit row a `credit_request` (from `key`, naming `worker` or nobody) reads:
+        (identity, None), or (None, the refusal). A worker key reads only its own."""
+        if not self.secure:
+            if worker is None:
+                return None, Refusal("credits_refused", "role", "without keys a worker is its "
+                                                                "id: name the worker")
+            return worker, None
+        own = "key:" + key.decode("ascii")
+        if worker is None:
+            return own, None
+        identity = self.key_identity(worker) or named(worker)
+        if identity == own or self.may(key, READ):
+            return identity or "?" + worker, None
+        return None, OTHERS_CREDIT
+
+    def key_identity(self, worker_id: str) -> Optional[str]:
+        key = self.key_of.get(worker_id)
+        return None if key is None else "key:" + key.decode("ascii")
 
     def connect(self, worker_id: str, route: bytes, key: Optional[bytes]) -> None:
         """`worker_id` said hello on `route` (under `key`): its earlier connection is let go."""

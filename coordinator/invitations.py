@@ -9,8 +9,9 @@ in the token handed to the volunteer; it is compared by hash, in constant time.
 from __future__ import annotations
 
 import hmac
+import math
 import re
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -22,6 +23,11 @@ from ..common.invitation import ID_RE, NAME_RE, digest
 # flood from costing disk reads and log lines).
 REFUSALS_PER_WINDOW = 20
 WINDOW_S = 60.0
+# Refused enrolments one source address may have in a window before its attempts are answered
+# "wait" unread: a volunteer who mistyped a token gets a few tries; one host's flood of bad
+# secrets does not spend the whole window's budget above, which honest joiners elsewhere share.
+REFUSALS_PER_SOURCE = 5
+SOURCES_KEPT = 10_000
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw]?)$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -54,13 +60,17 @@ class Invitation:
         return inv
 
 
-def judge(inv: Optional[Invitation], used: int, secret: str, now: float) -> Optional[str]:
-    """Why an enrolment with `secret` under `inv` (None: no such invitation, or revoked), which
-    has enrolled `used` keys so far, is refused; None: it may enrol one more."""
+def judge(inv: Optional[Invitation], used: int, secret: str, now: float,
+          revoked: bool = False) -> Optional[str]:
+    """Why an enrolment with `secret` under `inv` (None: no such invitation), which has enrolled
+    `used` keys so far, is refused; None: it may enrol one more. Only the secret's holder learns
+    that an invitation was revoked, expired or used up."""
     if inv is None:
         return "unknown or revoked invitation"
     if not hmac.compare_digest(digest(secret), inv.digest):
         return "wrong secret for this invitation (a forged token)"
+    if revoked:
+        return "invitation revoked by the coordinator's operator"
     if now >= inv.expires:
         return "invitation expired"
     if used >= inv.uses:
@@ -96,3 +106,41 @@ class Refusals:
 
     def refused(self, now: float) -> None:
         self.times.append(now)
+
+
+class SourceLimit:
+    """Refused enrolments per source address in the last window: past `limit`, that source is
+    told to wait (how long, in whole seconds) until its oldest refusal leaves the window, and
+    its attempts are not read. At most `max_sources` are remembered, the least recently refused
+    forgotten first."""
+
+    def __init__(self, limit: int = REFUSALS_PER_SOURCE, window_s: float = WINDOW_S,
+                 max_sources: int = SOURCES_KEPT):
+        self.limit, self.window_s, self.max_sources = limit, window_s, max_sources
+        self.sources: OrderedDict[str, deque[float]] = OrderedDict()
+
+    def wait(self, source: str, now: float) -> float:
+        """Seconds until an attempt from `source` is heard; 0: now."""
+        times = self.sources.get(source)
+        if times is None:
+            return 0.0
+        while times and times[0] <= now - self.window_s:
+            times.popleft()
+        if not times:
+            del self.sources[source]
+            return 0.0
+        return max(0.0, times[0] + self.window_s - now) if len(times) >= self.limit else 0.0
+
+    def refused(self, source: str, now: float) -> None:
+        times = self.sources.pop(source, None)
+        if times is None:
+            times = deque(maxlen=self.limit)
+            while len(self.sources) >= self.max_sources:
+                self.sources.popitem(last=False)
+        times.append(now)
+        self.sources[source] = times  # the most recently refused last
+
+    @staticmethod
+    def told(source: str, wait_s: float) -> str:
+        return (f"too many refused enrolments from {source}: try again in "
+                f"{math.ceil(wait_s)}s")

@@ -20,7 +20,7 @@ import torch
 
 from ..common import protocol as proto
 from ..common.errors import ProtocolError
-from ..common.job import BuiltJob, FlatModel, coded_gradient, evaluate, local_change
+from ..common.job import BuiltJob, EpochOrder, FlatModel, coded_gradient, evaluate, local_change
 from ..common.tensors import (TORCH_DTYPES, BufferPool, blob_chunks, buffer_vector, distance,
                               finite_norm, to_blob)
 from .aggregator import Aggregator, StalenessRule, merge_buffers
@@ -31,13 +31,13 @@ log = logging.getLogger("idlegrad.coordinator")
 
 class ModelState:
     def __init__(self, built: BuiltJob, optimizer: torch.optim.Optimizer, rule: StalenessRule,
-                 seed: int, result_dtype: str = "float32", version: int = 0,
+                 seed: EpochOrder, result_dtype: str = "float32", version: int = 0,
                  copy_threshold_bytes: int = 0, schedule=None, clip_norm: Optional[float] = None):
         self.built = built
         self.model: FlatModel = built.model
         self.optimizer = optimizer
         self.schedule = schedule
-        self.seed = seed
+        self.seed = seed  # the order parts index: a seed (full shuffle) or a ShardOrder
         self.aggregator = Aggregator(self.model, optimizer, rule, version, schedule, clip_norm)
         self.result_dtype = (self.model.dtype if result_dtype == "float32"
                              else TORCH_DTYPES[result_dtype])

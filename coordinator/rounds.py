@@ -107,9 +107,13 @@ class RoundCore:
     def stop(self, now: float) -> list:
         return self.interpret(self.scheduler.stop(), now)
 
-    def seen(self, worker_id: str, state: Optional[str], now: float) -> list:
+    def seen(self, worker_id: str, state: Optional[str], now: float,
+             shards: Optional[list[int]] = None) -> list:
         """A heartbeat: the worker is alive, and says whether its owner needs the machine (or
-        has spent the day's transfer allowance)."""
+        has spent the day's transfer allowance), and (`shards`, when they changed) which shards
+        of the training set it holds."""
+        if shards is not None:
+            self.scheduler.holdings(worker_id, shards)
         record = self.scheduler.workers.get(worker_id)
         was_paused = record is not None and record.paused_since is not None
         was_capped = record is not None and record.state == "capped"
@@ -230,6 +234,17 @@ class RoundCore:
         if self.identity(worker_id) != identity:
             return out  # the id is someone else's now (the banned one left; another key took it)
         return out + [Ban(worker_id)] + self._leave(worker_id, "banned", now)
+
+    def expel(self, identity: str, reason: str, now: float) -> list:
+        """The operator banned `identity`: each of its workers is sent home as banned (told
+        `reason`) and its slots go back to the pool."""
+        out: list = []
+        for worker_id in [w for w, i in self.identities.items() if i == identity]:
+            self.counters["workers_banned"] += 1
+            out += [Event("banned", f"{worker_id} banned by the operator", worker_id,
+                          logging.WARNING), Ban(worker_id, reason)]
+            out += self._leave(worker_id, "banned by the operator", now)
+        return out
 
     def compute_request(self, slot_id: int) -> Optional[Compute]:
         """What computing slot `slot_id` here takes; None once its round has closed."""

@@ -39,6 +39,10 @@ Tasks: the `task_mode` (local.TaskMode) says what a slot computes. Gradient slot
 are sized by the configured batch; local slots by the task mode, for the worker that opens the
 round, and each carries its number of inner steps. `Assign` and `slot_task` say both.
 
+Locality (locality.py): with a shard-aware order the sampler plans block by block, a round
+opened by a worker comes from its home block, and a worker takes pending slots of its own blocks
+before others' (`_next_slot_for(local=True)`); each `Assign` carries its prefetch hint.
+
 Scale (issue 8): no call walks the whole fleet. `tick` takes from heaps of due times (a worker's
 silence, a pause's grace, a slot's deadline, the moment a worker's slot may turn late) only the
 entries that are due, checks each against the live record (stale entries are dropped), and
@@ -63,12 +67,14 @@ from ..common.coding import Code, Redundancy
 from ..common.errors import ConfigError
 from . import adaptive
 from .local import TaskMode, check_redundancy, inner_steps
+from .locality import Locality
 from .sampler import Part, Sampler
 from .speed import SpeedModel, WorkerSpeed
 from .verified_rows import VerifiedRows
 
 
 _RECHECK_FLEET = 256  # fleets up to this size look at a newcomer's slots every tick
+_LOCAL_SCAN = 64  # locality: pending slots looked at for one of a worker's own shards
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,7 @@ class Assign:
     send_model: bool  # the worker's cached model is not at `version`
     kind: str = "gradient"  # gradient | local (local.TaskMode)
     steps: int = 0  # local: inner steps; gradient: 0
+    prefetch: tuple[int, ...] = ()  # locality: shards the worker should fetch ahead
 
 
 @dataclass(frozen=True)
@@ -265,6 +272,7 @@ class Round:
     covered: set[int] = field(default_factory=set)  # partitions some arrived row covers
     copies: dict[tuple, list[int]] = field(default_factory=dict)  # row -> slots computing it
     verified: Optional[VerifiedRows] = None  # verify_replicas: its held copies, by row
+    block: Optional[tuple[int, int]] = None  # locality: (epoch, block) its samples lie in
 
     @property
     def samples(self) -> int:
@@ -273,9 +281,13 @@ class Round:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, sampler: Sampler, version: int = 0,
-                 next_id: int = 1, *, task_mode: Optional[TaskMode] = None):
-        """`task_mode`: what a slot computes (local.parse_task); None: coded gradients."""
+                 next_id: int = 1, *, task_mode: Optional[TaskMode] = None,
+                 locality: Optional[Locality] = None):
+        """`task_mode`: what a slot computes (local.parse_task); None: coded gradients.
+        `locality`: prefer slots whose shards a worker holds (the sampler plans by blocks)."""
         self.task_mode = task_mode if task_mode is not None else TaskMode()
+        # Synchronous rounds take every worker: there is no choosing whose shards to use.
+        self.locality = locality if not config.sync else None
         check_redundancy(self.task_mode, config.redundancy, config.sync)
         self.config = config
         self.sampler = sampler
@@ -384,6 +396,12 @@ class Scheduler:
                     worker.paused_since = None
                 worker.state = state
                 self._update_hunger(worker)
+
+    def holdings(self, worker_id: str, shards: list[int]) -> None:
+        """The shards of the training set `worker_id` holds now (its cache): locality prefers
+        giving it slots of those."""
+        if self.locality is not None and worker_id in self.workers:
+            self.locality.report(worker_id, shards)
 
     def result(self, worker_id: str, slot_id: int, compute_s: float,
                now: float, waited_s: float = 0.0) -> tuple[bool, list[Action]]:
@@ -812,6 +830,8 @@ class Scheduler:
 
     def _remove(self, worker_id: str, reason: str, now: float) -> list[Action]:
         worker = self.workers.pop(worker_id)
+        if self.locality is not None:
+            self.locality.forget(worker_id)
         self._hungry.pop(worker_id, None)
         self._draining.discard(worker_id)
         requeued = 0
@@ -834,7 +854,11 @@ class Scheduler:
         k = self.config.partitions
         if self.config.sync:
             k = max(1, len(self._active()))
-        parts = self.sampler.next_round(self._round_batch(k, worker), k)
+        block = None
+        if self.locality is not None and worker is not None:
+            block = self.locality.block_for(worker.id, self.sampler.epoch,
+                                            self.sampler.open_blocks())
+        parts = self.sampler.next_round(self._round_batch(k, worker), k, block)
         if parts is None:
             return False
         code = coding.build(self._policy(len(parts)), len(parts))
@@ -860,7 +884,8 @@ class Scheduler:
             slot_ids[row] = slot.id
             self._pending.append(slot.id)
         round_ = Round(round_id, self.version, list(parts), code, slot_ids,
-                       verified=VerifiedRows() if self.config.verify_replicas else None)
+                       verified=VerifiedRows() if self.config.verify_replicas else None,
+                       block=self.sampler.block_of(parts[0]) if self.locality else None)
         for slot_id in slot_ids:
             round_.copies.setdefault(tuple(self.slots[slot_id].row), []).append(slot_id)
         self.rounds[round_id] = round_
@@ -932,12 +957,15 @@ class Scheduler:
         self._next_id += 1
         return self._next_id - 1
 
-    def _next_slot_for(self, worker: WorkerRecord) -> Optional[Slot]:
+    def _next_slot_for(self, worker: WorkerRecord, local: bool = False) -> Optional[Slot]:
         """The oldest pending slot for `worker`: never one it holds or a copy of a row it holds,
         and none of a redundant round it already holds a slot of, so that one stopped worker
-        never holds two slots of one round (it takes the next when it answers)."""
+        never holds two slots of one round (it takes the next when it answers). `local`: only
+        a slot whose shards it holds or may take anyway (locality), among the first
+        `_LOCAL_SCAN` pending."""
         if not self._pending:
             return None
+        scan = _LOCAL_SCAN if local else math.inf
         mine: list[Slot] = []
         rows: set = set()
         rounds: set = set()
@@ -947,7 +975,8 @@ class Scheduler:
             rounds = {s.round for s in mine}
         skipped: list[int] = []
         found = None
-        while self._pending:
+        while self._pending and scan > 0:
+            scan -= 1
             slot_id = self._pending.popleft()
             slot = self.slots.get(slot_id)
             if slot is None or slot.arrived or slot.dead:
@@ -965,11 +994,23 @@ class Scheduler:
                         self.config.sync or self.rounds[slot.round].code.tolerance > 0))):
                 skipped.append(slot_id)
                 continue
+            if local and not self._local_for(worker, slot):
+                skipped.append(slot_id)
+                continue
             slot.queued = False
             found = slot
             break
         self._pending.extendleft(reversed(skipped))
         return found
+
+    def _local_for(self, worker: WorkerRecord, slot: Slot) -> bool:
+        """Whether the locality pass may give `slot` to `worker`."""
+        round_ = self.rounds[slot.round]
+        # A round's age in versions over the rounds open: about the slot times it has waited
+        # (each open round steps the version once per slot time, roughly).
+        waited = (self.version - round_.version) / max(1, len(self.rounds))
+        return (self.locality.affine(worker.id, round_.block)
+                or self.locality.anybodys(round_.block, waited, slot.speculated))
 
     def _fill(self, now: float) -> list[Action]:
         actions: list[Action] = []
@@ -994,11 +1035,16 @@ class Scheduler:
                     return actions  # nothing left for the rest of the pass either
                 worker = self.workers[worker_id]
                 if worker.free > 0 and not (self.config.sync and worker.assigned):
-                    slot = self._next_slot_for(worker)
+                    # With locality: a pending slot of its shards, else a round of its own
+                    # block, else whatever is pending.
+                    local = self.locality is not None
+                    slot = self._next_slot_for(worker, local)
                     if slot is None and can_open:
                         can_open = self._open_round(worker)  # a round that cannot open now stays so
                         if can_open:
-                            slot = self._next_slot_for(worker)
+                            slot = self._next_slot_for(worker, local)
+                    if slot is None and local:
+                        slot = self._next_slot_for(worker)
                     if slot is not None:
                         actions.append(self._assign(worker, slot, now))
                         progress = True
@@ -1043,11 +1089,15 @@ class Scheduler:
         else:
             slot.with_model.discard(worker.id)
         worker.model_version = round_.version
+        prefetch = ()
+        if self.locality is not None:
+            prefetch = self.locality.hint(worker.id, self.sampler.epoch, self.sampler.open_blocks,
+                                          self.sampler.block_left)
         return Assign(
             worker=worker.id, slot=slot.id, round=round_.id, version=round_.version,
             parts=[list(round_.parts[j]) for j, _ in slot.row],
             coefficients=[c for _, c in slot.row], deadline_s=deadline - now,
-            send_model=send_model, kind=slot.kind, steps=slot.steps)
+            send_model=send_model, kind=slot.kind, steps=slot.steps, prefetch=prefetch)
 
 
 def _queue_order(code: Code) -> list[int]:

@@ -23,10 +23,10 @@ from ..common import protocol as proto
 from ..common.aio import on_reload_signal, on_stop_signals
 from ..common.errors import ConfigError, ProtocolError
 from ..common.throttle import Throttle
-from . import blobserve, enrolment, evaluation
+from . import bans, blobserve, enrolment, evaluation
 from .config import CoordinatorConfig, check, load_key_lists
 from .effects import Applied, Ban, Compute, Event, Used
-from .gate import BANNED, Gate, KeyLists
+from .gate import BANNED, REVOKED, Gate, KeyLists
 from .records import RunRecords
 from .scheduler import Assign, CancelSlots, Drained, Evicted
 from .status import EVENTS_PER_STATUS, coordinator_snapshot
@@ -46,6 +46,9 @@ class Coordinator:
         self.training = Training(config, checked, zmq.COPY_THRESHOLD)
         self.core = self.training.core
         self.gate = Gate(checked.keys, self.core.trust.is_banned)
+        self.bans_path = bans.path_for(config.enrolled, config.checkpoint_dir)
+        self.gate.load_bans(bans.load(self.bans_path))
+        self.enrolment: Optional[enrolment.Endpoint] = None  # with --enrolled, while serving
         self._acks_due: dict[str, int] = {}  # worker id -> the slot of the result being taken
         self._computing: Optional[asyncio.Future] = None  # the core's Compute in flight
         self._bad_logged = Throttle()  # bad messages, however hostile the peer
@@ -77,7 +80,7 @@ class Coordinator:
     async def _serve(self) -> str:
         tune_gc()
         self.transport = transport = ZmqTransport(self.config.bind, self.keypair, self._allow)
-        enrolling = enrolment.start(self)  # None without --enrolled
+        self.enrolment = enrolling = enrolment.start(self)  # None without --enrolled
         on_stop_signals(self._on_signal)
         if self.gate.secure:
             on_reload_signal(lambda: asyncio.ensure_future(self.reload_keys()))
@@ -257,7 +260,7 @@ class Coordinator:
             self.counters["messages_unlisted_key"] += 1
             worker_id = self.gate.peers.get(route)
             if worker_id is not None:
-                await self._forget(worker_id, "key revoked")
+                await self._revoke_worker(worker_id)
             return
         try:
             msg = proto.decode(frames[1:])
@@ -328,7 +331,8 @@ class Coordinator:
             job=training.job.name, job_args=training.job_args, fingerprint=training.fingerprint,
             seed=self.config.seed, heartbeat_s=self.config.heartbeat_s,
             liveness=self.config.liveness, instance=training.instance, holding=holding,
-            result_dtype=self.config.result_dtype, blob_mirrors=list(self.config.blob_mirrors)))
+            result_dtype=self.config.result_dtype, blob_mirrors=list(self.config.blob_mirrors),
+            shuffle_window=training.shuffle_window))
         if resumed:  # tasks sent down its old connection may be lost: it ignores the ones it has
             await self.perform(self.core.resend(msg.worker_id, now))
 
@@ -371,7 +375,7 @@ class Coordinator:
 
     async def _on_heartbeat(self, route: bytes, msg: proto.Heartbeat, key) -> None:
         worker_id = self._worker_of(route)
-        await self.perform(self.core.seen(worker_id, msg.state, time.monotonic()))
+        await self.perform(self.core.seen(worker_id, msg.state, time.monotonic(), msg.shards))
         if msg.cache is not None and self.training.blobs is not None:
             self.training.blobs.report(worker_id, msg.cache)
         await self._send(route, proto.Heartbeat(state="coordinator"))
@@ -429,19 +433,86 @@ class Coordinator:
         await self._send(route, proto.Status(snapshot=self.snapshot(msg.cursor)))
 
     async def _on_control(self, route: bytes, msg: proto.Control, key) -> None:
-        ok, detail = await self.control(msg.action, msg.worker)
+        ok, detail = await self.control(msg.action, msg.worker, msg.invitation)
         await self._send(route, proto.ControlReply(action=msg.action, ok=ok, detail=detail))
 
-    async def control(self, action: str, worker: Optional[str] = None) -> tuple[bool, str]:
-        """An operator's command (from a monitor): pause, resume, or drain a worker."""
-        ok, detail, effects = self.core.control(action, worker, time.monotonic())
+    async def control(self, action: str, worker: Optional[str] = None,
+                      invitation: Optional[str] = None) -> tuple[bool, str]:
+        """An operator's command (from a monitor or `idlegrad ban` / `invite`): pause, resume,
+        drain, ban or unban a worker, revoke an invitation."""
+        now = time.monotonic()
+        if action in ("ban", "unban"):
+            ok, detail, identity = self.gate.ban(action, worker, self.core.identities,
+                                                 self.training.credits.named)
+            if ok and action == "ban":
+                reason = self.gate.ban_reason(identity) or BANNED
+                await self.perform(self.core.expel(identity, reason, now))
+            if ok:
+                self._event(action, f"{detail} by the operator", level=logging.WARNING)
+                detail += self._save_bans()
+            return ok, detail
+        if action == "revoke":
+            return self._revoke_invitation(invitation)
+        ok, detail, effects = self.core.control(action, worker, now)
         await self.perform(effects)
         return ok, detail
 
+    def _save_bans(self) -> str:
+        """Keep the operator's bans for the next run; what the reply adds about it."""
+        if self.bans_path is None:
+            return " (until this coordinator stops: it has no --enrolled or --checkpoint-dir)"
+        try:
+            bans.save(self.bans_path, self.gate.bans)
+        except OSError as exc:
+            self._event("bans", f"cannot save the bans in {self.bans_path}: {exc}",
+                        level=logging.ERROR)
+            return f" (but not saved: {exc.strerror or exc})"
+        return ""
+
+    def _revoke_invitation(self, invitation: Optional[str]) -> tuple[bool, str]:
+        if self.enrolment is None:
+            return False, "this coordinator enrols no one (it has no --enrolled folder)"
+        done = self.enrolment.store.revoke(invitation, time.time())
+        if done is None:
+            return False, f"no invitation {invitation} here"
+        if done:
+            self._event("revoked", f"invitation {invitation} revoked by the operator")
+        return True, (f"invitation {invitation} {'revoked' if done else 'was already revoked'} "
+                      "(keys it enrolled stay: `idlegrad ban` them)")
+
+    async def _on_invite(self, route: bytes, msg: proto.Invite, key) -> None:
+        if self.enrolment is None:
+            reply = proto.Invited(ok=False, reason="this coordinator enrols no one (it has no "
+                                                   "--enrolled folder)")
+        else:
+            try:
+                inv, text = enrolment.issue(self.enrolment.store, msg.address, self.keypair[0],
+                                            msg.uses, msg.expires_s, msg.name, time.time())
+            except ConfigError as exc:
+                reply = proto.Invited(ok=False, reason=str(exc)[:200])
+            else:
+                self.counters["invitations_minted"] += 1
+                self._event("invited", f"invitation {inv.id} minted by the operator ({inv.uses} "
+                                       f"use{'' if inv.uses == 1 else 's'})")
+                reply = proto.Invited(ok=True, token=text, invitation=inv.id, expires=inv.expires)
+        await self._send(route, reply)
+
+    async def _on_credit(self, route: bytes, msg: proto.CreditRequest, key) -> None:
+        credits = self.training.credits
+        identity, refusal = self.gate.credit_of(key, msg.worker, credits.named)
+        if refusal is not None:
+            self.counters[refusal.counter] += 1
+            await self._send(route, refusal.reply(msg))
+            return
+        name, row = credits.row(identity)
+        await self._send(route, proto.Credit(ok=True, worker=name[:200], row=row,
+                                             identities=len(credits.accounts)))
+
     _HANDLERS = {proto.Hello: _on_hello, proto.Ready: _on_ready, proto.Result: _on_result,
                  proto.Heartbeat: _on_heartbeat, proto.Bye: _on_bye, proto.Fetch: _on_fetch,
-                 proto.Handback: _on_handback,
-                 proto.StatusRequest: _on_status, proto.Control: _on_control}
+                 proto.Handback: _on_handback, proto.StatusRequest: _on_status,
+                 proto.Control: _on_control, proto.Invite: _on_invite,
+                 proto.CreditRequest: _on_credit}
 
     async def reload_keys(self) -> None:
         """Re-read the key folders (SIGHUP): new keys may connect; a removed key's connections
@@ -459,9 +530,15 @@ class Coordinator:
         revoked_workers, revoked = self.gate.reload(keys)
         self._event("keys", f"key folders re-read: {keys.describe()}; {revoked} revoked")
         for worker_id in revoked_workers:
-            self.counters["workers_revoked"] += 1
             self._event("revoked", f"{worker_id}: key revoked", worker_id, logging.WARNING)
-            await self._forget(worker_id, "key revoked")
+            await self._revoke_worker(worker_id)
+
+    async def _revoke_worker(self, worker_id: str) -> None:
+        """Its key lost the worker role: told why (else it would take the silence for an
+        outage, and retry for ever), then evicted."""
+        self.counters["workers_revoked"] += 1
+        await self._tell(worker_id, proto.Reject(code="revoked", reason=REVOKED))
+        await self._forget(worker_id, "key revoked")
 
     async def _forget(self, worker_id: str, reason: str) -> None:
         """Evict a worker now (revoked): its slots go back to the pool, and nothing more from
@@ -487,7 +564,8 @@ class Coordinator:
             elif isinstance(effect, Compute):
                 self._start_computing(effect)
             elif isinstance(effect, Ban):
-                await self._tell(effect.worker, proto.Reject(code="banned", reason=BANNED))
+                await self._tell(effect.worker, proto.Reject(code="banned",
+                                                             reason=effect.reason or BANNED))
                 self.gate.forget(effect.worker)
             elif isinstance(effect, Drained):
                 await self._tell(effect.worker, proto.Shutdown(reason="drained by the operator"))
@@ -513,7 +591,7 @@ class Coordinator:
             coefficients=action.coefficients, deadline_s=min(action.deadline_s, 1e9), model=model,
             acks=[] if ack is None else [ack], kind=action.kind, steps=action.steps,
             buffers=model_state.buffers_blob(action.version) if model is not None else None,
-            snapshot=snapshot, snapshot_bytes=snapshot_bytes),
+            prefetch=list(action.prefetch), snapshot=snapshot, snapshot_bytes=snapshot_bytes),
             track=track)
         if track:
             model_state.tracked(action.version, tracker)

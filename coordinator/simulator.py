@@ -29,6 +29,14 @@ The model, and what it leaves out:
   its slot was planned at, and applied through the real `Aggregator`, so staleness shows in the
   test metric).
 
+- Data (`shards` > 0): the training set is cut into equal shards of `shard_bytes`. A worker
+  fetches the shards a task reads that it does not hold before computing it, one download after
+  another over its own link (its bandwidth), and the shards a prefetch hint names as soon as the
+  hint arrives; its cache keeps at most `cache_shards` (least recently used out). It reports its
+  shards in heartbeats, as the daemon does. With `locality` the epoch order is shard-aware and the
+  scheduler prefers a worker's shards (coordinator/locality.py); without, a full shuffle, and any
+  slot reads nearly every shard. The bytes each worker downloaded are in the result.
+
 `simulate()` runs one mode; `compare()` runs several on the same fleet, sessions and seed.
 """
 
@@ -38,17 +46,20 @@ import csv
 import heapq
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from ..common import coding
 from ..common.errors import ConfigError
+from ..common.permutation import ShardOrder, epoch_blocks, part_indices
 from .aggregator import StalenessRule
 from .effects import Applied, Compute, Replanned, Used
 from .local import parse_task
+from .locality import Locality, group_for
 from .rounds import RoundCore
 from .sampler import Sampler
 from .scheduler import Assign, CancelSlots, Evicted, Scheduler, SchedulerConfig
@@ -230,6 +241,11 @@ class SimConfig:
     verify_replicas: bool = False  # with replicate:R, a row counts once two copies agree
     task: str = "gradient"  # what a slot computes: gradient | local:H | local:auto
     seed: int = 0
+    shards: int = 0  # the training set in this many equal shards that workers fetch; 0: local data
+    shard_bytes: int = 64 * 2**20
+    locality: bool = True  # sharded data: the shard-aware order and the scheduler's preference
+    shuffle_window: int = 4  # shards whose samples are shuffled together
+    cache_shards: Optional[int] = None  # shards a worker's cache keeps; None: no limit
 
 
 # events, in order of kind at equal times
@@ -240,7 +256,7 @@ _TO_COORDINATOR = (_HELLO, _READY, _RESULT, _BYE, _BEAT)
 
 class _Worker:
     __slots__ = ("spec", "online", "session", "available", "queue", "current", "started", "rng",
-                 "sessions")
+                 "sessions", "shards", "link_free", "downloaded", "shards_said")
 
     def __init__(self, spec: WorkerSpec, sessions, rng):
         self.spec = spec
@@ -252,6 +268,11 @@ class _Worker:
         self.started = 0.0
         self.rng = rng
         self.sessions = sessions
+        # sharded data: shard -> when it is (or was) whole in the cache, least recently used first
+        self.shards: OrderedDict[int, float] = OrderedDict()
+        self.link_free = 0.0  # when its link finishes the downloads queued on it
+        self.downloaded = 0  # bytes of shards fetched
+        self.shards_said: Optional[list[int]] = None  # as the scheduler last heard
 
 
 @dataclass
@@ -281,11 +302,24 @@ class ModeResult:
     series: list[dict] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)  # real gradients: the last evaluation
     codes: dict = field(default_factory=dict)
+    downloaded: dict = field(default_factory=dict)  # sharded data: worker -> bytes of shards
+    data_bytes: int = 0  # sharded data: the training set's bytes
+
+    @property
+    def download_ratio(self) -> Optional[float]:
+        """The most any worker downloaded over its share of the data (data / workers)."""
+        if not self.downloaded or not self.data_bytes:
+            return None
+        return max(self.downloaded.values()) / (self.data_bytes / len(self.downloaded))
 
     def summary(self) -> dict:
-        return {"samples_per_s": round(self.samples_per_s, 3),
-                "wasted_fraction": round(self.wasted_fraction, 4),
-                "mean_staleness": round(self.mean_staleness, 3)}
+        out = {"samples_per_s": round(self.samples_per_s, 3),
+               "wasted_fraction": round(self.wasted_fraction, 4),
+               "mean_staleness": round(self.mean_staleness, 3)}
+        if self.downloaded:
+            out["download_ratio"] = round(self.download_ratio, 3)
+            out["downloaded_mb"] = round(sum(self.downloaded.values()) / 2**20, 1)
+        return out
 
 
 class CostlessGradients:
@@ -415,14 +449,27 @@ class Simulation:
         self.gradients = gradients or CostlessGradients(config.train_samples, config.batch_size,
                                                         rule)
         self.target = target
-        self.sampler = Sampler(self.gradients.train_samples)
+        per_shard = self._shard_samples(config)
+        self.shard_of: Optional[np.ndarray] = None  # sample -> its shard (sharded data)
+        self.order = config.seed  # a full shuffle, or the shard-aware order
+        if per_shard:
+            self.shard_of = np.repeat(np.arange(len(per_shard)), per_shard)
+            if config.locality:
+                self.order = ShardOrder(config.seed, per_shard, config.shuffle_window)
+        sharded = isinstance(self.order, ShardOrder)
+        if sharded and hasattr(self.gradients, "seed"):
+            self.gradients.seed = self.order  # real gradients read the order the plan names
+        self.sampler = Sampler(self.gradients.train_samples, blocks=(
+            partial(epoch_blocks, self.order) if sharded else None))
+        redundancy_policy = coding.parse_redundancy(redundancy)
         self.scheduler = scheduler_class(SchedulerConfig(
             batch_size=self.gradients.batch_size, partitions=config.partitions,
             open_rounds=config.open_rounds, heartbeat_s=config.heartbeat_s,
             liveness=config.liveness, min_deadline_s=config.task_timeout_s,
-            redundancy=coding.parse_redundancy(redundancy), sync=sync,
+            redundancy=redundancy_policy, sync=sync,
             speculate=config.speculate, verify_replicas=config.verify_replicas), self.sampler,
-            task_mode=parse_task(config.task))
+            task_mode=parse_task(config.task),
+            locality=Locality(self.order, group_for(redundancy_policy)) if sharded else None)
         # the server's own round core: the same decode, step, replan, compare and settle
         self.core = RoundCore(self.scheduler, self.gradients, TrustPolicy(TrustConfig()))
         self.rng = np.random.default_rng(config.seed)
@@ -457,6 +504,18 @@ class Simulation:
         self.series: list[dict] = []
         self.metrics: dict = {}
         self._last_sample = (0.0, 0, 0.0)
+
+    def _shard_samples(self, config: SimConfig) -> tuple[int, ...]:
+        """Samples per shard of the emulated sharded data (nearly equal); () for local data."""
+        if not config.shards:
+            return ()
+        n = self.gradients.train_samples
+        if not 1 <= config.shards <= n:
+            raise ConfigError(f"--shards must be from 1 to the {n} training samples")
+        if config.shuffle_window < 1:
+            raise ConfigError("--shuffle-window must be at least 1")
+        bounds = np.linspace(0, n, config.shards + 1).round().astype(np.int64)
+        return tuple(int(x) for x in np.diff(bounds))
 
     # the event queue -------------------------------------------------------------------------
 
@@ -557,6 +616,8 @@ class Simulation:
     def _task(self, w: _Worker, session: int, task: tuple) -> None:
         if session != w.session or not w.online:
             return  # the worker it was sent to has gone (sent before the scheduler noticed)
+        if self.shard_of is not None:
+            self._fetch(w, task[2].prefetch)
         w.queue.append(task)
         if w.current is None:
             self._start(w)
@@ -566,13 +627,38 @@ class Simulation:
             return
         task = w.queue.popleft()
         spec = w.spec
-        seconds = spec.s_per_sample * task[1] * spec.slowdown
+        ready = self._fetch(w, self._shards_read(task[2])) if self.shard_of is not None else 0.0
+        seconds = spec.s_per_sample * task[1] * spec.slowdown + max(0.0, ready - self.now)
         if spec.jitter:
             seconds *= math.exp(spec.jitter * w.rng.standard_normal())
         if spec.stall_p and w.rng.random() < spec.stall_p:
             seconds += spec.stall_s
         w.current, w.started = task, self.now
         self._at(self.now + seconds, _DONE, w, w.session, task[0])
+
+    def _shards_read(self, assign: Assign) -> list[int]:
+        shards: set[int] = set()
+        for epoch, offset, count in assign.parts:
+            indices = part_indices(self.order, self.gradients.train_samples, epoch, offset, count)
+            shards.update(np.unique(self.shard_of[indices]).tolist())
+        return sorted(shards)
+
+    def _fetch(self, w: _Worker, shards) -> float:
+        """Queue on `w`'s link the shards it lacks; returns when all of `shards` are whole."""
+        ready = self.now
+        cap = self.config.cache_shards
+        for shard in shards:
+            when = w.shards.get(shard)
+            if when is None:
+                w.link_free = max(w.link_free, self.now) + self.config.shard_bytes / w.spec.bandwidth
+                when = w.link_free
+                w.downloaded += self.config.shard_bytes
+                w.shards[shard] = when
+                while cap is not None and len(w.shards) > cap:
+                    w.shards.popitem(last=False)
+            w.shards.move_to_end(shard)
+            ready = max(ready, when)
+        return ready
 
     def _done(self, w: _Worker, session: int, slot: int) -> None:
         if session != w.session or w.current is None or w.current[0] != slot:
@@ -599,6 +685,11 @@ class Simulation:
             return
         self._charge(self.config.costs.per_message_s * self.beat_every / self.config.heartbeat_s,
                      "heartbeats")
+        if self.shard_of is not None:  # the shards whole in its cache, when they changed
+            held = sorted(k for k, when in w.shards.items() if when <= self.now)
+            if held != w.shards_said:
+                w.shards_said = held
+                self.scheduler.holdings(w.spec.id, held)
         t0 = time.perf_counter()
         self.scheduler.seen(w.spec.id, self.now)
         if self.now >= self.config.warmup_s:
@@ -765,7 +856,10 @@ class Simulation:
             heartbeat_us=1e6 * self.beat_s * self.cpu_share / max(1, self.beats), wall_s=wall,
             series=self.series, metrics=self.metrics,
             codes={k: stats["rounds_" + k] for k in ("none", "replicate", "cyclic")
-                   if stats["rounds_" + k]})
+                   if stats["rounds_" + k]},
+            downloaded=({w.spec.id: w.downloaded for w in self.workers.values()}
+                        if self.shard_of is not None else {}),
+            data_bytes=self.config.shards * self.config.shard_bytes)
 
 
 def simulate(fleet: Sequence[WorkerSpec], config: SimConfig, mode: str = "none",

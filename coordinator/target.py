@@ -32,7 +32,7 @@ class Target:
         if not name or not math.isfinite(number):
             raise ConfigError(f"target {text!r} must look like METRIC=VALUE, e.g. accuracy=0.95")
         if higher is None:
-            higher = not any(w in name.lower() for w in ("loss", "error", "perplexity"))
+            higher = not any(w in name.lower() for w in ("loss", "error", "perplexity", "bits_per"))
         return cls(name, number, higher)
 
     def reached(self, metrics: dict[str, float]) -> bool:

@@ -11,19 +11,22 @@ import os
 import socket as pysocket
 import time
 from collections import Counter, deque
+from functools import partial
 from typing import Callable, Optional
 
 import torch
 
 from ..common.errors import CheckpointError, ConfigError, JobError
-from ..common.job import (build, build_schedule, evaluate, load_job, make_optimizer,
+from ..common.job import (build, build_schedule, epoch_order, evaluate, load_job, make_optimizer,
                           reference_gradient_norm, resolve_factory)
+from ..common.permutation import ShardOrder, epoch_blocks
 from ..common.job import FlatModel
 from . import blobserve, checkpoint, outer, snapshots
 from .config import Checked, CoordinatorConfig, naming_job_args
 from .credits import Credits
 from .effects import Event
 from .evaluation import BAD_TARGET, CONTINUE, TARGET, EvaluationPlan
+from .locality import Locality, group_for
 from .model_state import ModelState
 from .rounds import RoundCore
 from .sampler import Sampler
@@ -61,6 +64,16 @@ class Training:
                 self.job_args = blobserve.job_args_with_data(
                     resolve_factory(config.job), self.job_args, self.pack[0])
             job = load_job(config.job, self.job_args)
+            if self.pack is None and job.data is None and job.pack is not None:
+                pack_dir = job.pack()
+                log.info("serving job %s's own pack %s", job.name, pack_dir)
+                self.pack = blobserve.open_pack(pack_dir, "the job's pack")
+                self.job_args = blobserve.job_args_with_data(
+                    resolve_factory(config.job), self.job_args, self.pack[0], "the job's pack")
+                job = load_job(config.job, self.job_args)
+            if self.pack is None and config.blob_mirrors:
+                raise ConfigError(f"--blob-mirror: job {job.name!r} has no packed data to mirror "
+                                  "(give --data DIR, the --out of idlegrad data pack)")
             if self.pack is not None and job.data != self.pack[0].sha256:
                 raise ConfigError(
                     f"--data {config.data_dir}: job {job.name!r} does not train on it (it declares "
@@ -95,15 +108,22 @@ class Training:
         else:
             optimizer = make_optimizer(job, module)
             schedule = build_schedule(job, optimizer)
-        self.sampler = Sampler(len(self.built.train), config.epochs)
         self.elapsed_before = 0.0  # training time of earlier runs resumed from a checkpoint
         self.metrics: dict[str, float] = {}
         state = checkpoint.load(config.checkpoint_dir) if config.checkpoint_dir else None
+        window = config.shuffle_window if config.locality else 0
+        if state is not None:
+            window = self._resume_order(state, window)
+        # The order every side reads the training set in (the welcome's shuffle_window)
+        self.order = epoch_order(self.built.train, config.seed, window)
+        sharded = isinstance(self.order, ShardOrder)
+        self.sampler = Sampler(len(self.built.train), config.epochs,
+                               blocks=partial(epoch_blocks, self.order) if sharded else None)
         version, next_id, samples = 0, 1, 0
         if state is not None:
             version, next_id, samples = self._resume(state)
         # Local tasks clip each inner step on the worker; the round's outer change is no gradient
-        self.model = ModelState(self.built, optimizer, config.staleness, config.seed,
+        self.model = ModelState(self.built, optimizer, config.staleness, self.order,
                                 config.result_dtype, version, copy_threshold_bytes, schedule,
                                 None if self.task_mode.local else job.clip_norm)
         if state is not None:
@@ -119,7 +139,8 @@ class Training:
                             pause_grace_s=config.pause_grace_s, redundancy=checked.redundancy,
                             sync=config.sync, max_batch=config.max_batch,
                             speculate=config.speculate, verify_replicas=config.verify_replicas),
-            self.sampler, version=version, next_id=next_id, task_mode=self.task_mode)
+            self.sampler, version=version, next_id=next_id, task_mode=self.task_mode,
+            locality=Locality(self.order, group_for(checked.redundancy)) if sharded else None)
         self.core = RoundCore(scheduler, self.model, self._trust(), samples_applied=samples)
         # saved with the model, so that after a crash they are the checkpoint's, as the samples
         self.credits = Credits.from_state(state.get("credits") if state is not None else None)
@@ -130,6 +151,11 @@ class Training:
         self.curve: deque[dict] = deque(maxlen=CURVE_POINTS)  # recent evaluations, for monitors
         self.instance = f"{pysocket.gethostname()}-{os.getpid()}-{time.time():.3f}"
         self.started = 0.0  # scheduler time the serving began
+
+    @property
+    def shuffle_window(self) -> int:
+        """What the welcome tells workers of the order: 0, the full shuffle; else the window."""
+        return self.order.window if isinstance(self.order, ShardOrder) else 0
 
     @property
     def job(self):
@@ -156,7 +182,7 @@ class Training:
         scratch = FlatModel(job.build_model())
         scratch.load(self.built.model.params)
         try:
-            reference = reference_gradient_norm(job, scratch, self.built.train, self.config.seed)
+            reference = reference_gradient_norm(job, scratch, self.built.train, self.order)
         except Exception as exc:  # the job's own code: one line, not a traceback
             raise JobError(f"job {job.name!r}: its loss failed on the first training samples: "
                            f"{type(exc).__name__}: {exc}"[:500]) from None
@@ -270,16 +296,26 @@ class Training:
 
     # checkpoints ------------------------------------------------------------------------------
 
+    def _resume_order(self, state: dict, window: int) -> int:
+        """The checkpoint's data order (seed, shuffle window) rules: the plan it saved names
+        positions in that order. Returns the window to use."""
+        if state["seed"] != self.config.seed:
+            log.warning("using the checkpoint's data seed %d, not %d", state["seed"],
+                        self.config.seed)
+            self.config.seed = int(state["seed"])
+        saved = int(state.get("shuffle_window", 0))
+        if epoch_order(self.built.train, 0, saved) != epoch_order(self.built.train, 0, window):
+            log.warning("using the checkpoint's epoch order (%s), not %s",
+                        f"shuffle window {saved}" if saved else "a full shuffle",
+                        f"shuffle window {window}" if window else "a full shuffle")
+        return saved
+
     def _resume(self, state: dict) -> tuple[int, int, int]:
         if state["fingerprint"] != self.built.fingerprint:
             raise CheckpointError(
                 f"the checkpoint in {self.config.checkpoint_dir} is for job {state['job']!r} "
                 f"(fingerprint {state['fingerprint']}), not this one ({self.built.fingerprint})")
         self.sampler.load_state_dict(state["sampler"])
-        if state["seed"] != self.config.seed:
-            log.warning("using the checkpoint's data seed %d, not %d", state["seed"],
-                        self.config.seed)
-            self.config.seed = int(state["seed"])
         self.elapsed_before = float(state["elapsed"])
         self.metrics = {str(k): float(v) for k, v in state.get("metrics", {}).items()}
         log.info("resumed from %s at version %d (%d samples applied)",
@@ -301,6 +337,7 @@ class Training:
             "task_kind": self.task_mode.kind,  # whose state "optimizer" is: the job's or the outer
             "sampler": sampler_state,
             "seed": self.config.seed,
+            "shuffle_window": self.shuffle_window,
             "samples": self.core.samples_applied,
             "next_id": self.scheduler.next_id(),
             "elapsed": self.elapsed(now),

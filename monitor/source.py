@@ -94,11 +94,12 @@ class ZmqStatusSource:
             return snap
 
     def control(self, action: str, worker: Optional[str] = None,
-                timeout: float = 2.0) -> tuple[bool, str]:
-        """Ask the coordinator to pause, resume or drain `worker`; (done?, what happened)."""
+                timeout: float = 2.0, invitation: Optional[str] = None) -> tuple[bool, str]:
+        """Ask the coordinator to pause, resume, drain, ban or unban `worker`, or revoke
+        `invitation`; (done?, what happened)."""
         with self._lock:
             try:
-                request = proto.Control(action=action, worker=worker)
+                request = proto.Control(action=action, worker=worker, invitation=invitation)
                 proto.decode(proto.encode(request))  # the coordinator's checks, before sending
             except ProtocolError as exc:
                 return False, f"invalid command: {exc}"
@@ -106,6 +107,12 @@ class ZmqStatusSource:
             if reply is None:
                 return False, f"the coordinator at {self.address} did not answer within {timeout:g}s"
             return reply.ok, reply.detail
+
+    def ask(self, request: proto.Message, kind: type, timeout: float = 2.0):
+        """Send `request` and return the coordinator's answer of type `kind`; None when it did
+        not answer in time or refused (`refused` then says why)."""
+        with self._lock:
+            return self._ask(request, kind, time.monotonic() + timeout)
 
     def _ask(self, request: proto.Message, kind: type, end: float):
         sock = self._socket()

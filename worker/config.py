@@ -179,7 +179,10 @@ def resolve_cores(spec: Optional[str], usable: int) -> Optional[int]:
 
 
 def _fail(where: str, key: str, problem: str) -> ConfigError:
-    return ConfigError(f"{where}: {KEY_OF.get(key, key)}: {problem}")
+    name = KEY_OF.get(key, key)
+    if where == "--" + name.replace("_", "-"):  # the flag already names the key
+        return ConfigError(f"{where}: {problem}")
+    return ConfigError(f"{where}: {name}: {problem}")
 
 
 def _number(value, where, key, *, integer=False, minimum=0.0, strict=False, upper=None,

@@ -38,7 +38,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 import psutil
 import torch
@@ -49,7 +49,7 @@ from .. import __version__
 from ..common import protocol as proto
 from ..common.aio import on_stop_signals
 from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
-from ..common.job import BuiltJob, Job, build, model_bytes
+from ..common.job import BuiltJob, Job, build, epoch_order, model_bytes
 from ..common.job_loading import builtin_job_names, load_job
 from ..common.security import KEYS_HINT, ClientKeys
 from ..common.tensors import blob_chunks, buffer_vector, to_blob
@@ -137,6 +137,20 @@ class Guest:
     def close(self) -> None:
         if self._state_log is not None:
             self._state_log.close()
+
+
+class _PrefetchGate:
+    """A prefetch yields to the owner too: it stops at the next block of a pause and is given
+    up (its partial file kept); the slot that needs the shard fetches it under its own gate."""
+
+    def __init__(self, running: threading.Event):
+        self._running = running
+
+    def stopping(self) -> bool:
+        return not self._running.is_set()
+
+    def wait(self) -> None:
+        raise CacheError("the owner needs the machine: prefetch given up until a slot needs it")
 
 
 class _Rehello(Exception):
@@ -230,6 +244,9 @@ class Worker:
         self._ask_again_at = 0.0  # capped: no slots asked for until then (time.monotonic())
         self._handback: list[int] = []  # slots to give back: their data is not here, nor can be
         self._announced: Optional[int] = None  # the credits last said in a READY
+        self._shards_said: Optional[list[int]] = None  # as this session's coordinator last heard
+        self._prefetch_told: list[int] = []
+        self._prefetching: Optional[asyncio.Future] = None
 
     @property
     def policy(self) -> IdlePolicy:
@@ -286,6 +303,11 @@ class Worker:
         reached within connect_timeout: PeerGone)."""
         backoff = 0.25
         give_up_at = self._deadline()
+        timeout = self.config.connect_timeout
+        # one line, so that a worker waiting for its coordinator is not taken for a hung one
+        log.info("connecting to the coordinator at %s (%s)", self.config.coordinator,
+                 f"giving up after {timeout:g}s without an answer" if timeout > 0
+                 else "until it answers")
         while self._stop is None:
             sock = self._socket(ctx)
             try:
@@ -379,7 +401,8 @@ class Worker:
         """For a job that declares its data by manifest: the cache, its sources set (the owner's
         mirrors, the coordinator's, the coordinator) and the manifest in it, fetched while the
         session stays alive. None for a job that builds its own data."""
-        key = (welcome.job, tuple(sorted(welcome.job_args.items())), welcome.seed)
+        key = (welcome.job, tuple(sorted(welcome.job_args.items())), welcome.seed,
+               welcome.shuffle_window)
         if self._built_for == key and self.built is not None and self.built.job.data is None:
             return None
         job = load_job(self._job_spec(welcome), welcome.job_args)
@@ -422,8 +445,7 @@ class Worker:
         try:
             while not task.done():
                 if time.monotonic() >= next_beat:
-                    await self._send(sock, proto.Heartbeat(state=self._beat_state(None),
-                                                           cache=self._cache_counters()))
+                    await self._send(sock, self._heartbeat(self._beat_state(None)))
                     next_beat = time.monotonic() + self.heartbeat_s
                 await asyncio.wait({task, recv}, timeout=max(0.0, next_beat - time.monotonic()),
                                    return_when=asyncio.FIRST_COMPLETED)
@@ -460,7 +482,8 @@ class Worker:
     def _prepare(self, welcome: proto.Welcome, store: Optional[BlobCache] = None) -> None:
         """Build the job the coordinator names, from this machine's own code (its data from
         `store` when it declares its data by manifest)."""
-        key = (welcome.job, tuple(sorted(welcome.job_args.items())), welcome.seed)
+        key = (welcome.job, tuple(sorted(welcome.job_args.items())), welcome.seed,
+               welcome.shuffle_window)
         if self._built_for != key:
             spec = self._job_spec(welcome)
             # The previous job is of no use now, and its memory is the next one's.
@@ -469,7 +492,8 @@ class Worker:
             self._check_memory(job)
             self.built = build(job, device=self.device, store=store)
             self._check_memory(job, self.built)
-            self.engine = Engine(self.built, welcome.seed, self.device)
+            order = epoch_order(self.built.train, welcome.seed, welcome.shuffle_window)
+            self.engine = Engine(self.built, order, self.device)
             self.engine.slowdown, self.engine.stall = self.config.slowdown, self.config.stall
             self.engine.poison = self.config.poison
             self.engine.store = self.cache
@@ -542,8 +566,9 @@ class Worker:
                     await self._send(sock, proto.Bye(reason=str(exc)[:500]))
                     raise
                 await self._resume(sock, welcome)
+                self._shards_said, self._prefetch_told = None, []  # a new session hears anew
                 if self.paused or self.capped:
-                    await self._send(sock, proto.Heartbeat(state=self._beat_state(None)))
+                    await self._send(sock, self._heartbeat(self._beat_state(None)))
                 await self._send_ready(sock)
                 log.info("joined %s: job %s, %d credits, %s with %d threads%s",
                          self.config.coordinator, welcome.job, self.config.credits, self.device,
@@ -612,8 +637,7 @@ class Worker:
                     return
                 now = time.monotonic()
                 if now >= next_beat:
-                    await self._send(sock, proto.Heartbeat(state=self._beat_state(computing),
-                                                           cache=self._cache_counters()))
+                    await self._send(sock, self._heartbeat(self._beat_state(computing)))
                     next_beat = now + self.heartbeat_s
                     if self._credits() != self._announced:  # capped: time to ask again, or back
                         await self._announce(sock, computing)
@@ -722,6 +746,46 @@ class Worker:
             if held is not None:
                 self.engine.release(held[0], held[1])
 
+    def _heartbeat(self, state: str) -> proto.Heartbeat:
+        """A heartbeat: the cache's counters, and the shards this worker holds when they changed
+        since it last said (a bounded, sorted list, for the coordinator's locality)."""
+        try:
+            shards = sorted({int(k) for k in self.held_shards() if int(k) >= 0})
+        except Exception as exc:  # the cache's hook: locality is a preference, work goes on
+            if self._refused_logged.ready(time.monotonic()):
+                log.warning("could not list the shards held: %s", exc)
+            shards = self._shards_said or []
+        shards = shards[:proto.MAX_HELD_SHARDS]
+        cache = self._cache_counters()
+        if shards == self._shards_said:
+            return proto.Heartbeat(state=state, cache=cache)
+        self._shards_said = shards
+        return proto.Heartbeat(state=state, shards=shards, cache=cache)
+
+    def _prefetch(self, shards: list[int]) -> None:
+        """The coordinator's hint of the shards this worker will need next: fetch the missing
+        ones ahead, one fetch at a time, in a thread (as the compute thread fetches on first
+        use; the cache downloads each blob once, whoever asks first)."""
+        if not shards or shards == self._prefetch_told or self.cache is None or self.manifest is None:
+            return
+        self._prefetch_told = list(shards)
+        if self._prefetching is not None and not self._prefetching.done():
+            return  # a hint lost costs a later fetch on first use, no more
+        wanted = [self.manifest.shards[k] for k in shards if 0 <= k < len(self.manifest.shards)]
+        held = set(self.cache.held(s.sha256 for s in wanted))
+        missing = [s for s in wanted if s.sha256 not in held]
+        if missing:
+            self._prefetching = asyncio.ensure_future(asyncio.to_thread(self._fetch_ahead, missing))
+
+    def _fetch_ahead(self, shards) -> None:
+        with self.cache.gated(_PrefetchGate(self._running)):
+            for shard in shards:
+                try:
+                    self.cache.path_of(shard.sha256, shard.size)
+                except Exception as exc:  # a guess: the slot that needs it fetches again
+                    log.info("prefetch of shard %s stopped: %s", shard.sha256[:12], exc)
+                    return
+
     def _beat_state(self, computing) -> str:
         if self.paused:
             return "paused"
@@ -732,7 +796,7 @@ class Worker:
     async def _announce(self, sock, computing) -> None:
         """Tell the coordinator at once that the guest paused or resumed (no slots while
         paused), or that the transfer cap was reached or its allowance returned."""
-        await self._send(sock, proto.Heartbeat(state=self._beat_state(computing)))
+        await self._send(sock, self._heartbeat(self._beat_state(computing)))
         await self._send_ready(sock)
 
     async def _send_ready(self, sock) -> None:
@@ -790,6 +854,7 @@ class Worker:
             if msg.acks:
                 self._drop_results(msg.acks)
             self._on_task(msg)
+            self._prefetch(msg.prefetch)
         elif isinstance(msg, proto.Cancel):
             cancelled = set(msg.slots)
             self._queue = deque(w for w in self._queue if w.slot not in cancelled)

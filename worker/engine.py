@@ -27,7 +27,7 @@ import torch
 from ..common import snapshot
 from ..common.blobs import BlobError
 from ..common.errors import ProtocolError
-from ..common.job import BuiltJob, FlatModel, accumulate_coded_gradient, local_change
+from ..common.job import BuiltJob, EpochOrder, FlatModel, accumulate_coded_gradient, local_change
 from ..common.tensors import BufferPool, buffer_vector, from_blob
 
 
@@ -79,7 +79,8 @@ class Outcome:
 class Engine:
     MICRO_BATCH_TARGET_S = 0.2  # far under the one-second promise to the machine's owner
 
-    def __init__(self, built: BuiltJob, seed: int, device: torch.device):
+    def __init__(self, built: BuiltJob, seed: EpochOrder, device: torch.device):
+        """`seed`: the order parts index (the welcome's seed, or its shard-aware order)."""
         self.built = built
         self.seed = seed
         self.device = device

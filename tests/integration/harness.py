@@ -172,8 +172,9 @@ class Cluster:
         self.address = f"tcp://127.0.0.1:{free_port()}"
         self.procs: list[Proc] = []
         self._statuses: list[Status] = []
-        # No configuration file of whoever runs the tests (~/.config/idlegrad/worker.toml).
-        self.env = dict(os.environ, XDG_CONFIG_HOME=str(directory / "xdg-config"))
+        # No configuration file or cache of whoever runs the tests (~/.config/idlegrad/worker.toml).
+        self.env = dict(os.environ, XDG_CONFIG_HOME=str(directory / "xdg-config"),
+                        XDG_CACHE_HOME=str(directory / "xdg-cache"))
 
     def spawn(self, name: str, *args: str) -> Proc:
         taken = {p.name for p in self.procs}

@@ -54,3 +54,22 @@ def test_worker_gives_up_on_an_unreachable_coordinator(cluster):
     assert took < 10, f"gave up only after {took:.1f}s"
     line = one_line(proc, logs_allowed=True)
     assert line.startswith("idlegrad worker: error:") and address in line
+
+
+def test_top_without_a_terminal_prints_one_snapshot_as_text(cluster):
+    """Piped or under a service manager, `idlegrad top` has no terminal to draw on: it says so
+    in one line and prints what `idlegrad status` prints, instead of escape codes or a
+    traceback."""
+    import subprocess
+    import sys
+
+    coordinator = cluster.coordinator("--job", "digits")
+    cluster.status().wait_for(lambda s: True, "the coordinator up", alive=[coordinator])
+    out = subprocess.run([sys.executable, "-m", "idlegrad.cli", "top", "--coordinator",
+                          cluster.address], stdin=subprocess.DEVNULL, capture_output=True,
+                         text=True, timeout=60, env=cluster.env)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "idlegrad top: not a terminal: one snapshot instead (idlegrad status)"]
+    assert f"idlegrad coordinator at {cluster.address}" in out.stdout and "\x1b" not in out.stdout
+    assert "workers: 0" in out.stdout, out.stdout

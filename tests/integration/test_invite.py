@@ -136,9 +136,12 @@ def test_invite_join_train_refuse_replay_expiry_forgery_and_restart(cluster):
     status.wait_for(lambda s: name in {w["id"] for w in s["workers"]} and s["version"] > version,
                     "the enrolled worker training after the restart", alive=[coordinator, worker])
     assert not status.events_of("refused"), status.events
-    # Revoked: the token's record is gone, the next use is refused as unknown.
+    # Revoked: the next use is refused as revoked, and the list shows it so.
     revoked = idlegrad(cluster.env, "invite", "--enrolled", enrolled, "--revoke", parsed.id)
     assert revoked.returncode == 0, revoked.stderr
     out = idlegrad(cluster.env, "worker", "join", token, "--config", other, "--timeout", "30")
-    assert out.returncode != 0 and "unknown or revoked" in out.stderr, out.stderr
+    assert out.returncode != 0 and "invitation revoked" in out.stderr, out.stderr
+    listed = idlegrad(cluster.env, "invite", "--enrolled", enrolled, "--list")
+    assert any(parsed.id in line and line.endswith("revoked")
+               for line in listed.stdout.splitlines()), listed.stdout
     cluster.assert_no_tracebacks()

@@ -46,12 +46,31 @@ from idlegrad.coordinator.target import Target
     (["credits", "--coordinator", "127.0.0.1:5555"], "not a ZeroMQ address"),
     (["credits", "--checkpoint-dir", "/no/such/dir"], "--checkpoint-dir /no/such/dir: no checkpoint"),
     (["credits", "--coordinator", "tcp://127.0.0.1:1", "--secret-key", "x"], "go together"),
+    # the fleet's commands
+    (["ban", "--coordinator", "nope", "w1"], "--coordinator 'nope' is not a ZeroMQ address"),
+    (["ban", "--coordinator", "tcp://127.0.0.1:1", "--secret-key", "x", "w1"], "go together"),
+    (["invite", "--list"], "--list reads the coordinator's --enrolled folder"),
+    (["invite", "--coordinator", "tcp://127.0.0.1:5555", "--secret-key", "x"],
+     "or --coordinator, --coordinator-key and an operator's --secret-key"),
+    (["invite", "--coordinator", "tcp://*:5555", "--coordinator-key", "k", "--secret-key", "x"],
+     "not a bind address"),
+    (["invite", "--coordinator", "tcp://h:5555", "--expires", "soon"], "--expires 'soon'"),
+    (["worker", "status", "--coordinator", "nope"], "--coordinator: 'nope' is not a ZeroMQ"),
 ])
 def test_usage_errors(run_cli, argv, needle):
     result = run_cli(argv)
     assert result.code == EXIT_USAGE == 2
     assert needle in result.one_line_error()
     assert result.out == ""
+
+
+def test_a_flags_error_names_the_flag_once(run_cli):
+    line = run_cli(["worker", "--coordinator", "foo"]).one_line_error()
+    assert line == ("idlegrad worker: error: --coordinator: 'foo' is not a ZeroMQ address like "
+                    "tcp://127.0.0.1:5555")
+    # where the flag and the file's key differ, both are named
+    assert "--cpu-max: idle.cpu_others_max_pct:" in run_cli(
+        ["worker", "--cpu-max", "200"]).one_line_error()
 
 
 @pytest.mark.parametrize("target", ["accuracy", "accuracy=high", "=0.5", "acc<0.5", "loss<=nan",

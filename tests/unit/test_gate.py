@@ -117,3 +117,81 @@ def test_reload_takes_roles_away_and_evicts_who_may_no_longer_work():
 def test_describe_counts_each_role():
     assert gate().describe() == "2 worker keys, 1 monitor key, 2 operator keys"
     assert gate(keys=None).describe() == "no keys"
+
+
+# the operator's bans, and who reads which credit ------------------------------------------------
+
+def nobody(name):
+    return None
+
+
+def test_an_operators_ban_names_a_worker_its_name_or_its_key_and_holds_for_its_hello():
+    g = gate()
+    g.connect("w1", b"one", WORKER)
+    identities = {"w1": "key:" + WORKER.decode()}
+    ok, detail, identity = g.ban("ban", "w1", identities, nobody)
+    assert ok and identity == "key:" + WORKER.decode() and "banned" in detail
+    refusal = g.admit(WORKER, HELLO, b"two")
+    assert refusal.counter == "hello_banned" and "operator" in refusal.reason
+    assert g.admit(WORKER, proto.Heartbeat(state="idle"), b"one").counter == \
+        "messages_banned_key"
+    assert g.ban("ban", "w1", identities, nobody)[1].endswith("already banned")
+    # a worker gone, known by name to the credits; a key in Z85; an unknown name
+    named = {"gone": "key:" + BOTH.decode()}.get
+    assert g.ban("ban", "gone", {}, named)[2] == "key:" + BOTH.decode()
+    assert g.ban("ban", MONITOR.decode(), {}, nobody)[2] == "key:" + MONITOR.decode()
+    ok, detail, _ = g.ban("ban", "stranger", {}, nobody)
+    assert not ok and "no worker or key" in detail
+    assert set(g.bans) == {"key:" + k.decode() for k in (WORKER, BOTH, MONITOR)}
+    # lifted
+    assert g.ban("unban", "w1", identities, nobody)[0]
+    assert g.admit(WORKER, HELLO, b"two") is None
+    assert not g.ban("unban", "w1", identities, nobody)[0]
+
+
+def test_without_keys_a_ban_is_of_the_worker_id_and_the_trust_ban_says_its_own_reason():
+    g = gate(keys=None, banned={"bad"})
+    assert g.ban("ban", "w9", {}, nobody)[2] == "w9"  # not seen yet: still banned by id
+    assert "operator" in g.admit(None, HELLO.__class__(**{**HELLO.__dict__, "worker_id": "w9"}),
+                                 b"r").reason
+    assert "bad gradients" in g.ban_reason("bad") and g.ban_reason("w1") is None
+    fresh = gate(keys=None)
+    fresh.load_bans({"w9": "w9"})  # as saved: a restarted coordinator refuses it again
+    assert fresh.is_banned("w9") and not fresh.is_banned("w1")
+
+
+def test_a_worker_key_reads_only_its_own_credit_a_monitor_any():
+    g = gate()
+    own = "key:" + WORKER.decode()
+    g.connect("w1", b"one", WORKER)
+    g.connect("w2", b"two", BOTH)
+    named = {"w1": own, "old": "key:" + BOTH.decode()}.get
+    request = proto.CreditRequest()
+    for key in (WORKER, MONITOR, OPERATOR, BOTH):  # any listed key may ask for its own
+        assert g.admit(key, request, b"r") is None
+    assert g.admit(STRANGER, request, b"r").counter == "credits_refused"
+    assert g.credit_of(WORKER, None, named) == (own, None)
+    assert g.credit_of(WORKER, "w1", named) == (own, None)  # its own name
+    for other in ("w2", "old", "nobody"):
+        identity, refusal = g.credit_of(WORKER, other, named)
+        assert identity is None and refusal.counter == "credits_refused"
+        reply = refusal.reply(proto.CreditRequest(worker=other))
+        assert isinstance(reply, proto.Credit) and not reply.ok and not reply.row
+        assert "--monitor-keys" in reply.reason
+    assert g.credit_of(MONITOR, "w2", named) == ("key:" + BOTH.decode(), None)
+    assert g.credit_of(OPERATOR, "old", named) == ("key:" + BOTH.decode(), None)
+    plain = gate(keys=None)
+    assert plain.credit_of(None, "w7", nobody) == ("w7", None)
+    assert plain.credit_of(None, None, nobody)[1] is not None
+
+
+def test_minting_an_invitation_is_an_operators_command():
+    g = gate()
+    invite = proto.Invite(address="tcp://h:5555")
+    assert g.admit(OPERATOR, invite, b"r") is None
+    for key in (WORKER, MONITOR):
+        refusal = g.admit(key, invite, b"r")
+        assert refusal.counter == "controls_refused"
+        reply = refusal.reply(invite)
+        assert isinstance(reply, proto.Invited) and not reply.ok and not reply.token
+        proto.decode(proto.encode(reply))

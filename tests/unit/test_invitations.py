@@ -13,8 +13,8 @@ from idlegrad.common.errors import ConfigError, ProtocolError
 from idlegrad.common.invitation import PREFIX, Token, digest, enrol_address, parse
 from idlegrad.coordinator.enrolment import Store
 from idlegrad.coordinator.gate import WORK, Gate, KeyLists
-from idlegrad.coordinator.invitations import (Invitation, Refusals, judge, key_name,
-                                              parse_duration)
+from idlegrad.coordinator.invitations import (Invitation, Refusals, SourceLimit, judge,
+                                              key_name, parse_duration)
 
 KEY = b"k" * 40
 SECRET = "s" * 43
@@ -83,6 +83,34 @@ def test_refusals_are_bounded_per_window():
     assert r.open(10.5)  # the first has left the window
 
 
+def test_a_source_gets_a_few_refusals_a_window_then_is_told_to_wait():
+    limit = SourceLimit(limit=3, window_s=60.0, max_sources=2)
+    for t in (0.0, 10.0, 20.0):
+        assert limit.wait("10.0.0.1", t) == 0
+        limit.refused("10.0.0.1", t)
+    assert limit.wait("10.0.0.1", 30.0) == 30.0  # until its first refusal leaves the window
+    assert limit.wait("10.0.0.2", 30.0) == 0  # another source is not held up
+    assert "try again in 30s" in SourceLimit.told("10.0.0.1", 29.2)
+    assert limit.wait("10.0.0.1", 60.5) == 0  # one refusal left the window: one more try
+    limit.refused("10.0.0.1", 61.0)
+    assert limit.wait("10.0.0.1", 62.0) == 8.0
+    assert limit.wait("10.0.0.1", 200.0) == 0 and "10.0.0.1" not in limit.sources
+
+
+def test_a_flood_of_sources_forgets_the_least_recently_refused():
+    limit = SourceLimit(limit=1, window_s=60.0, max_sources=2)
+    for i, source in enumerate(("a", "b", "c")):
+        limit.refused(source, float(i))
+    assert list(limit.sources) == ["b", "c"]
+    assert limit.wait("a", 3.0) == 0 and limit.wait("c", 3.0) > 0
+
+
+def test_a_revoked_invitation_is_refused_only_to_the_secret_holder():
+    assert "revoked" in judge(INV, 0, SECRET, 10.0, revoked=True)
+    assert "wrong secret" in judge(INV, 0, "x" * 43, 10.0, revoked=True)
+    assert judge(INV, 0, SECRET, 10.0, revoked=False) is None
+
+
 def test_an_invitation_record_is_checked_when_read():
     assert Invitation.from_json(INV.to_json()) == INV
     for broken in ({**INV.to_json(), "uses": 0}, {**INV.to_json(), "id": "../x"},
@@ -123,10 +151,14 @@ def test_the_store_keeps_a_hash_counts_uses_and_survives_a_reread(tmp_path):
     again = Store(str(tmp_path))
     assert again.used(inv.id) == 1 and again.enrolled_keys() == frozenset({KEY})
     assert "used up" in judge(again.load(inv.id), again.used(inv.id), secret, 120.0)
-    assert [i.id for i, _ in again.all()] == [inv.id]
+    assert [(i.id, revoked) for i, _, revoked in again.all()] == [(inv.id, False)]
     assert not list(tmp_path.rglob("*.tmp*"))
-    assert again.revoke(inv.id) and not again.revoke(inv.id)
-    assert again.load(inv.id) is None and again.enrolled_keys() == frozenset({KEY})
+    assert again.revoke(inv.id, 130.0) is True and again.revoke(inv.id, 131.0) is False
+    assert again.revoke("fedcba9876543210", 131.0) is None  # no such invitation
+    # revoked, and still listed as such; the keys it enrolled stay
+    assert again.revoked(inv.id) and Store(str(tmp_path)).revoked(inv.id)
+    assert [(i.id, revoked) for i, _, revoked in again.all()] == [(inv.id, True)]
+    assert again.load(inv.id) == inv and again.enrolled_keys() == frozenset({KEY})
     (tmp_path / "invites" / "0000000000000000.used").write_text("garbage")
     assert again.used("0000000000000000") > 1000  # unreadable: used up
 
@@ -134,7 +166,7 @@ def test_the_store_keeps_a_hash_counts_uses_and_survives_a_reread(tmp_path):
 def test_the_store_reads_nothing_outside_its_folder(tmp_path):
     store = Store(str(tmp_path)).prepare()
     (tmp_path / "outside.json").write_text(json.dumps(INV.to_json()))
-    assert store.load("../outside") is None and not store.revoke("../outside")
+    assert store.load("../outside") is None and store.revoke("../outside", 0.0) is None
     assert (tmp_path / "outside.json").exists()
     (tmp_path / "invites" / "fedcba9876543210.json").write_text(json.dumps(INV.to_json()))
     assert store.load("fedcba9876543210") is None  # a record under another id's name
@@ -211,3 +243,20 @@ def test_an_empty_allow_folder_is_expected_with_invitations(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         load_key_lists(CoordinatorConfig(job="digits", allow_keys=str(tmp_path / "allow")))
     assert "holds no" in caplog.text
+
+
+def test_the_bans_are_kept_whole_and_a_damaged_list_is_one_line(tmp_path):
+    from idlegrad.coordinator import bans
+
+    assert bans.path_for(None, None) is None
+    assert bans.path_for(str(tmp_path / "e"), str(tmp_path / "c")) == str(tmp_path / "e" /
+                                                                            bans.FILENAME)
+    path = bans.path_for(None, str(tmp_path / "ckpt"))
+    assert bans.load(path) == {}
+    bans.save(path, {"key:" + "A" * 40: "w1", "w2": "w2"})
+    assert bans.load(path) == {"key:" + "A" * 40: "w1", "w2": "w2"}
+    assert not list(tmp_path.rglob("*.tmp*"))
+    for damaged in ("{", '{"bans": [1]}', '{"other": {}}', '{"bans": {"k": 1}}'):
+        (tmp_path / "ckpt" / bans.FILENAME).write_text(damaged)
+        with pytest.raises(ConfigError, match="not a ban list"):
+            bans.load(path)

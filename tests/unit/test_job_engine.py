@@ -37,7 +37,7 @@ def one_line(exc: BaseException) -> str:
 
 
 def test_builtin_names():
-    assert builtin_job_names() == ["digits", "synthetic"]
+    assert builtin_job_names() == ["digits", "lm", "packed", "resnet", "synthetic"]
     for name in builtin_job_names():  # each is its factory's name in builtin_jobs
         assert resolve_factory(name) is getattr(builtin_jobs, name)
 

@@ -217,19 +217,24 @@ def test_a_cancelled_slots_late_result_is_not_used():
 # the simulator ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode,verify,task", [
-    ("none", False, "gradient"), ("replicate:2", False, "gradient"),
-    ("cyclic:1", False, "gradient"), ("adaptive", False, "gradient"),
-    ("replicate:2", True, "gradient"), ("sync", False, "gradient"),
-    ("replicate:2", False, "local:4"), ("none", False, "local:auto")])
-def test_the_simulator_keeps_the_round_contract(mode, verify, task):
+@pytest.mark.parametrize("mode,verify,task,shards", [
+    ("none", False, "gradient", 0), ("replicate:2", False, "gradient", 0),
+    ("cyclic:1", False, "gradient", 0), ("adaptive", False, "gradient", 0),
+    ("replicate:2", True, "gradient", 0), ("sync", False, "gradient", 0),
+    ("replicate:2", False, "local:4", 0), ("none", False, "local:auto", 0),
+    # sharded data with locality: the scheduler prefers each worker's shards
+    ("none", False, "gradient", 32), ("replicate:2", True, "gradient", 32),
+    ("cyclic:1", False, "gradient", 32), ("replicate:2", False, "local:4", 32)])
+def test_the_simulator_keeps_the_round_contract(mode, verify, task, shards):
     rng = np.random.default_rng(3)
     fleet = sim.lognormal_fleet(12, 0.002, 0.6, rng, jitter=0.2, stall_p=0.05, stall_s=2.0)
     for w in fleet[:3]:  # churn: three workers leave for good
         w.sessions = [(0.0, 5.0)]
     simulation = sim.Simulation(fleet, sim.SimConfig(
         duration_s=30.0, batch_size=128, partitions=4, train_samples=4096, task_timeout_s=1.0,
-        verify_replicas=verify, task=task, seed=1), mode)
+        verify_replicas=verify, task=task, seed=1, shards=shards, shard_bytes=2**16,
+        shuffle_window=2), mode)
+    assert (simulation.scheduler.locality is not None) == (shards > 0 and mode != "sync")
     trace = record(simulation.core)
     result = simulation.run()
     figures = check_contract(trace, result.samples_applied)

@@ -48,3 +48,22 @@ def test_non_finite_results_are_refused_and_their_sender_banned():
         out = c.result("w", task.slot, None, math.nan, 0.1, t)
     assert Ban("w") in out and "w" not in c.scheduler.workers
     assert c.trust.is_banned("key:A") and c.counters["rejected_non_finite"] == 2
+
+
+def test_an_operators_ban_sends_each_worker_of_the_identity_home_and_requeues_its_slots():
+    from idlegrad.coordinator.scheduler import Evicted
+
+    c = core(partitions=2)
+    c.join("a", {}, "key:A", 0.0)
+    c.join("b", {}, "key:B", 0.0)
+    held = [a.slot for a in c.ready("a", 2, 0.0) if isinstance(a, Assign)]
+    assert held
+    out = c.expel("key:A", "banned by this coordinator's operator", 1.0)
+    assert Ban("a", "banned by this coordinator's operator") in out
+    assert any(isinstance(e, Evicted) and e.worker == "a" for e in out)
+    assert "a" not in c.scheduler.workers and "b" in c.scheduler.workers
+    assert c.counters["workers_banned"] == 1
+    # its slots go to others
+    again = [a.slot for a in c.ready("b", 4, 2.0) if isinstance(a, Assign)]
+    assert set(held) <= set(again)
+    assert c.expel("key:nobody", "x", 3.0) == []

@@ -1,0 +1,203 @@
+"""Running a volunteer fleet, end to end with real processes on loopback: an operator mints
+invitations through the running coordinator, two volunteers join and train, each worker sees its
+own credit (`idlegrad worker status`, equal to what `idlegrad credits` shows for its key) and
+cannot read another's; a worker's or a monitor's ban is refused and counted, an operator's bans
+(the worker is told, in one line, and stops; a restart keeps the ban), an invitation revoked
+remotely is refused and listed as revoked, a key revoked by SIGHUP is told so, and a flood of bad
+secrets from one address is told to wait.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import zmq
+
+from idlegrad.common import protocol as proto
+from idlegrad.common.security import client_keys
+from idlegrad.monitor.source import ZmqStatusSource
+
+from .test_invite import _two_free_ports, idlegrad
+from .test_security import keys_generate
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+
+
+def last_json(out) -> dict:
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def one_error_line(proc_or_out, *words: str) -> str:
+    """The one line a refused process printed (no traceback), holding every word."""
+    text = proc_or_out.stderr if hasattr(proc_or_out, "stderr") else "\n".join(proc_or_out.said())
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in text, text
+    assert all(word in lines[0] for word in words), (words, lines[0])
+    return lines[0]
+
+
+def test_a_fleet_joins_earns_sees_its_own_credit_and_is_governed_by_its_operator(cluster):
+    cluster.address = address = f"tcp://127.0.0.1:{_two_free_ports()}"
+    keys, enrolled = cluster.dir / "keys", cluster.dir / "enrolled"
+    folders = {name: cluster.dir / name for name in ("allow", "monitors", "operators")}
+    for folder in folders.values():
+        folder.mkdir()
+    for name, folder in (("coord", None), ("watcher", "monitors"), ("alice", "operators")):
+        keys_generate(name, keys)
+        if folder:
+            (folders[folder] / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    coordinator_args = ("--job", "digits", "--epochs", "500", "--checkpoint-dir",
+                        cluster.dir / "ckpt", "--secret-key", keys / "coord.key_secret",
+                        "--allow-keys", folders["allow"], "--monitor-keys", folders["monitors"],
+                        "--operator-keys", folders["operators"], "--enrolled", enrolled)
+    coordinator = cluster.coordinator(*map(str, coordinator_args))
+    pinned = ("--coordinator", address, "--coordinator-key", keys / "coord.key")
+    operator = (*pinned, "--secret-key", keys / "alice.key_secret")
+    monitor = (*pinned, "--secret-key", keys / "watcher.key_secret")
+    as_key = lambda secret: client_keys(str(keys / "coord.key"), str(secret))  # noqa: E731
+    status = cluster.status(keys=as_key(keys / "watcher.key_secret"))
+    status.wait_for(lambda s: True, "the coordinator up", alive=[coordinator])
+
+    # Minting through the running coordinator: an operator's key may, a monitor's may not.
+    refused = idlegrad(cluster.env, "invite", *monitor)
+    assert refused.returncode == 1, refused.stdout
+    one_error_line(refused, "refused", "--operator-keys")
+    minted = idlegrad(cluster.env, "invite", *operator, "--uses", "2", "--name", "vol")
+    assert minted.returncode == 0, minted.stderr
+    token = minted.stdout.strip().splitlines()[-1]
+    assert len(list((enrolled / "invites").glob("*.json"))) == 1  # persisted by the coordinator
+
+    configs = {}
+    for side in ("a", "b"):
+        configs[side] = cluster.dir / side / "worker.toml"
+        joined = idlegrad(cluster.env, "worker", "join", token, "--config", configs[side])
+        assert joined.returncode == 0, joined.stdout + joined.stderr
+    name = {side: next(line.split('"')[1] for line in path.read_text().splitlines()
+                       if line.startswith("id = ")) for side, path in configs.items()}
+    worker_keys = {side: configs[side].parent / "worker.key_secret" for side in configs}
+    workers = {side: cluster.spawn(f"worker-{side}", "worker", "--config", configs[side],
+                                   "--threads", "1", "--device", "cpu", "--no-idle-policy")
+               for side in configs}
+    status.wait_for(lambda s: {w["id"]: w["done"] for w in s["workers"]}.keys() >= set(
+        name.values()) and all(w["done"] > 0 for w in s["workers"]) and s["version"] >= 3,
+        "both enrolled workers training", alive=[coordinator, *workers.values()])
+    # A worker waiting for its coordinator said so (it is not silent while it connects).
+    assert any("connecting to the coordinator at" in line for line in workers["a"].lines())
+
+    # Paused by the operator: once no slot is out, the credits stand still.
+    with ZmqStatusSource(address, keys=as_key(keys / "alice.key_secret")) as alice:
+        assert alice.control("pause")[0]
+    snap = status.wait_for(lambda s: s["paused"] and not any(w["assigned"] for w in s["workers"]),
+                           "paused, no slot out", alive=[coordinator])
+    credits = last_json(idlegrad(cluster.env, "credits", *monitor, "--json"))["workers"]
+    for side in ("a", "b"):
+        mine = last_json(idlegrad(cluster.env, "worker", "status", "--config", configs[side],
+                                  "--json"))["projects"]
+        (project,) = mine.values()
+        assert project["error"] is None and project["worker"] == name[side], project
+        assert project["credit"]["samples"] > 0, project
+        assert project["credit"]["samples"] == credits[name[side]]["samples"], (project, credits)
+        assert project["credit"]["compute_s"] == credits[name[side]]["compute_s"]
+    text = idlegrad(cluster.env, "worker", "status", "--config", configs["a"])
+    assert text.returncode == 0 and f"{credits[name['a']]['samples']:,} samples accepted" in \
+        text.stdout, text.stdout + text.stderr
+
+    # Worker b's key reads its own row, never a's; a monitor reads a's.
+    with ZmqStatusSource(address, keys=as_key(worker_keys["b"])) as b:
+        own = b.ask(proto.CreditRequest(), proto.Credit)
+        assert own.ok and own.worker == name["b"] and own.row["samples"] > 0
+        theirs = b.ask(proto.CreditRequest(worker=name["a"]), proto.Credit)
+        assert not theirs.ok and not theirs.row and "own credit" in theirs.reason, theirs
+        assert b.fetch(timeout=2) is None and "--monitor-keys" in b.refused  # no status either
+        # A worker's key may not ban, nor revoke.
+        ok, detail = b.control("ban", name["a"])
+        assert not ok and "--operator-keys" in detail
+    with ZmqStatusSource(address, keys=as_key(keys / "watcher.key_secret")) as watcher:
+        assert watcher.ask(proto.CreditRequest(worker=name["a"]), proto.Credit).row == \
+            {k: v for k, v in credits[name["a"]].items()}
+    banned = idlegrad(cluster.env, "ban", *monitor, name["a"])
+    assert banned.returncode == 1
+    one_error_line(banned, "--operator-keys")
+    # (the monitor's invitation, b's ban and the monitor's ban)
+    snap = status.wait_for(lambda s: s["counters"].get("controls_refused", 0) == 3
+                           and s["counters"].get("credits_refused", 0) == 1,
+                           "the refusals counted", timeout=30, alive=[coordinator])
+    assert name["a"] in {w["id"] for w in snap["workers"]}
+
+    # The operator bans a (by its name): it is told why, stops, and its slots go to b.
+    with ZmqStatusSource(address, keys=as_key(keys / "alice.key_secret")) as alice:
+        assert alice.control("resume")[0]
+    banned = idlegrad(cluster.env, "ban", *operator, name["a"])
+    assert banned.returncode == 0 and "banned" in banned.stdout, banned.stdout + banned.stderr
+    assert workers["a"].wait(timeout=60) != 0
+    one_error_line(workers["a"], "banned", "operator")
+    version = status.wait_for(lambda s: name["a"] not in {w["id"] for w in s["workers"]},
+                              "a gone", alive=[coordinator, workers["b"]])["version"]
+    assert "key:" + (configs["a"].parent / "worker.key").read_text().split('"')[1] in \
+        json.loads((enrolled / "bans.json").read_text())["bans"]
+
+    # An invitation revoked remotely: refused to a worker key, done by the operator's; the
+    # token is then refused, and `invite --list` shows it revoked.
+    spare = idlegrad(cluster.env, "invite", *operator, "--name", "spare")
+    spare_token = spare.stdout.strip().splitlines()[-1]
+    spare_id = next(w for w in spare.stdout.split() if len(w) == 17 and w.endswith(":"))[:-1]
+    with ZmqStatusSource(address, keys=as_key(worker_keys["b"])) as b:
+        ok, detail = b.control("revoke", invitation=spare_id)
+        assert not ok and "--operator-keys" in detail
+    revoked = idlegrad(cluster.env, "invite", *operator, "--revoke", spare_id)
+    assert revoked.returncode == 0 and "revoked" in revoked.stdout, revoked.stderr
+    out = idlegrad(cluster.env, "worker", "join", spare_token, "--config",
+                   cluster.dir / "c" / "worker.toml", "--timeout", "30")
+    assert out.returncode != 0
+    one_error_line(out, "revoked")
+    listed = idlegrad(cluster.env, "invite", "--enrolled", enrolled, "--list").stdout
+    assert any(spare_id in line and line.endswith("revoked") for line in listed.splitlines()), \
+        listed
+
+    # A restart keeps the ban: a's key is refused at once, in one line; b trains on.
+    os.kill(coordinator.pid, signal.SIGTERM)
+    assert coordinator.wait() == 0, coordinator.tail()
+    status.close()
+    coordinator = cluster.coordinator(*map(str, coordinator_args), name="coordinator")
+    status = cluster.status(keys=as_key(keys / "watcher.key_secret"))
+    again = cluster.spawn("worker-a", "worker", "--config", configs["a"], "--threads", "1",
+                          "--device", "cpu", "--no-idle-policy")
+    assert again.wait(timeout=90) != 0
+    one_error_line(again, "banned", "operator")
+    status.wait_for(lambda s: name["b"] in {w["id"] for w in s["workers"]}
+                    and s["version"] > version, "b training after the restart",
+                    alive=[coordinator, workers["b"]])
+
+    # b's enrolled key removed and SIGHUP: b is told its key was revoked, and stops.
+    (b_key,) = [p for p in (enrolled / "keys").iterdir()
+                if (configs["b"].parent / "worker.key").read_text().split('"')[1]
+                in p.read_text()]
+    b_key.unlink()
+    os.kill(coordinator.pid, signal.SIGHUP)
+    assert workers["b"].wait(timeout=60) != 0
+    one_error_line(workers["b"], "revoked")
+
+    # A flood of bad secrets from one address: a few are answered, then it is told to wait.
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        as_key(worker_keys["b"]).apply(sock)
+        sock.connect(f"tcp://127.0.0.1:{int(address.rsplit(':', 1)[1]) + 1}")
+        reasons = []
+        for _ in range(7):
+            sock.send_multipart(proto.encode(proto.Enrol(invitation=spare_id, secret="B" * 43)))
+            assert sock.poll(30_000), "the enrolment endpoint did not answer"
+            reasons.append(proto.decode(sock.recv_multipart()).reason)
+    finally:
+        ctx.destroy(linger=0)
+    assert all("wrong secret" in r for r in reasons[:5]), reasons
+    assert all("too many refused enrolments" in r for r in reasons[5:]), reasons
+    status.wait_for(lambda s: s["counters"].get("enrolments_throttled", 0) == 2,
+                    "the throttled attempts counted", timeout=30, alive=[coordinator])
+    cluster.assert_no_tracebacks()
