@@ -71,9 +71,6 @@ class Training:
                 self.job_args = blobserve.job_args_with_data(
                     resolve_factory(config.job), self.job_args, self.pack[0], "the job's pack")
                 job = load_job(config.job, self.job_args)
-            if self.pack is None and config.blob_mirrors:
-                raise ConfigError(f"--blob-mirror: job {job.name!r} has no packed data to mirror "
-                                  "(give --data DIR, the --out of idlegrad data pack)")
             if self.pack is not None and job.data != self.pack[0].sha256:
                 raise ConfigError(
                     f"--data {config.data_dir}: job {job.name!r} does not train on it (it declares "
@@ -91,9 +88,10 @@ class Training:
                           if snapshots.uses_snapshots(param_bytes, min_mb) else None)
         if config.blob_mirrors and self.pack is None and self.snapshots is None:
             raise ConfigError(
-                f"--blob-mirror: mirrors serve the blobs of --data and model snapshots, and this "
-                f"run has neither (the model's {param_bytes / 2**20:.3g} MB of parameters are "
-                f"under --snapshot-min-mb {min_mb:g}: it goes inline)")
+                f"--blob-mirror: job {job.name!r} has no packed data to mirror (give --data DIR, "
+                f"the --out of idlegrad data pack), and its model goes inline, not as snapshots "
+                f"(its {param_bytes / 2**20:.3g} MB of parameters are under --snapshot-min-mb "
+                f"{min_mb:g})")
         self.blobs = (blobserve.BlobService(self.pack[0] if self.pack is not None else None)
                       if self.pack is not None or self.snapshots is not None else None)
         if config.target is not None:

@@ -575,13 +575,16 @@ class BlobCache:
     def _fetch_resuming(self, source: Source, sha256: str, size: Optional[int]) -> str:
         """`_fetch_from` the source, stopping when the thread's gate says so and going on from
         the partial file once it lets the thread go on (its `wait` may raise instead)."""
+        gate = getattr(self._gates, "gate", None)
         while True:
+            if gate is not None and gate.stopping():  # not even a request while paused
+                gate.wait()
             try:
                 return self._fetch_from(source, sha256, size)
             except _Interrupted:
                 with self._lock:
                     self.interrupted += 1
-                self._gates.gate.wait()
+                gate.wait()
 
     def _fetch_from(self, source: Source, sha256: str, size: Optional[int]) -> str:
         partial = self._partial(sha256)
