@@ -195,6 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an http(s) mirror of --data's blobs (`idlegrad data publish`), told to "
                         "workers, which fetch from mirrors first and from the coordinator last "
                         "(repeatable)")
+    c.add_argument("--snapshot-min-mb", type=_non_negative(float), default=None, metavar="MB",
+                   help="a model of at least this many MB of parameters goes to workers as a "
+                        "snapshot blob they fetch once per version, from a --blob-mirror first, "
+                        "instead of inside tasks (default 8; 1 with --task local and a "
+                        "--blob-mirror; 0: always)")
+    c.add_argument("--snapshot-dir", metavar="DIR",
+                   help="where the snapshot blobs are written (default: a temporary folder): "
+                        "point a web server at it, or sync it to one, and name that server with "
+                        "--blob-mirror so workers fetch snapshots there; snapshots no open round "
+                        "needs are deleted")
     c.add_argument("--insecure", action="store_true",
                    help="without keys, listen beyond loopback anyway (anyone who reaches the port "
                         "may join)")
@@ -352,7 +362,8 @@ def _run_coordinator(args) -> int:
         local_max_steps=args.local_max_steps, local_link_factor=args.local_link_factor,
         result_dtype=args.result_dtype, verify_replicas=args.verify_replicas,
         data_dir=args.data, blob_mirrors=tuple(args.blob_mirror),
-        locality=args.locality == "on", shuffle_window=args.shuffle_window)
+        locality=args.locality == "on", shuffle_window=args.shuffle_window,
+        snapshot_min_mb=args.snapshot_min_mb, snapshot_dir=args.snapshot_dir)
     coordinator = Coordinator(config)
     reason = coordinator.run()
     logging.getLogger("idlegrad.coordinator").info(

@@ -27,7 +27,8 @@ from .errors import ProtocolError
 # 4: fetch, chunk, welcome.blob_mirrors, heartbeat.cache (the data plane); task.buffers,
 #    result.buffers (model state beyond parameters); welcome.shuffle_window, heartbeat.shards,
 #    task.prefetch (locality)
-PROTOCOL_VERSION = 4
+# 5: task.snapshot and task.snapshot_bytes (a large model by name), handback, heartbeat "capped"
+PROTOCOL_VERSION = 5
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # tensor frames are cut to this; larger zero-copy frames slow down
 MAX_HEADER_BYTES = 1024 * 1024
@@ -150,7 +151,10 @@ class Heartbeat(Message):
     # since it last said; None: unchanged. At most MAX_HELD_SHARDS.
     shards: Optional[list[int]] = None
 
-    STATES: ClassVar[frozenset] = frozenset({"working", "paused", "idle", "coordinator"})
+    # "capped": the owner's daily transfer cap is spent; the worker asks for no work that needs
+    # data it does not hold until the allowance returns
+    STATES: ClassVar[frozenset] = frozenset({"working", "paused", "idle", "coordinator",
+                                             "capped"})
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,16 @@ class Fetch(Message):
     sha256: str
     offset: int
     length: int
+
+
+@dataclass(frozen=True)
+class Handback(Message):
+    """Slots the worker cannot compute now, through no fault of its own (the data they need is
+    not in its cache, and its transfer cap is spent): the coordinator gives them to others."""
+
+    TYPE: ClassVar[str] = "handback"
+    slots: list[int]
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -225,6 +239,10 @@ class Task(Message):
     buffers: Optional[Blob] = None
     # shards of the training set the worker will likely need next: fetch them ahead (locality)
     prefetch: list[int] = field(default_factory=list)
+    # instead of `model` (and `buffers`): the sha256 of the model at `version` as a snapshot
+    # blob (common/snapshot.py) of `snapshot_bytes`, fetched from mirrors or the coordinator
+    snapshot: Optional[str] = None
+    snapshot_bytes: int = 0
 
     KINDS: ClassVar[frozenset] = frozenset({"gradient", "local"})
 
@@ -392,9 +410,9 @@ class Enrolled(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Ready, Result, Heartbeat, Fetch, Bye, Welcome, Task, Chunk, Cancel, Ack,
-                Reject, Shutdown, StatusRequest, Status, Control, ControlReply, CreditRequest,
-                Credit, Invite, Invited, Enrol, Enrolled)
+    for cls in (Hello, Ready, Result, Heartbeat, Fetch, Handback, Bye, Welcome, Task, Chunk,
+                Cancel, Ack, Reject, Shutdown, StatusRequest, Status, Control, ControlReply,
+                CreditRequest, Credit, Invite, Invited, Enrol, Enrolled)
 }
 
 
@@ -809,6 +827,13 @@ def _semantic_checks(msg: Message) -> None:
             raise ProtocolError("schema", f"task.kind {msg.kind[:20]!r} unknown")
         if msg.kind == "local" and (msg.steps < 1 or len(msg.parts) != 1):
             raise ProtocolError("schema", "a local task has steps >= 1 and exactly one part")
+        non_negative("snapshot_bytes")
+        if msg.snapshot is not None and (not is_sha256(msg.snapshot) or msg.model is not None
+                                         or msg.buffers is not None):
+            raise ProtocolError("schema", "task.snapshot is a sha256, sent without model frames")
+    elif isinstance(msg, Handback):
+        if len(msg.slots) > 1024 or any(s < 0 for s in msg.slots) or len(msg.reason) > MAX_NAME:
+            raise ProtocolError("schema", "handback: at most 1024 slots >= 0, a short reason")
     elif isinstance(msg, StatusRequest):
         non_negative("cursor")
     elif isinstance(msg, Control):

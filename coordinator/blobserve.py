@@ -81,13 +81,20 @@ class Serve:
 
 
 class BlobService:
-    """What the coordinator serves, and the queue of what it was asked (pure)."""
+    """What the coordinator serves, and the queue of what it was asked (pure). The blobs of a
+    pack (`manifest`, None without --data), and the model snapshots `add`ed while they are
+    kept (coordinator/snapshots.py)."""
 
-    def __init__(self, manifest: Manifest, pass_bytes: int = PASS_BYTES,
+    def __init__(self, manifest: Optional[Manifest], pass_bytes: int = PASS_BYTES,
                  queue_per_worker: int = QUEUE_PER_WORKER, queue_total: int = QUEUE_TOTAL):
         self.manifest = manifest
-        self.sizes = {s.sha256: s.size for s in manifest.shards}
-        self.sizes[manifest.sha256] = len(manifest.to_bytes())
+        self.sizes: dict[str, int] = {}
+        if manifest is not None:
+            self.sizes = {s.sha256: s.size for s in manifest.shards}
+            self.sizes[manifest.sha256] = len(manifest.to_bytes())
+        self.snapshots: set[str] = set()  # names added, served while kept
+        # (worker, snapshot) -> bytes sent: a snapshot goes to a worker once, whatever its tasks
+        self.snapshot_bytes_to: Counter[tuple[str, str]] = Counter()
         self.pass_bytes = pass_bytes
         self.queue_per_worker = queue_per_worker
         self.queue_total = queue_total
@@ -101,13 +108,30 @@ class BlobService:
     def pending(self) -> bool:
         return self._queued > 0
 
+    def known(self, sha256: str) -> bool:
+        return sha256 in self.sizes
+
+    def add(self, sha256: str, size: int) -> None:
+        """Serve a model snapshot, from now until it is `remove`d."""
+        self.sizes[sha256] = size
+        self.snapshots.add(sha256)
+
+    def remove(self, sha256: str) -> None:
+        """A snapshot no open round names: asked for from now on, it is unknown here. (A
+        request already queued finds its file gone, and is answered with an error.)"""
+        if sha256 in self.snapshots:
+            self.snapshots.discard(sha256)
+            del self.sizes[sha256]
+            for pair in [p for p in self.snapshot_bytes_to if p[1] == sha256]:
+                del self.snapshot_bytes_to[pair]
+
     def request(self, worker: str, fetch: proto.Fetch) -> Optional[proto.Chunk]:
         """Queue a fetch; or the refusal to send at once (a name not served, an offset outside
         the blob, too many requests waiting)."""
         total = self.sizes.get(fetch.sha256)
         refuse = None
         if total is None:
-            refuse, reason = "unknown", "not a blob of the data this coordinator serves"
+            refuse, reason = "unknown", "not a blob this coordinator serves (now)"
         elif fetch.offset >= total and total > 0:
             refuse, reason = "range", f"offset {fetch.offset} is past the end ({total} bytes)"
         else:
@@ -145,6 +169,15 @@ class BlobService:
         self.counters["chunks_sent"] += 1
         self.counters["bytes_sent"] += serve.length
         self.bytes_to[serve.worker] += serve.length
+        if serve.sha256 in self.snapshots:
+            self.counters["snapshot_bytes_sent"] += serve.length
+            pair = (serve.worker, serve.sha256)
+            before = self.snapshot_bytes_to[pair]
+            self.snapshot_bytes_to[pair] = before + serve.length
+            if before < serve.total <= before + serve.length:
+                self.counters["snapshots_sent"] += 1  # a whole snapshot's worth, to one worker
+            elif before >= serve.total:  # a worker asked again for one it had whole
+                self.counters["snapshot_bytes_again"] += serve.length
 
     def failed(self, serve: Serve) -> proto.Chunk:
         """A read of the pack failed here (a file gone or damaged): the worker hears one line,
@@ -162,6 +195,8 @@ class BlobService:
         if queue is not None:
             self._queued -= len(queue)
         self.caches.pop(worker, None)
+        for pair in [p for p in self.snapshot_bytes_to if p[0] == worker]:
+            del self.snapshot_bytes_to[pair]
 
     def summary(self) -> dict:
         """For the status snapshot and the metrics log: what was served here, and what the
@@ -169,10 +204,15 @@ class BlobService:
         workers = Counter()
         for cache in self.caches.values():
             workers.update(cache)
-        return {
+        pack = {} if self.manifest is None else {
             "manifest": self.manifest.sha256, "shards": len(self.manifest.shards),
-            "bytes": sum(s.size for s in self.manifest.shards),
+            "bytes": sum(s.size for s in self.manifest.shards)}
+        return {
+            **pack,
             "served_bytes": self.counters["bytes_sent"],
+            "snapshot_served_bytes": self.counters["snapshot_bytes_sent"],
+            "snapshots_served": self.counters["snapshots_sent"],
+            "snapshot_bytes_again": self.counters["snapshot_bytes_again"],
             "served_chunks": self.counters["chunks_sent"],
             "refused": sum(v for k, v in self.counters.items() if k.startswith("refused_")),
             "queued": self._queued,

@@ -71,6 +71,10 @@ class CoordinatorConfig:
     # Data that is not sharded keeps the full shuffle whatever this says.
     locality: bool = True
     shuffle_window: int = 2
+    # a model of at least this many MB of parameters goes to workers as a snapshot blob
+    # (snapshots.py); None: 8, or 1 with local tasks and a mirror
+    snapshot_min_mb: Optional[float] = None
+    snapshot_dir: Optional[str] = None  # where snapshot blobs are written; None: a temporary one
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,19 @@ def _check_paths(config: CoordinatorConfig) -> None:
 
 
 def _check_data(config: CoordinatorConfig) -> None:
+    """(Whether a mirror has anything to serve, --data or model snapshots, is known once the
+    model is built: training.py.)"""
+    if config.snapshot_min_mb is not None and not (0 <= config.snapshot_min_mb < float("inf")):
+        raise ConfigError(f"--snapshot-min-mb must be a number of MB >= 0, not "
+                          f"{config.snapshot_min_mb!r}")
+    if config.snapshot_dir:
+        try:
+            os.makedirs(config.snapshot_dir, exist_ok=True)
+            if not os.access(config.snapshot_dir, os.W_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as exc:
+            raise ConfigError(f"--snapshot-dir {config.snapshot_dir}: cannot write there: "
+                              f"{exc.strerror or exc}") from None
     if len(config.blob_mirrors) > proto.MAX_MIRRORS:
         raise ConfigError(f"--blob-mirror: at most {proto.MAX_MIRRORS} mirrors")
     for url in config.blob_mirrors:

@@ -36,8 +36,8 @@ WORK, READ, OPERATE, OWN = "work", "read", "operate", "own"
 # What each message to the coordinator asks to do; anything else is not for the coordinator.
 NEEDS: dict[type, str] = {
     proto.Hello: WORK, proto.Ready: WORK, proto.Result: WORK, proto.Heartbeat: WORK,
-    proto.Bye: WORK, proto.Fetch: WORK, proto.StatusRequest: READ, proto.Control: OPERATE,
-    proto.Invite: OPERATE, proto.CreditRequest: OWN,
+    proto.Bye: WORK, proto.Fetch: WORK, proto.Handback: WORK, proto.StatusRequest: READ,
+    proto.Control: OPERATE, proto.Invite: OPERATE, proto.CreditRequest: OWN,
 }
 KEY_LENGTH = 40  # a public key in Z85
 _Z85 = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")

@@ -109,13 +109,22 @@ class RoundCore:
 
     def seen(self, worker_id: str, state: Optional[str], now: float,
              shards: Optional[list[int]] = None) -> list:
-        """A heartbeat: the worker is alive, and says whether its owner needs the machine, and
-        (`shards`, when they changed) which shards of the training set it holds."""
+        """A heartbeat: the worker is alive, and says whether its owner needs the machine (or
+        has spent the day's transfer allowance), and (`shards`, when they changed) which shards
+        of the training set it holds."""
         if shards is not None:
             self.scheduler.holdings(worker_id, shards)
         record = self.scheduler.workers.get(worker_id)
         was_paused = record is not None and record.paused_since is not None
+        was_capped = record is not None and record.state == "capped"
         self.scheduler.seen(worker_id, now, state)
+        if record is not None and state is not None and was_capped != (state == "capped"):
+            if was_capped:
+                return [Event("worker_uncapped", f"{worker_id} fetches again: its owner's daily "
+                                                 "transfer allowance is back", worker_id)]
+            return [Event("worker_capped", f"{worker_id} capped: its owner's daily transfer cap "
+                                           "is spent; it computes only on data it holds until "
+                                           "00:00 UTC", worker_id)]
         if record is None or was_paused == (state == "paused"):
             return []
         if was_paused:
@@ -145,6 +154,10 @@ class RoundCore:
                 Event("drain", f"{worker} draining: it finishes its slots, then leaves", worker)
             ] + self.interpret(scheduler.drain(worker, now), now)
         return False, f"unknown action {action[:20]!r}", []
+
+    def handback(self, worker_id: str, slots: list[int], now: float) -> list:
+        """Slots a worker gives back, through no fault of its own: to others, no offence."""
+        return self.interpret(self.scheduler.handback(worker_id, slots, now), now)
 
     def malformed(self, worker_id: str, slot: int, now: float) -> list:
         """A result whose gradient could not be read: the slot goes to someone else, and it is

@@ -557,6 +557,25 @@ class Scheduler:
                 self._requeue(slot)
         return self._fill(now)
 
+    def handback(self, worker_id: str, slot_ids: list[int], now: float) -> list[Action]:
+        """The worker cannot compute these slots now, through no fault of its own (their data
+        is not in its cache and its transfer cap is spent): they go to others, uncounted."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return []
+        for slot_id in slot_ids:
+            if worker.assigned.pop(slot_id, None) is None:
+                continue
+            self.stats["slots_handed_back"] += 1
+            slot = self.slots.get(slot_id)
+            if slot is not None:
+                slot.holders.discard(worker_id)
+                if not slot.holders:
+                    self._requeue(slot)
+        self._update_hunger(worker)
+        self._watch_late(worker, now)
+        return self._fill(now)
+
     def leave(self, worker_id: str, now: float, reason: str = "left") -> list[Action]:
         if worker_id not in self.workers:
             return []

@@ -95,6 +95,7 @@ class Coordinator:
         finally:
             self.close_logs()
             transport.close()
+            self.training.close()
             if enrolling is not None:
                 enrolling.close()
         return self.stop_reason or "stopped"
@@ -396,16 +397,19 @@ class Coordinator:
     async def _serve_blobs(self) -> None:
         """One pass of serving (blobserve.py): at most its byte budget read from the pack and
         sent, so the messages that wait are handled before the next."""
-        blobs, folder = self.training.blobs, self.training.pack[1]
+        blobs = self.training.blobs
         for serve in blobs.take():
             route = self.gate.routes.get(serve.worker)
             if route is None:  # gone meanwhile
                 blobs.forget(serve.worker)
                 continue
             try:
-                data = blobserve.read_chunk(folder, serve)
+                data = blobserve.read_chunk(self.training.folder_of(serve.sha256), serve)
             except (OSError, blobserve.BlobError) as exc:
-                self._event("data", f"cannot read blob {serve.sha256[:12]} of --data: {exc}",
+                if not blobs.known(serve.sha256):  # a snapshot pruned while it was queued
+                    await self._send(route, blobs.failed(serve))
+                    continue
+                self._event("data", f"cannot read blob {serve.sha256[:12]}: {exc}",
                             level=logging.WARNING)
                 await self._send(route, blobs.failed(serve))
                 continue
@@ -414,6 +418,10 @@ class Coordinator:
                 request=serve.request, sha256=serve.sha256, offset=serve.offset,
                 total=serve.total, data=data)), False)
             blobs.sent(serve)
+
+    async def _on_handback(self, route: bytes, msg: proto.Handback, key) -> None:
+        worker_id = self._worker_of(route)
+        await self.perform(self.core.handback(worker_id, msg.slots, time.monotonic()))
 
     async def _on_bye(self, route: bytes, msg: proto.Bye, key) -> None:
         worker_id = self.gate.peers.get(route)
@@ -502,8 +510,9 @@ class Coordinator:
 
     _HANDLERS = {proto.Hello: _on_hello, proto.Ready: _on_ready, proto.Result: _on_result,
                  proto.Heartbeat: _on_heartbeat, proto.Bye: _on_bye, proto.Fetch: _on_fetch,
-                 proto.StatusRequest: _on_status, proto.Control: _on_control,
-                 proto.Invite: _on_invite, proto.CreditRequest: _on_credit}
+                 proto.Handback: _on_handback, proto.StatusRequest: _on_status,
+                 proto.Control: _on_control, proto.Invite: _on_invite,
+                 proto.CreditRequest: _on_credit}
 
     async def reload_keys(self) -> None:
         """Re-read the key folders (SIGHUP): new keys may connect; a removed key's connections
@@ -551,6 +560,7 @@ class Coordinator:
             elif isinstance(effect, Applied):
                 self.records.write("applied", round=effect.round, version=effect.version,
                                    parts=[list(p) for p in effect.parts], t=time.time())
+                self.training.prune_snapshots()
             elif isinstance(effect, Compute):
                 self._start_computing(effect)
             elif isinstance(effect, Ban):
@@ -567,6 +577,11 @@ class Coordinator:
     async def _send_task(self, action: Assign) -> None:
         model_state = self.training.model
         model = model_state.blob(action.version) if action.send_model else None
+        snapshot, snapshot_bytes = None, 0
+        if model is not None and self.training.snapshots is not None:
+            # a large model goes by name: the worker fetches it once, from a mirror if it can
+            snapshot, snapshot_bytes = self.training.publish_snapshot(action.version)
+            model = None
         self.records.write("sent", slot=action.slot, worker=action.worker)
         # A small model is copied into ZeroMQ at once: a tracker costs more than the copy
         track = model is not None and model.numel > model_state.copy_numel
@@ -576,7 +591,8 @@ class Coordinator:
             coefficients=action.coefficients, deadline_s=min(action.deadline_s, 1e9), model=model,
             acks=[] if ack is None else [ack], kind=action.kind, steps=action.steps,
             buffers=model_state.buffers_blob(action.version) if model is not None else None,
-            prefetch=list(action.prefetch)), track=track)
+            prefetch=list(action.prefetch), snapshot=snapshot, snapshot_bytes=snapshot_bytes),
+            track=track)
         if track:
             model_state.tracked(action.version, tracker)
 

@@ -11,7 +11,11 @@ under the owner's cap.
   first); one that fails (refused, times out, serves bytes that do not hash to the name) is
   skipped for a while (`SourceHealth`), so a bad mirror costs at most one retry per blob.
 - The owner's network limits: a download rate cap and a daily transfer cap (UTC days), enforced
-  here, per cache, in the fetching thread.
+  here, per cache, in the fetching thread. Once the day's allowance is spent nothing is asked of
+  any source (and nothing evicted) until the next UTC day: TransferCapReached at once.
+- A download yields to the machine's owner: a thread fetching under `gated(gate)` (the engine's
+  compute thread) stops between two blocks when `gate.stopping()`, closes the connection, waits in
+  `gate.wait()` (which may raise to give the download up) and resumes from its partial file.
 
 Synchronous and thread-safe: the daemon's asyncio loop calls `path_of` through a thread
 (`asyncio.to_thread`). Names from the network are data: a name becomes part of a path only after
@@ -67,6 +71,20 @@ class TransferCapReached(CacheError):
 
 class SourceFailed(Exception):
     """One source could not deliver one blob (kept inside this module)."""
+
+
+class _Interrupted(Exception):
+    """The gate asked a download to stop between two blocks (kept inside this module)."""
+
+
+class DownloadGate(Protocol):
+    """What a download asks between two blocks, in the thread that fetches."""
+
+    def stopping(self) -> bool:
+        """Stop reading now (the owner wants the machine back, the work was cancelled)."""
+
+    def wait(self) -> None:
+        """Block until reading may go on; raise to give the download up."""
 
 
 # pure parts --------------------------------------------------------------------------------------
@@ -380,6 +398,8 @@ class BlobCache:
         self.failures = 0  # a source that failed one blob once
         self.in_flight = 0  # downloads under way now
         self.bytes_from: dict[str, int] = {}  # source name -> bytes it delivered
+        self.interrupted = 0  # downloads stopped by their gate, and resumed after
+        self._gates = threading.local()  # the gate of the thread fetching, if any
         os.makedirs(os.path.join(root, "blobs"), exist_ok=True)
         os.makedirs(os.path.join(root, "partial"), exist_ok=True)
         os.makedirs(os.path.join(root, "locks"), exist_ok=True)
@@ -471,6 +491,30 @@ class BlobCache:
 
     # the interface
 
+    @contextmanager
+    def gated(self, gate: DownloadGate):
+        """Downloads made by this thread meanwhile stop and wait as `gate` says."""
+        previous = getattr(self._gates, "gate", None)
+        self._gates.gate = gate
+        try:
+            yield
+        finally:
+            self._gates.gate = previous
+
+    def capped_until(self, now: float) -> Optional[float]:
+        """When today's spent transfer allowance returns (the next UTC midnight), or None
+        while some is left (or there is no cap)."""
+        left = self.allowance.remaining(now)
+        if left is None or left > 0:
+            return None
+        return (int(now) // 86400 + 1) * 86400.0
+
+    def discard(self, sha256: str) -> None:
+        """Delete a blob that is of no further use (an old model snapshot), rather than let it
+        push the data's shards out in its turn."""
+        with self._blob_lock(sha256):
+            _remove(self._path(check_sha256(sha256)))
+
     def has(self, sha256: str) -> bool:
         return os.path.isfile(self._path(check_sha256(sha256)))
 
@@ -487,6 +531,10 @@ class BlobCache:
                     return path
                 log.warning("cache: blob %s is corrupt on disk: fetching it again", sha256[:12])
                 os.unlink(path)
+            if self.capped_until(self.clock()) is not None:  # before any eviction or request
+                raise TransferCapReached(
+                    f"blob {sha256[:12]}: today's transfer cap (daily_transfer_max_gb) is spent; "
+                    "it is fetched after 00:00 UTC")
             if size is not None:
                 self._make_room(sha256, size)
             with self._lock:
@@ -506,7 +554,7 @@ class BlobCache:
                 reasons.append(f"{source.name}: skipped after a recent failure")
                 continue
             try:
-                path = self._fetch_from(source, sha256, size)
+                path = self._fetch_resuming(source, sha256, size)
             except SourceFailed as exc:
                 self.failures += 1
                 if not benchable:
@@ -523,6 +571,20 @@ class BlobCache:
             return path
         raise CacheError(f"blob {sha256[:12]} could not be fetched: "
                          + ("; ".join(reasons) if reasons else "no sources configured"))
+
+    def _fetch_resuming(self, source: Source, sha256: str, size: Optional[int]) -> str:
+        """`_fetch_from` the source, stopping when the thread's gate says so and going on from
+        the partial file once it lets the thread go on (its `wait` may raise instead)."""
+        gate = getattr(self._gates, "gate", None)
+        while True:
+            if gate is not None and gate.stopping():  # not even a request while paused
+                gate.wait()
+            try:
+                return self._fetch_from(source, sha256, size)
+            except _Interrupted:
+                with self._lock:
+                    self.interrupted += 1
+                gate.wait()
 
     def _fetch_from(self, source: Source, sha256: str, size: Optional[int]) -> str:
         partial = self._partial(sha256)
@@ -565,10 +627,17 @@ class BlobCache:
     def _copy(self, stream, out, sha256: str, start: int, expected: Optional[int],
               source: str = "") -> None:
         written = start
+        gate = getattr(self._gates, "gate", None)
+        # a block as soon as some of it is there: a slow source must not hold a pause back
+        read = getattr(stream, "read1", stream.read)
         try:
             while True:
+                if gate is not None and gate.stopping():
+                    raise _Interrupted()
                 want = CHUNK
                 left = self.allowance.remaining(self.clock())
+                if left is not None and expected is not None and written == expected:
+                    return  # whole, even with nothing left for a read of the end
                 if left is not None:
                     if left <= 0:
                         self._save_allowance()
@@ -576,7 +645,7 @@ class BlobCache:
                             f"blob {sha256[:12]}: today's transfer cap (daily_transfer_max_gb) is "
                             f"spent; {written} bytes kept, the rest after 00:00 UTC")
                     want = min(want, left)
-                block = stream.read(want)
+                block = read(want)
                 if not block:
                     return
                 wait = self.rate.delay(self.clock(), len(block))

@@ -14,6 +14,13 @@ slots it holds after its pause grace. While paused nothing computes and the loop
 heartbeats and samples. On resume the worker announces its credits again; tasks at a newer version
 carry the model, so it computes on the current one. Every change of state is logged, and written
 as a JSON line to `state_log` when one is configured.
+
+Blobs (model snapshots a task names, the shards of a job's data) are fetched through the blob cache
+in the compute thread, under the engine's pause gate: a download stops when the owner wants the
+machine back. When the owner's daily transfer cap is spent the worker says "capped" in its
+heartbeats and asks for no slots (READY 0); a slot that needs data it does not hold goes back to
+the coordinator at once (HANDBACK), the ones it can compute from its cache are computed, and every
+CAPPED_RETRY_S it asks again, until the allowance returns at 00:00 UTC.
 """
 
 from __future__ import annotations
@@ -49,8 +56,8 @@ from ..common.tensors import blob_chunks, buffer_vector, to_blob
 from ..common.throttle import Throttle
 from ..common.blobs import BlobError, Manifest, MAX_MANIFEST_BYTES
 from .cache import (BlobCache, CacheError, CacheTooSmall, CoordinatorSource, DiskFull, HttpSource,
-                    cache_from_settings)
-from .engine import Cancelled, Engine, Outcome, Work
+                    TransferCapReached, cache_from_settings)
+from .engine import Cancelled, Engine, Outcome, SnapshotRef, Work
 from .idle import Decision, IdlePolicy, PolicyConfig, Readings, memory_left_mb
 from .compress import ErrorFeedback
 from .link import ShapedSocket
@@ -132,6 +139,20 @@ class Guest:
             self._state_log.close()
 
 
+class _PrefetchGate:
+    """A prefetch yields to the owner too: it stops at the next block of a pause and is given
+    up (its partial file kept); the slot that needs the shard fetches it under its own gate."""
+
+    def __init__(self, running: threading.Event):
+        self._running = running
+
+    def stopping(self) -> bool:
+        return not self._running.is_set()
+
+    def wait(self) -> None:
+        raise CacheError("the owner needs the machine: prefetch given up until a slot needs it")
+
+
 class _Rehello(Exception):
     """The coordinator does not know this session: hand-shake again on the same socket."""
 
@@ -162,6 +183,10 @@ class Worker:
     # Copies of the model a worker holds at once: flat parameters and gradients, a model received
     # from the wire, a local task's optimizer moments (Adam's two); one gradient buffer per credit.
     MODEL_COPIES = 5
+    # While the transfer cap is spent: how long the worker asks for no slots after it handed one
+    # back, before it asks again (a locality-aware coordinator may then give it slots it holds)
+    CAPPED_RETRY_S = 60.0
+
     def __init__(self, config: WorkerConfig, guest: Optional[Guest] = None,
                  compute_slot: Optional["ComputeSlot"] = None, project: Optional[str] = None):
         """`guest` and `compute_slot`: shared with the other projects' sessions of this process
@@ -181,8 +206,10 @@ class Worker:
         self.heartbeat_s = 1.0
         self.liveness = 3
         self._queue: deque[Work] = deque()
-        # (version, model as views of the frames it came in, its buffers or None)
-        self._cache: Optional[tuple[int, list[torch.Tensor], Optional[torch.Tensor]]] = None
+        # (version, model as views of the frames it came in, its buffers or None, or the
+        # snapshot that names it instead)
+        self._cache: Optional[tuple[int, Optional[list[torch.Tensor]], Optional[torch.Tensor],
+                                    Optional[SnapshotRef]]] = None
         self._current: Optional[tuple[Work, threading.Event]] = None
         self._refused_logged = Throttle()  # a flood of tasks past our credits
         self._began = 0.0  # when the current compute began (time.monotonic())
@@ -211,6 +238,12 @@ class Worker:
         self.coordinator_source = CoordinatorSource()
         self.manifest: Optional[Manifest] = None  # of the job built, when it declares its data
         self._cache_logged = Throttle()
+        self._mirrors: list[str] = []  # the owner's and the coordinator's, in that order
+        # the daily transfer cap: when its allowance returns (time.time()), while it is spent
+        self._capped_until: Optional[float] = None
+        self._ask_again_at = 0.0  # capped: no slots asked for until then (time.monotonic())
+        self._handback: list[int] = []  # slots to give back: their data is not here, nor can be
+        self._announced: Optional[int] = None  # the credits last said in a READY
         self._shards_said: Optional[list[int]] = None  # as this session's coordinator last heard
         self._prefetch_told: list[int] = []
         self._prefetching: Optional[asyncio.Future] = None
@@ -237,7 +270,17 @@ class Worker:
         return not self._running.is_set()
 
     def _credits(self) -> int:
-        return 0 if self.paused else self.config.credits
+        if self.paused or (self.capped and time.monotonic() < self._ask_again_at):
+            return 0
+        return self.config.credits
+
+    @property
+    def capped(self) -> bool:
+        """The daily transfer cap is spent (until the allowance returns)."""
+        if self._capped_until is not None and time.time() >= self._capped_until:
+            self._capped_until = None
+            log.info("the daily transfer allowance is back: fetching again")
+        return self._capped_until is not None
 
     # lifecycle ------------------------------------------------------------------------------
 
@@ -365,10 +408,7 @@ class Worker:
         job = load_job(self._job_spec(welcome), welcome.job_args)
         if job.data is None:
             return None
-        if self.cache is None:
-            self.cache = cache_from_settings(self.config)
-        mirrors = list(dict.fromkeys([*self.config.blob_mirrors, *welcome.blob_mirrors]))
-        self.cache.sources = [HttpSource(url) for url in mirrors] + [self.coordinator_source]
+        self._ensure_cache()
         self.heartbeat_s, self.liveness = welcome.heartbeat_s, welcome.liveness
         try:
             path = await self._while_fetching(sock, asyncio.to_thread(self.cache.path_of, job.data))
@@ -385,6 +425,17 @@ class Worker:
         self.manifest = manifest
         return self.cache
 
+    def _ensure_cache(self) -> BlobCache:
+        """The blob cache, made on first need (a job's data, a model snapshot), with the
+        session's sources: the owner's mirrors, the coordinator's, the coordinator."""
+        if self.cache is None:
+            self.cache = cache_from_settings(self.config)
+        self.cache.sources = ([HttpSource(url) for url in self._mirrors]
+                              + [self.coordinator_source])
+        if self.engine is not None:
+            self.engine.store = self.cache
+        return self.cache
+
     async def _while_fetching(self, sock, work):
         """Await `work` (a fetch in a thread) while the session lives: heartbeats go out, and the
         chunks it asked the coordinator for are delivered."""
@@ -394,8 +445,7 @@ class Worker:
         try:
             while not task.done():
                 if time.monotonic() >= next_beat:
-                    await self._send(sock, proto.Heartbeat(state=self._beat_state(None),
-                                                           cache=self._cache_counters()))
+                    await self._send(sock, self._heartbeat(self._beat_state(None)))
                     next_beat = time.monotonic() + self.heartbeat_s
                 await asyncio.wait({task, recv}, timeout=max(0.0, next_beat - time.monotonic()),
                                    return_when=asyncio.FIRST_COMPLETED)
@@ -419,7 +469,7 @@ class Worker:
             recv.cancel()
 
     def _cache_counters(self) -> Optional[dict]:
-        return self.cache.counters() if self.cache is not None and self.manifest is not None else None
+        return self.cache.counters() if self.cache is not None else None
 
     def held_shards(self) -> list[int]:
         """The indices of the current manifest's shards that this worker's cache holds whole
@@ -446,6 +496,7 @@ class Worker:
             self.engine = Engine(self.built, order, self.device)
             self.engine.slowdown, self.engine.stall = self.config.slowdown, self.config.stall
             self.engine.poison = self.config.poison
+            self.engine.store = self.cache
             self._built_for = key
         self.heartbeat_s = welcome.heartbeat_s
         self.liveness = welcome.liveness
@@ -504,6 +555,9 @@ class Worker:
 
     async def _session_on(self, sock, welcome: proto.Welcome) -> None:
         while True:
+            self._mirrors = list(dict.fromkeys([*self.config.blob_mirrors, *welcome.blob_mirrors]))
+            if self.cache is not None:
+                self._ensure_cache()  # this session's sources
             try:
                 try:
                     store = await self._data_store(sock, welcome)
@@ -513,10 +567,9 @@ class Worker:
                     raise
                 await self._resume(sock, welcome)
                 self._shards_said, self._prefetch_told = None, []  # a new session hears anew
-                if self.paused:
-                    await self._send(sock, self._heartbeat("paused"))
-                await self._send(sock, proto.Ready(credits=self._credits(),
-                                                   fingerprint=self.built.fingerprint))
+                if self.paused or self.capped:
+                    await self._send(sock, self._heartbeat(self._beat_state(None)))
+                await self._send_ready(sock)
                 log.info("joined %s: job %s, %d credits, %s with %d threads%s",
                          self.config.coordinator, welcome.job, self.config.credits, self.device,
                          self.threads, " (paused)" if self.paused else "")
@@ -586,6 +639,8 @@ class Worker:
                 if now >= next_beat:
                     await self._send(sock, self._heartbeat(self._beat_state(computing)))
                     next_beat = now + self.heartbeat_s
+                    if self._credits() != self._announced:  # capped: time to ask again, or back
+                        await self._announce(sock, computing)
                 if now - last_heard > self.heartbeat_s * self.liveness:
                     return  # the coordinator is gone: the caller reconnects
                 if self._samples and sampling is None and now >= next_sample:
@@ -614,6 +669,8 @@ class Worker:
                 if computing is not None and computing.done():
                     outcome = self._finish(computing)
                     computing = None
+                    if self._handback:
+                        await self._hand_back(sock, computing)
                     if granted is not None:  # the next task may be another project's
                         self.compute_slot.leave(self.project, outcome.compute_s if outcome else 0.0)
                         granted = None
@@ -721,23 +778,40 @@ class Worker:
             self._prefetching = asyncio.ensure_future(asyncio.to_thread(self._fetch_ahead, missing))
 
     def _fetch_ahead(self, shards) -> None:
-        for shard in shards:
-            try:
-                self.cache.path_of(shard.sha256, shard.size)
-            except Exception as exc:  # a prefetch is a guess: the slot that needs it fetches again
-                log.info("prefetch of shard %s stopped: %s", shard.sha256[:12], exc)
-                return
+        with self.cache.gated(_PrefetchGate(self._running)):
+            for shard in shards:
+                try:
+                    self.cache.path_of(shard.sha256, shard.size)
+                except Exception as exc:  # a guess: the slot that needs it fetches again
+                    log.info("prefetch of shard %s stopped: %s", shard.sha256[:12], exc)
+                    return
 
     def _beat_state(self, computing) -> str:
         if self.paused:
             return "paused"
+        if self.capped:
+            return "capped"
         return "working" if computing is not None else "idle"
 
     async def _announce(self, sock, computing) -> None:
-        """Tell the coordinator at once that the guest paused or resumed: no slots while paused."""
+        """Tell the coordinator at once that the guest paused or resumed (no slots while
+        paused), or that the transfer cap was reached or its allowance returned."""
         await self._send(sock, self._heartbeat(self._beat_state(computing)))
-        await self._send(sock, proto.Ready(credits=self._credits(),
+        await self._send_ready(sock)
+
+    async def _send_ready(self, sock) -> None:
+        self._announced = self._credits()
+        await self._send(sock, proto.Ready(credits=self._announced,
                                            fingerprint=self.built.fingerprint))
+
+    async def _hand_back(self, sock, computing) -> None:
+        """Slots whose data is not here and cannot be fetched today go back at once, after a
+        READY 0: the coordinator gives them to others, not to us again."""
+        slots, self._handback = self._handback, []
+        self._ask_again_at = time.monotonic() + self.CAPPED_RETRY_S
+        await self._announce(sock, computing)
+        await self._send(sock, proto.Handback(
+            slots=slots, reason="the daily transfer cap is spent and the data is not cached"))
 
     def _finish(self, computing: asyncio.Future) -> Optional[Outcome]:
         work, cancel = self._current
@@ -749,11 +823,18 @@ class Worker:
             return outcome
         except Cancelled:
             return None
+        except TransferCapReached as exc:
+            if not self.capped:
+                log.warning("%s: asking for no slots that need data not cached here, until the "
+                            "allowance returns", exc)
+            self._capped_until = self.cache.capped_until(time.time()) or time.time() + 60
+            self._handback.append(work.slot)
+            return None
         except (CacheTooSmall, DiskFull) as exc:  # no slot can be computed here until fixed
             log.error("%s; leaving", exc)
             self._stop = str(exc)
             return None
-        except CacheError as exc:  # no source has the shard now (the slot goes to another)
+        except (CacheError, BlobError) as exc:  # no source has the blob now: the slot goes on
             if self._cache_logged.ready(time.monotonic()):
                 log.warning("slot %d: %s", work.slot, exc)
             return None
@@ -796,7 +877,11 @@ class Worker:
                 or (self._current is not None and self._current[0].slot == slot))
 
     def _on_task(self, task: proto.Task) -> None:
-        if task.model is not None:
+        if task.snapshot is not None:  # the model by name: fetched when the slot is computed
+            self._ensure_cache()
+            self._cache = (task.version, None, None,
+                           SnapshotRef(task.snapshot, task.snapshot_bytes))
+        elif task.model is not None:
             model = self.built.model
             try:
                 params = blob_chunks(task.model, model.numel, model.dtype)
@@ -808,7 +893,7 @@ class Worker:
             except ProtocolError as exc:
                 log.warning("task %d: bad model: %s", task.slot, exc)
                 return
-            self._cache = (task.version, params, buffers)
+            self._cache = (task.version, params, buffers, None)
         elif self._cache is None or self._cache[0] != task.version:
             # The coordinator thinks we hold a model we do not: start the session afresh.
             self._forget_session()
@@ -825,7 +910,8 @@ class Worker:
                             held, self.config.credits)
             return
         work = Work(task.slot, task.version, self._cache[1], task.parts, task.coefficients,
-                    task.kind, task.steps, arrived=time.monotonic(), buffers=self._cache[2])
+                    task.kind, task.steps, arrived=time.monotonic(), buffers=self._cache[2],
+                    snapshot=self._cache[3])
         try:
             self.engine.check(work)
         except ValueError as exc:

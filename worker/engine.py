@@ -4,25 +4,43 @@ The engine runs in a worker thread (the daemon's event loop keeps heart-beating 
 checks the cancel flag and the pause gate between micro-batches, and sizes micro-batches from its
 measured speed so that a cancel or pause takes effect well within a second. While paused it sleeps
 on the gate (no CPU), and the paused time is not counted as compute time.
+
+What a slot fetches (the model snapshot a task names, the shards its samples are in) comes through
+the blob cache in this thread too, under the same gate: a download stops between two blocks when
+the owner wants the machine back, waits, and resumes from its partial file (cache.py's `gated`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import random
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-from ..common.job import BuiltJob, EpochOrder, accumulate_coded_gradient, local_change
-from ..common.tensors import BufferPool
+from ..common import snapshot
+from ..common.blobs import BlobError
+from ..common.errors import ProtocolError
+from ..common.job import BuiltJob, EpochOrder, FlatModel, accumulate_coded_gradient, local_change
+from ..common.tensors import BufferPool, buffer_vector, from_blob
 
 
 class Cancelled(Exception):
     """The slot was cancelled (or the worker is stopping) between two micro-batches."""
+
+
+@dataclass(frozen=True)
+class SnapshotRef:
+    """A model by name: the snapshot blob (common/snapshot.py) a task named, of `size` bytes."""
+
+    sha256: str
+    size: int
 
 
 @dataclass(frozen=True)
@@ -40,6 +58,9 @@ class Work:
     # the model's persistent buffers at `version` (float64, FlatModel.buffers_flat's order);
     # None when it has none
     buffers: Optional[torch.Tensor] = None
+    # the model at `version` by name instead (params and buffers are then unused): fetched
+    # through the engine's store when the slot is computed
+    snapshot: Optional[SnapshotRef] = None
 
 
 @dataclass(frozen=True)
@@ -74,12 +95,22 @@ class Engine:
         self.poison: Optional[tuple[str, float]] = None  # fault injection: a hostile worker
         self.stall: Optional[tuple[float, float]] = None  # (probability, seconds)
         self._random = random.Random()
+        # the blob cache (worker/cache.py): where snapshots come from, and whose downloads the
+        # pause gate interrupts; None until the worker makes one
+        self.store = None
+        self._snapshot: Optional[tuple[str, torch.Tensor, Optional[torch.Tensor]]] = None
+        # the snapshots loaded lately: one older than these goes from the cache (a task of a
+        # round opened a version or two back may still name one of them)
+        self._recent_snapshots: deque[str] = deque()
 
     def check(self, work: Work) -> None:
         """Raise ValueError for a task this worker cannot compute (parts outside its data).
         Bounds only: it runs on the event loop, and building each part's epoch permutation here
         let one task of 65,536 parts hold the loop (and its heartbeats) for 20 s."""
-        if self.built.model.buffers and work.buffers is None:
+        if work.snapshot is not None:
+            if self.store is None:
+                raise ValueError("a model snapshot, and no blob cache to fetch it")
+        elif self.built.model.buffers and work.buffers is None:
             raise ValueError("no buffers with the model, which has some")
         n = len(self.built.train)
         for epoch, offset, count in work.parts:
@@ -87,16 +118,42 @@ class Engine:
                 raise ValueError(f"part [{epoch}, {offset}, {count}] outside a data set of "
                                  f"{n} samples")
 
+    SNAPSHOTS_KEPT = 3
     PAUSE_POLL_S = 0.25  # while paused, how often the cancel flag is looked at
 
     def compute(self, work: Work, cancel: threading.Event,
                 running: Optional[threading.Event] = None) -> Outcome:
         """The slot's coded gradient. `running`: a gate, set while computing is allowed; when it
         is clear the engine waits at the next micro-batch boundary (until set, or cancelled)."""
-        if work.kind == "local":
-            return self.compute_local(work, cancel, running)
         start = time.perf_counter()
         gate = _MicroBatchGate(self, cancel, running)
+        gated = self.store.gated(gate) if self.store is not None else contextlib.nullcontext()
+        with gated:
+            work = self._with_model(work)
+            if work.kind == "local":
+                return self._compute_local(work, gate, start)
+            return self._compute_gradient(work, gate, start)
+
+    def _with_model(self, work: Work) -> Work:
+        """`work` with the model it names by snapshot loaded (fetched, checked by hash; the
+        last one loaded is kept, so the slots of one version share one tensor)."""
+        ref = work.snapshot
+        if ref is None:
+            return work
+        if self._snapshot is None or self._snapshot[0] != ref.sha256:
+            self._snapshot = None  # the last version's memory is the next one's
+            path = self.store.path_of(ref.sha256, ref.size or None)
+            params, buffers = read_snapshot(path, self.built.model, work.version)
+            self._snapshot = (ref.sha256, params, buffers)
+            if ref.sha256 not in self._recent_snapshots:
+                self._recent_snapshots.append(ref.sha256)
+            while len(self._recent_snapshots) > self.SNAPSHOTS_KEPT:
+                self.store.discard(self._recent_snapshots.popleft())
+        _, params, buffers = self._snapshot
+        return dataclasses.replace(work, params=params, buffers=buffers, snapshot=None)
+
+    def _compute_gradient(self, work: Work, gate: "_MicroBatchGate", start: float) -> Outcome:
+        cancel, running = gate._cancel, gate._running
         model = self.built.model
         if work.params is not self._loaded:  # a new version (a slot at the same one: no copy)
             self._loaded = None
@@ -141,8 +198,7 @@ class Engine:
         """Hand back an outcome's gradient, to be reused once every tracker (of its zero-copy
         sends) is done."""
         self._gradients.give(gradient, trackers)
-    def compute_local(self, work: Work, cancel: threading.Event,
-                      running: Optional[threading.Event] = None) -> Outcome:
+    def _compute_local(self, work: Work, gate: "_MicroBatchGate", start: float) -> Outcome:
         """`work.steps` inner steps of the job's optimizer over the slot's one part, from the
         model at `work.version`; the outcome's `gradient` is coefficient * samples * (start -
         end), the slot's summed outer gradient (coordinator/outer.py).
@@ -151,8 +207,7 @@ class Engine:
         samples), so replicas agree, any worker can take any slot, and a worker that leaves loses
         nothing the next one needs. Carried inner state (Adam's moments) would have been computed
         on an older model, and would be lost whenever the fleet changes."""
-        start = time.perf_counter()
-        gate = _MicroBatchGate(self, cancel, running)  # cancel and pause within an inner step too
+        cancel, running = gate._cancel, gate._running  # cancel and pause within an inner step too
         initial = work.params if isinstance(work.params, torch.Tensor) else torch.cat(list(work.params))
         self._loaded = None  # the inner steps move the model away from any params object
         (part,) = work.parts
@@ -241,6 +296,41 @@ class _MicroBatchGate:
 
     def observe(self, samples: int) -> None:
         self._engine._observe(samples, time.perf_counter() - self._started)
+
+    # what a download in this thread asks between two blocks (cache.py's DownloadGate)
+
+    def stopping(self) -> bool:
+        """The owner wants the machine back, or the slot is cancelled: stop reading now."""
+        return self._cancel.is_set() or (self._running is not None and not self._running.is_set())
+
+    def wait(self) -> None:
+        """Sleep until computing may go on (the paused time is no compute time); Cancelled
+        gives the download up, its partial file kept for the next time."""
+        self.between()
+
+
+def read_snapshot(path: str, model: FlatModel,
+                  version: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(parameters, buffers or None) of the snapshot blob at `path` (its hash already checked
+    by the cache), checked as the wire checks a model frame; BlobError when it is not the
+    model at `version`."""
+    with open(path, "rb") as fh:
+        data = bytearray(fh.read())  # a copy of its own: the cache may evict the file
+    found, parts = snapshot.parse(memoryview(data))
+    if found != version:
+        raise BlobError(f"the snapshot is of version {found}, the task of {version}")
+    try:
+        if "params" not in parts:
+            raise ProtocolError("tensor", "no parameters in the snapshot")
+        params = from_blob(parts["params"], model.numel, model.dtype)
+        buffers = None
+        if model.buffers:
+            if "buffers" not in parts:
+                raise ProtocolError("tensor", "no buffers in the snapshot of a model with some")
+            buffers = buffer_vector(parts["buffers"], model.buffer_numel, model.counter_mask)
+    except ProtocolError as exc:
+        raise BlobError(f"a snapshot that is not this job's model: {exc}") from None
+    return params, buffers
 
 
 def poisoned(gradient: torch.Tensor, kind: str, factor: float) -> torch.Tensor:

@@ -32,6 +32,20 @@ def test_unknown_job_is_a_usage_error(cluster):
     assert line.startswith("idlegrad coordinator: error:") and "nosuchjob" in line
 
 
+def test_a_mirror_with_nothing_to_mirror_is_one_line(cluster, tmp_path):
+    """A small model goes inline and digits has no pack: a --blob-mirror would serve nothing."""
+    proc = cluster.spawn("coordinator", "coordinator", "--job", "digits", "--blob-mirror",
+                         "http://127.0.0.1:9/", "--bind", cluster.address, "--threads", "1")
+    assert proc.wait(timeout=60) == 2
+    line = one_line(proc)
+    assert "--blob-mirror" in line and "--snapshot-min-mb" in line
+    (tmp_path / "file").write_text("not a folder")
+    bad = cluster.spawn("bad", "coordinator", "--job", "digits", "--snapshot-dir",
+                        str(tmp_path / "file" / "under"), "--bind", cluster.address)
+    assert bad.wait(timeout=60) == 2
+    assert "--snapshot-dir" in one_line(bad)
+
+
 def test_address_in_use_is_a_usage_error_naming_the_address(cluster):
     first = cluster.coordinator("--job", "digits")
     cluster.status().wait_for(lambda s: True, "answer from the first coordinator", alive=[first])

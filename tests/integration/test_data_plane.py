@@ -5,6 +5,8 @@ a shard corrupted in a worker's cache, a cache cap below one shard."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -143,4 +145,32 @@ def test_a_cache_cap_below_one_shard_is_one_line(cluster, pack, tmp_path):
     assert "cache_max_gb" in said[0] and "below one shard" in said[0]
     assert coordinator.running()
     assert cached(tmp_path / "cache", manifest) == []
+    cluster.assert_no_tracebacks()
+
+
+def test_a_worker_whose_transfer_cap_is_spent_hands_its_slots_back_and_others_train(
+        cluster, pack, tmp_path):
+    """A cap of about three shards: the worker fetches them, then says "capped", asks for no
+    slots, and gives back at once the slots that need shards it lacks; the other worker trains
+    on. The capped worker never fetches past its cap."""
+    pack_dir, manifest = pack
+    cap_gb = 3 * manifest.shards[0].size / 2**30
+    metrics = cluster.dir / "metrics.jsonl"
+    capped = cluster.worker("capped", "--cache-dir", str(tmp_path / "capped"),
+                            "--daily-transfer-max-gb", f"{cap_gb:.9f}")
+    helper = cluster.worker("helper", "--cache-dir", str(tmp_path / "helper"))
+    wait_for_hellos(cluster.address, ["capped", "helper"], [capped.popen, helper.popen], DEADLINE)
+    coordinator = cluster.coordinator(*PACKED, "--data", str(pack_dir), "--epochs", "3",
+                                      "--metrics", str(metrics))
+    assert coordinator.wait(DEADLINE) == 0, coordinator.tail()
+    for proc in (capped, helper):
+        assert proc.wait(DEADLINE) == 0, proc.tail()
+    final = final_metrics(metrics)
+    assert final["scheduler"]["slots_handed_back"] >= 1
+    assert final["metrics"]["accuracy"] > 0.6
+    assert "worker_capped: capped capped" in coordinator.output()
+    assert "asking for no slots that need data not cached here" in capped.output()
+    with open(tmp_path / "capped" / "transfer.json") as fh:
+        assert json.load(fh)["bytes"] <= cap_gb * 2**30
+    assert len(cached(tmp_path / "helper", manifest)) == len(manifest.shards)
     cluster.assert_no_tracebacks()

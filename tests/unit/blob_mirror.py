@@ -1,6 +1,6 @@
 """A real HTTP mirror on loopback for the cache's tests: the standard library's server, serving a
 published blob folder with Range requests (which http.server's own handler lacks), and faults
-to order: a body cut short, wrong bytes, a stall."""
+to order: a body cut short, wrong bytes, a stall, a slow link."""
 
 from __future__ import annotations
 
@@ -11,6 +11,14 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)  # a client that hung up is no news
+
+
 class Mirror:
     def __init__(self, root: str):
         self.root = root
@@ -19,6 +27,8 @@ class Mirror:
         self.lie = False  # flip the first byte of every body
         self.stall_s = 0.0  # wait this long before answering
         self.ignore_range = False
+        self.rate_bytes_per_s: float | None = None  # a slow link: the body goes out at this rate
+        self.sent = 0  # body bytes written, all requests together
         mirror = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -59,9 +69,21 @@ class Mirror:
                     self.wfile.flush()
                     self.close_connection = True
                     return
+                if mirror.rate_bytes_per_s:
+                    step = 4096
+                    try:
+                        for i in range(0, len(body), step):
+                            self.wfile.write(body[i:i + step])
+                            self.wfile.flush()
+                            mirror.sent += len(body[i:i + step])
+                            time.sleep(step / mirror.rate_bytes_per_s)
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass  # the client stopped reading (and resumes with a range later)
+                    return
                 self.wfile.write(body)
+                mirror.sent += len(body)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _QuietServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)

@@ -214,6 +214,24 @@ def test_the_daily_transfer_cap_stops_and_resumes_the_next_day(tmp_path, publish
         assert mirror.gets_of(sha)[-1] == "bytes=500-"
 
 
+def test_a_spent_cap_asks_no_source_and_evicts_nothing_until_the_next_day(tmp_path, published):
+    manifest, folder = published
+    clock = Clock()
+    with Mirror(folder) as mirror:
+        cache = cache_for(tmp_path, [mirror], clock=clock, cap=2 * SHARD, daily_bytes=2 * SHARD)
+        held = [cache.path_of(s.sha256, SHARD) for s in manifest.shards[:2]]
+        assert cache.capped_until(clock.now) == (int(clock.now) // 86400 + 1) * 86400
+        asked = len(mirror.requests)
+        with pytest.raises(TransferCapReached):
+            cache.path_of(manifest.shards[2].sha256, SHARD)
+        assert len(mirror.requests) == asked  # not even a request that would stop at once
+        assert all(os.path.exists(p) for p in held)  # nor room made for what cannot come
+        assert cache.path_of(manifest.shards[0].sha256, SHARD) == held[0]  # held: still used
+        clock.now = cache.capped_until(clock.now)
+        assert cache.capped_until(clock.now) is None
+        cache.path_of(manifest.shards[2].sha256, SHARD)
+
+
 def test_a_full_disk_is_one_clear_error_and_leaves_no_partial(tmp_path, published, monkeypatch):
     manifest, folder = published
     sha = manifest.shards[0].sha256

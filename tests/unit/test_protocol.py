@@ -93,6 +93,11 @@ def sample_messages() -> list[proto.Message]:
              deadline_s=30.0),
         Task(slot=0, round=0, version=0, parts=[[0, 0, 1]], coefficients=[0.0], deadline_s=0.0,
              model=None),
+        Task(slot=4, round=1, version=9, parts=[[0, 0, 8]], coefficients=[1.0], deadline_s=5.0,
+             snapshot="ab" * 32, snapshot_bytes=4096 + 4 * 10**8),
+        Heartbeat(state="capped"),
+        proto.Handback(slots=[3, 4], reason="the daily transfer cap is spent"),
+        proto.Handback(slots=[]),
         Cancel(slots=[]),
         Cancel(slots=[1, 2, 2**63 - 1]),
         Reject(code="job", reason="wrong fingerprint"),
@@ -312,7 +317,7 @@ def test_header_not_a_map(header):
     assert reason_of([packb(header)]) == "schema"
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 5, -1, "4", None, [4], 1.5, 2**64 - 1])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 6, -1, "5", None, [5], 1.5, 2**64 - 1])
 def test_wrong_version(version):
     assert reason_of([packb({**READY, "v": version})]) == "version"
 
@@ -605,6 +610,32 @@ def test_negative_loss_is_fine():
 ])
 def test_task_parts(parts, coefficients):
     assert reason_of([packb({**TASK, "parts": parts, "coefficients": coefficients})]) == "schema"
+
+
+@pytest.mark.parametrize("fields", [
+    {"snapshot": "AB" * 32}, {"snapshot": "ab" * 31}, {"snapshot": "../" * 20 + "abcd"},
+    {"snapshot": 5}, {"snapshot": "ab" * 32, "snapshot_bytes": -1}, {"snapshot_bytes": -5}])
+def test_a_task_names_its_snapshot_by_sha256_only(fields):
+    assert reason_of([packb({**TASK, **fields})]) == "schema"
+
+
+def test_a_task_carries_a_model_or_names_a_snapshot_never_both():
+    grad = grad_tensor(3)
+    task = Task(slot=1, round=0, version=1, parts=[[0, 0, 1]], coefficients=[1.0],
+                deadline_s=1.0, model=to_blob(grad), snapshot="ab" * 32)
+    with pytest.raises(ProtocolError):
+        decode(wire(encode(task)))
+
+
+@pytest.mark.parametrize("header", [
+    {"v": PROTOCOL_VERSION, "type": "handback", "slots": [-1]},
+    {"v": PROTOCOL_VERSION, "type": "handback", "slots": list(range(1025))},
+    {"v": PROTOCOL_VERSION, "type": "handback", "slots": [1], "reason": "r" * 300},
+    {"v": PROTOCOL_VERSION, "type": "handback", "slots": "1"},
+    {"v": PROTOCOL_VERSION, "type": "handback"},
+])
+def test_handback_schema(header):
+    assert reason_of([packb(header)]) == "schema"
 
 
 @pytest.mark.parametrize("header", [

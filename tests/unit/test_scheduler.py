@@ -296,6 +296,18 @@ def test_failed_slot_can_return_to_the_only_worker():
     assert again.slot == x.slot and again.worker == "a" and again.send_model is False
 
 
+def test_a_slot_handed_back_goes_to_another_and_counts_against_no_one():
+    s = make(open_rounds=1)
+    x = assigns(start(s, "a", 1))[0]
+    start(s, "b", 1)
+    assert s.ready("a", 0, 1.0) == []  # a capped worker first asks for nothing
+    (again,) = assigns(s.handback("a", [x.slot, 999], 1.0))
+    assert again.slot == x.slot and again.worker == "b"
+    assert s.workers["a"].failed == 0 and s.stats["slots_handed_back"] == 1
+    assert held(s, "a") == set()
+    assert s.handback("a", [x.slot], 1.0) == [] and s.handback("ghost", [x.slot], 1.0) == []
+
+
 # limits, end, queries --------------------------------------------------------------------------
 
 
