@@ -42,6 +42,8 @@ class CoordinatorConfig:
     open_rounds: int = 0
     staleness: StalenessRule = field(default_factory=StalenessRule)
     eval_every: Optional[float] = None  # None: adaptive, at most ~10% of the time
+    # where evaluations run: workers | coordinator | auto (coordinator/eval_slots.py `choose`)
+    eval_on: str = "auto"
     min_deadline_s: float = 30.0
     threads: Optional[int] = None
     pause_grace_s: float = 5.0  # a worker paused by its owner keeps its slots this long
@@ -71,6 +73,9 @@ class CoordinatorConfig:
     # Data that is not sharded keeps the full shuffle whatever this says.
     locality: bool = True
     shuffle_window: int = 4
+
+
+EVAL_ON = ("auto", "workers", "coordinator")
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,9 @@ def check(config: CoordinatorConfig) -> Checked:
     if not 1 <= config.shuffle_window <= proto.MAX_SHUFFLE_WINDOW:
         raise ConfigError(f"--shuffle-window must be from 1 to {proto.MAX_SHUFFLE_WINDOW} "
                           f"shards, not {config.shuffle_window}")
+    if config.eval_on not in EVAL_ON:
+        raise ConfigError(f"--eval-on must be one of {', '.join(EVAL_ON)}, not "
+                          f"{str(config.eval_on)[:40]!r}")
     _check_paths(config)
     _check_data(config)
     return Checked(task_mode, redundancy, keypair, keys)
