@@ -131,9 +131,12 @@ class RoundCore:
         """A worker's sums for an evaluation slot (schema-checked: few metrics, finite). Taken
         if the worker holds the slot; the last one completes the evaluation (`Evaluated`)."""
         evaluation = self.evaluation
-        if evaluation is None or slot not in evaluation.ranges or version != evaluation.version:
+        if evaluation is None or slot not in evaluation.ranges:
             self.counters["eval_results_dropped"] += 1
             return self.interpret(self.scheduler.side_result(worker_id, slot, now)[1], now)
+        if version != evaluation.version:  # not what it was asked: the range goes to another
+            self.counters["eval_results_dropped"] += 1
+            return self.interpret(self.scheduler.failed(worker_id, slot, now), now)
         accepted, actions = self.scheduler.side_result(worker_id, slot, now)
         out = []
         if not accepted:

@@ -148,8 +148,12 @@ class Engine:
         ((_, offset, count),) = work.parts
         sums = evaluation_sums(self.built.job, model.module, self.built.test, offset, count,
                                chunk=lambda: self.micro_batch, between=gate.between)
+        paused_s = gate.paused_s
+        injected = self._injected_delay(time.perf_counter() - start - paused_s)
+        if injected > 0:
+            paused_s += self._sleep(injected, cancel, running)
         return Outcome(work.slot, work.version, None, count, 0.0,
-                       max(0.0, time.perf_counter() - start - gate.paused_s), sums=sums)
+                       max(0.0, time.perf_counter() - start - paused_s), sums=sums)
 
     def _load_buffers(self, work: Work) -> None:
         """Every slot starts from its version's buffers: the forward passes of the last slot
