@@ -102,4 +102,4 @@ class Evaluated:
     version: int
     samples: int  # samples applied when it was planned
     metrics: dict
-    seconds: float  # from its planning to its last answer
+    seconds: float  # the workers' compute seconds for it, per worker (eval_slots.py)

@@ -37,11 +37,14 @@ class WorkerEvaluation:
     started: float
     ranges: dict[int, list[int]]  # slot id -> its part
     sums: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)
+    compute_s: float = 0.0  # the answers' compute seconds, summed
 
-    def answer(self, slot: int, sums: dict[str, tuple[float, float]]) -> bool:
-        """A slot's sums; whether the evaluation is complete."""
+    def answer(self, slot: int, sums: dict[str, tuple[float, float]],
+               compute_s: float = 0.0) -> bool:
+        """A slot's sums and its compute seconds; whether the evaluation is complete."""
         if slot in self.ranges and slot not in self.sums:
             self.sums[slot] = sums
+            self.compute_s += max(0.0, compute_s)
         return self.complete
 
     @property
@@ -51,8 +54,11 @@ class WorkerEvaluation:
     def metrics(self) -> dict[str, float]:
         return combine_sums([self.sums[s] for s in sorted(self.sums)])
 
-    def seconds(self, now: float) -> float:
-        return max(0.0, now - self.started)
+    def seconds(self, workers: int) -> float:
+        """What it cost, as the evaluation plan's cadence counts an evaluation's seconds: the
+        fleet's compute seconds per worker (its wall time is mostly training interleaved with
+        it, and waiting for a free credit)."""
+        return self.compute_s / max(1, workers)
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,7 @@ class RoundCore:
         return self.interpret(self.scheduler.drop_side(now), now)
 
     def evaluated(self, worker_id: str, slot: int, version: int,
-                  sums: dict[str, tuple[float, float]], now: float) -> list:
+                  sums: dict[str, tuple[float, float]], compute_s: float, now: float) -> list:
         """A worker's sums for an evaluation slot (schema-checked: few metrics, finite). Taken
         if the worker holds the slot; the last one completes the evaluation (`Evaluated`)."""
         evaluation = self.evaluation
@@ -141,10 +141,10 @@ class RoundCore:
         out = []
         if not accepted:
             self.counters["eval_results_dropped"] += 1
-        elif evaluation.answer(slot, sums):
+        elif evaluation.answer(slot, sums, compute_s):
             self.evaluation = None
             out.append(Evaluated(evaluation.version, evaluation.samples, evaluation.metrics(),
-                                 evaluation.seconds(now)))
+                                 evaluation.seconds(len(self.scheduler.workers))))
         return out + self.interpret(actions, now)
 
     def seen(self, worker_id: str, state: Optional[str], now: float,

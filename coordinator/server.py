@@ -389,7 +389,7 @@ class Coordinator:
         worker_id = self._worker_of(route)
         sums = {name: (float(pair[0]), float(pair[1])) for name, pair in msg.sums.items()}
         await self.perform(self.core.evaluated(worker_id, msg.slot, msg.version, sums,
-                                               time.monotonic()))
+                                               msg.compute_s, time.monotonic()))
 
     async def _on_heartbeat(self, route: bytes, msg: proto.Heartbeat, key) -> None:
         worker_id = self._worker_of(route)

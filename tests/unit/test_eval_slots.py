@@ -122,12 +122,12 @@ def test_auto_rule():
 
 def test_a_worker_evaluation_completes_once_every_range_answered():
     e = WorkerEvaluation(version=3, samples=100, started=10.0, ranges={1: [0, 0, 4], 2: [0, 4, 2]})
-    assert not e.answer(1, {"loss": (4.0, 4.0)})
-    assert not e.answer(1, {"loss": (400.0, 4.0)})  # a repeat does not count twice
-    assert not e.answer(9, {"loss": (0.0, 1.0)})  # not one of its slots
-    assert e.answer(2, {"loss": (8.0, 2.0)})
+    assert not e.answer(1, {"loss": (4.0, 4.0)}, 1.0)
+    assert not e.answer(1, {"loss": (400.0, 4.0)}, 1.0)  # a repeat does not count twice
+    assert not e.answer(9, {"loss": (0.0, 1.0)}, 1.0)  # not one of its slots
+    assert e.answer(2, {"loss": (8.0, 2.0)}, 2.0)
     assert e.metrics() == {"loss": 2.0}
-    assert e.seconds(12.5) == 2.5
+    assert e.seconds(workers=2) == 1.5  # the fleet's compute seconds, per worker
 
 
 # the scheduler's side slots -------------------------------------------------------------------
@@ -262,16 +262,16 @@ def test_the_core_combines_worker_sums_into_the_evaluation_of_its_version():
     (a,) = assigns(out)
     assert a.kind == "eval" and a.version == 1
     # an answer for another version is dropped, and its range handed out again
-    (again,) = assigns(core.evaluated("a", a.slot, 0, {"loss": (1.0, 4.0)}, 1.5))
+    (again,) = assigns(core.evaluated("a", a.slot, 0, {"loss": (1.0, 4.0)}, 0.1, 1.5))
     assert core.counters["eval_results_dropped"] == 1
     assert again.slot == a.slot and again.parts == [[0, 0, 4]]
     # from a worker not holding it: dropped
-    assert core.evaluated("b", a.slot, 1, {"loss": (1.0, 4.0)}, 1.6) == []
+    assert core.evaluated("b", a.slot, 1, {"loss": (1.0, 4.0)}, 0.1, 1.6) == []
     assert core.counters["eval_results_dropped"] == 2
-    out = core.evaluated("a", a.slot, 1, {"loss": (4.0, 4.0), "accuracy": (2.0, 4.0)}, 2.0)
+    out = core.evaluated("a", a.slot, 1, {"loss": (4.0, 4.0), "accuracy": (2.0, 4.0)}, 0.5, 2.0)
     (b,) = assigns(out)
     assert b.parts == [[0, 4, 2]]
-    out = core.evaluated("a", b.slot, 1, {"loss": (6.0, 2.0), "accuracy": (2.0, 2.0)}, 3.0)
+    out = core.evaluated("a", b.slot, 1, {"loss": (6.0, 2.0), "accuracy": (2.0, 2.0)}, 0.25, 3.0)
     (done,) = [e for e in out if isinstance(e, Evaluated)]
-    assert done == Evaluated(1, 4, {"loss": 10.0 / 6, "accuracy": 4.0 / 6}, 2.0)
+    assert done == Evaluated(1, 4, {"loss": 10.0 / 6, "accuracy": 4.0 / 6}, 0.75)
     assert core.evaluation is None
