@@ -65,7 +65,9 @@ class RoundCore:
     key, or its worker id without keys): the driver names it when the worker joins."""
 
     def __init__(self, scheduler: Scheduler, backend: Backend, trust: TrustPolicy,
-                 samples_applied: int = 0):
+                 samples_applied: int = 0, settle_on_workers: bool = False):
+        """`settle_on_workers`: a suspect or a disagreement is computed by a third worker
+        rather than here (verify.py)."""
         self.scheduler = scheduler
         self.backend = backend
         self.trust = trust
@@ -77,6 +79,7 @@ class RoundCore:
         self.train_loss: Optional[float] = None
         self.rate: deque[tuple[float, int]] = deque(maxlen=512)  # (time, samples applied)
         self.settlement = Settlement(self)
+        self.settlement.on_workers = settle_on_workers
         self.evaluation: Optional[WorkerEvaluation] = None  # the one handed to workers, if any
 
     @property
@@ -106,7 +109,7 @@ class RoundCore:
         return self._leave(worker_id, reason, now)
 
     def tick(self, now: float) -> list:
-        return self.interpret(self.scheduler.tick(now), now)
+        return self.interpret(self.scheduler.tick(now), now) + self.settlement.check(now)
 
     def stop(self, now: float) -> list:
         self.evaluation = None  # its slots are withdrawn with the rest
@@ -202,6 +205,8 @@ class RoundCore:
         (inf or nan when not finite), `buffers` the model's buffers its computation ended with
         (None without buffers). Screened, then used, settled or refused."""
         identity = self.identity(worker_id)
+        if slot in self.scheduler.side:  # a third worker's computation, to settle a dispute
+            return self.settlement.answered(worker_id, identity, slot, gradient, norm, now)
         scale = self.scheduler.slot_scale(worker_id, slot)
         if not math.isfinite(norm):
             verdict = self.trust.judge(identity, math.nan, 1.0, now)

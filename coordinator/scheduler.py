@@ -274,6 +274,17 @@ class SideSlot:
     kind: str = "eval"
     holders: set[str] = field(default_factory=set)
     queued: bool = True
+    # a "gradient" or "local" side slot (a settlement computed by a third worker, verify.py):
+    # its parts and their coefficients, and the workers that must not compute it (the parties
+    # to the dispute)
+    parts: list[list[int]] = field(default_factory=list)
+    coefficients: list[float] = field(default_factory=lambda: [1.0])
+    exclude: frozenset = frozenset()
+    steps: int = 0  # a "local" one: inner steps
+
+    @property
+    def samples(self) -> int:
+        return sum(p[2] for p in self.parts) if self.parts else self.part[2]
 
 
 class SlotTask(NamedTuple):
@@ -1136,9 +1147,24 @@ class Scheduler:
     def add_side(self, version: int, parts: list[list[int]], now: float,
                  kind: str = "eval") -> tuple[list[int], list[Action]]:
         """Queue a side slot per part, at `version`: (their ids, what to hand out now)."""
+        return self._add_side([SideSlot(self._take_id(), version, list(part), kind)
+                               for part in parts], now)
+
+    def add_side_task(self, version: int, parts: list[list[int]], coefficients: list[float],
+                      kind: str, steps: int, exclude: frozenset, now: float
+                      ) -> tuple[int, list[Action]]:
+        """Queue one side slot computing what a round's slot of `parts`, `coefficients`,
+        `kind` and `steps` would, at `version`, for a worker not in `exclude`: (its id,
+        actions)."""
+        slot = SideSlot(self._take_id(), version, [], kind, parts=[list(p) for p in parts],
+                        coefficients=list(coefficients), exclude=frozenset(exclude), steps=steps)
+        ids, actions = self._add_side([slot], now)
+        return ids[0], actions
+
+    def _add_side(self, slots: list[SideSlot], now: float) -> tuple[list[int], list[Action]]:
         ids = []
-        for part in parts:
-            slot = SideSlot(self._take_id(), version, list(part), kind)
+        for slot in slots:
+            version = slot.version
             self.side[slot.id] = slot
             self._side_pending.append(slot.id)
             self._side_at[version] += 1
@@ -1157,7 +1183,8 @@ class Scheduler:
             return False, []
         del worker.assigned[slot_id]
         worker.last_seen = now
-        worker.side_samples += slot.part[2]
+        if slot.kind == "eval":
+            worker.side_samples += slot.samples
         slot.holders.discard(worker_id)
         self._update_hunger(worker)
         self._watch_late(worker, now)
@@ -1165,13 +1192,18 @@ class Scheduler:
         actions = self._close_side(slot)
         return True, actions + self._fill(now)
 
-    def drop_side(self, now: float) -> list[Action]:
-        """Forget every open side slot (an evaluation abandoned): their holders are cancelled."""
+    def drop_side(self, now: float, kind: str = "eval") -> list[Action]:
+        """Forget every open side slot of `kind` (an evaluation abandoned): their holders are
+        cancelled."""
         actions: list[Action] = []
-        for slot in list(self.side.values()):
+        for slot in [s for s in self.side.values() if s.kind == kind]:
             actions += self._close_side(slot)
-        self._drop_side_slots()
         return actions + self._fill(now)
+
+    def drop_side_slot(self, slot_id: int, now: float) -> list[Action]:
+        """Forget one open side slot (its holders are cancelled)."""
+        slot = self.side.get(slot_id)
+        return [] if slot is None else self._close_side(slot) + self._fill(now)
 
     def _close_side(self, slot: SideSlot) -> list[Action]:
         actions: list[Action] = []
@@ -1212,16 +1244,11 @@ class Scheduler:
             if (worker.free <= 0 or (alternate and worker.side_last)
                     or any(s in self.side for s in worker.assigned)):
                 continue
-            slot = None
-            while self._side_pending:
-                candidate = self.side.get(self._side_pending.popleft())
-                if candidate is not None and candidate.queued:
-                    slot = candidate
-                    break
+            slot = self._next_side_for(worker)
             if slot is None:
-                break
+                continue
             slot.queued = False
-            deadline = now + self.speed.deadline_s(worker.speed, slot.part[2], worker.capacity)
+            deadline = now + self.speed.deadline_s(worker.speed, slot.samples, worker.capacity)
             worker.assigned[slot.id] = deadline
             heapq.heappush(self._deadline_due, (deadline, next(self._seq), worker.id, slot.id))
             slot.holders.add(worker.id)
@@ -1232,12 +1259,37 @@ class Scheduler:
             self._update_hunger(worker)
         return actions
 
+    def _next_side_for(self, worker: WorkerRecord) -> Optional[SideSlot]:
+        """The oldest pending side slot `worker` may take (not one it is excluded from)."""
+        skipped: list[int] = []
+        found = None
+        while self._side_pending:
+            slot_id = self._side_pending.popleft()
+            candidate = self.side.get(slot_id)
+            if candidate is None or not candidate.queued:
+                continue
+            if worker.id in candidate.exclude:
+                skipped.append(slot_id)
+                continue
+            found = candidate
+            break
+        self._side_pending.extendleft(reversed(skipped))
+        return found
+
+    def side_takers(self, slot_id: int) -> int:
+        """Workers that could take side slot `slot_id` (neither excluded nor draining)."""
+        slot = self.side.get(slot_id)
+        if slot is None:
+            return 0
+        return sum(1 for w in self.workers.values() if w.id not in slot.exclude and not w.draining)
+
     @staticmethod
     def _side_assign(worker: WorkerRecord, slot: SideSlot, deadline_s: float,
                      send_model: bool) -> Assign:
         return Assign(worker=worker.id, slot=slot.id, round=0, version=slot.version,
-                      parts=[list(slot.part)], coefficients=[1.0], deadline_s=deadline_s,
-                      send_model=send_model, kind=slot.kind)
+                      parts=[list(p) for p in slot.parts] or [list(slot.part)],
+                      coefficients=list(slot.coefficients), deadline_s=deadline_s,
+                      send_model=send_model, kind=slot.kind, steps=slot.steps)
 
 
 def _queue_order(code: Code) -> list[int]:

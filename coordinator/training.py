@@ -131,7 +131,8 @@ class Training:
                             speculate=config.speculate, verify_replicas=config.verify_replicas),
             self.sampler, version=version, next_id=next_id, task_mode=self.task_mode,
             locality=Locality(self.order, group_for(checked.redundancy)) if sharded else None)
-        self.core = RoundCore(scheduler, self.model, self._trust(), samples_applied=samples)
+        self.core = RoundCore(scheduler, self.model, self._trust(), samples_applied=samples,
+                              settle_on_workers=config.settle_on == "workers")
         # saved with the model, so that after a crash they are the checkpoint's, as the samples
         self.credits = Credits.from_state(state.get("credits") if state is not None else None)
         self.plan = EvaluationPlan(config.eval_every, config.target)

@@ -74,10 +74,19 @@ def test_a_third_worker_settles_a_disagreement_and_the_wrong_copy_is_refused():
     assert {first.worker, second.worker} <= {"a", "b", "c"}
     out = dispute(core, first, second)
     assert not [e for e in out if isinstance(e, Compute)]  # nothing computed here
-    (settle,) = [a for a in assigns(out) if a.round == 0 and a.kind == "gradient"] or [
-        a for a in assigns(core.tick(1.1)) if a.round == 0]
     third = ({"a", "b", "c"} - {first.worker, second.worker}).pop()
-    assert settle.worker == third  # never a party to the dispute
+    assert core.settlement.side_slot is not None
+    # the parties' free credits never take it
+    assert not [a for a in assigns(out) if a.round == 0]
+    for party in (first.worker, second.worker):
+        held = sorted(core.scheduler.workers[party].assigned)[0]
+        out = core.result(party, held, RIGHT, 4.0, 0.1, 1.2, samples=4, loss=1.0)
+        assert not [a for a in assigns(out) if a.round == 0], out
+    # the third's next free credit takes it
+    held = sorted(core.scheduler.workers[third].assigned)[0]
+    out = core.result(third, held, RIGHT, 4.0, 0.1, 1.5, samples=4, loss=1.0)
+    (settle,) = [a for a in assigns(out) if a.round == 0]
+    assert settle.worker == third
     assert settle.parts == first.parts and settle.coefficients == first.coefficients
     assert settle.version == first.version
     out = core.result(third, settle.slot, [t.clone() for t in RIGHT], 4.0, 0.1, 2.0, samples=4)
