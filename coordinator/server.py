@@ -88,7 +88,8 @@ class Coordinator:
         security_note = (f"CURVE, {self.gate.describe()}" if self.gate.secure
                          else "no keys: unencrypted")
         self._event("start", f"job {self.training.job.name} at version {self.version}, "
-                             f"listening on {self.config.bind} ({security_note})")
+                             f"listening on {self.config.bind} ({security_note}); evaluations "
+                             f"on the {self.training.eval_on} ({self.training.eval_choice.reason})")
         try:
             await self._loop(transport)
             await self._finish()

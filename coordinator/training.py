@@ -137,7 +137,6 @@ class Training:
         self.credits = Credits.from_state(state.get("credits") if state is not None else None)
         self.plan = EvaluationPlan(config.eval_every, config.target)
         self.eval_choice = self._choose_eval_on()
-        log.info("evaluations on the %s (%s)", self.eval_choice.where, self.eval_choice.reason)
         self.bad_messages: Counter[str] = Counter()  # by reason
         self.events: deque[dict] = deque(maxlen=self.EVENTS_KEPT)
         self.event_id = 0
