@@ -109,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gradients staler than this are replanned, not applied (default: 32)")
     c.add_argument("--eval-every", type=_positive(float), metavar="SECONDS",
                    help="seconds between evaluations (default: adaptive, ~10%% of the time)")
+    c.add_argument("--settle-on", choices=["coordinator", "workers"], default="coordinator",
+                   help="who computes a slot to settle a suspect gradient or disagreeing "
+                        "verified replicas: the coordinator (default), or a third worker, "
+                        "neither of the disputed results' senders (the coordinator when there "
+                        "is none)")
+    c.add_argument("--eval-on", choices=["auto", "workers", "coordinator"], default="auto",
+                   help="where evaluations run: on workers (ranges of the test set as tasks), "
+                        "on the coordinator, or auto: the coordinator only when one evaluation "
+                        "costs it under 1%% of the run or under 20 ms (default: auto)")
     c.add_argument("--task-timeout", type=_positive(float), default=30.0, metavar="SECONDS",
                    help="least time before a slow task is handed to another worker (default: 30)")
     c.add_argument("--pause-grace", type=_non_negative(float), default=5.0, metavar="SECONDS",
@@ -351,7 +360,7 @@ def _run_coordinator(args) -> int:
         target=Target.parse(args.target) if args.target else None, seed=args.seed,
         heartbeat_s=args.heartbeat, partitions=args.partitions, open_rounds=args.open_rounds,
         staleness=StalenessRule(args.staleness, args.max_staleness), eval_every=args.eval_every,
-        min_deadline_s=args.task_timeout, threads=args.threads, pause_grace_s=args.pause_grace,
+        eval_on=args.eval_on, settle_on=args.settle_on, min_deadline_s=args.task_timeout, threads=args.threads, pause_grace_s=args.pause_grace,
         redundancy=str(parse_redundancy(args.redundancy)), sync=args.sync,
         max_batch=args.max_batch, speculate=args.speculate, secret_key=args.secret_key,
         allow_keys=args.allow_keys, monitor_keys=args.monitor_keys,

@@ -358,14 +358,11 @@ def lm(corpus: str = "", size: str = "tiny", context: int = 128, batch_size: int
             return train_and_held_out(ShardedDataset(os.path.join(pack(), "manifest.json")))
         return train_and_held_out(ShardedDataset.from_store(data, store))
 
-    def evaluate(model: nn.Module, test) -> dict[str, float]:
-        count = min(len(test), eval_windows)
-        loss_sum = 0.0
-        for start in range(0, count, 64):
-            windows = torch.stack([test[i] for i in range(start, min(count, start + 64))])
-            loss_sum += float(byte_loss(model, windows)) * len(windows)
-        loss = loss_sum / count
-        return {"loss": loss, "bits_per_byte": loss / math.log(2)}
+    def evaluate_sums(model: nn.Module, windows) -> dict[str, tuple[float, float]]:
+        # bits per byte is the loss in base 2: its sum is the loss sum over ln 2
+        loss_sum = float(byte_loss(model, windows)) * len(windows)
+        return {"loss": (loss_sum, len(windows)),
+                "bits_per_byte": (loss_sum / math.log(2), len(windows))}
 
     def build_optimizer(named_parameters):
         decayed = [p for n, p in named_parameters if not no_decay(n, p)]
@@ -381,7 +378,8 @@ def lm(corpus: str = "", size: str = "tiny", context: int = 128, batch_size: int
         loss=byte_loss,
         build_optimizer=build_optimizer,
         batch_size=batch_size,
-        evaluate=evaluate,
+        evaluate_sums=evaluate_sums,
+        eval_samples=eval_windows,
         data=data,
         lr_lambda=warmup_cosine(warmup, steps) if warmup or steps else None,
         clip_norm=clip or None,

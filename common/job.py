@@ -24,6 +24,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from .blobs import dataset_fingerprint
 from .errors import JobError
+from .eval_sums import combine_sums
 from .job_definition import MIXED_PRECISION, Job
 from .job_loading import builtin_job_names, load_job, parse_job_args, resolve_factory
 from .permutation import EpochOrder, ShardOrder, part_indices
@@ -31,7 +32,8 @@ from .permutation import EpochOrder, ShardOrder, part_indices
 __all__ = [
     "BuiltJob", "EpochOrder", "FlatModel", "Job", "LocalChange", "LossTally",
     "accumulate_coded_gradient", "autocast_for", "batch_to", "build", "build_schedule",
-    "builtin_job_names", "clip_", "coded_gradient", "epoch_order", "evaluate", "gather",
+    "builtin_job_names", "clip_", "coded_gradient", "combine_sums", "epoch_order", "eval_size",
+    "evaluate", "evaluation_sums", "gather", "sums_evaluable",
     "load_job", "local_change", "make_optimizer", "model_bytes", "parse_job_args", "part_batch",
     "reference_gradient_norm", "resolve_factory", "shard_samples",
 ]
@@ -358,43 +360,98 @@ def batch_to(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+EVAL_CHUNK = 256  # test samples per forward when evaluating
+
+
 @torch.no_grad()
-def evaluate(job: Job, module: nn.Module, test: Dataset, chunk: int = 1024) -> dict[str, float]:
-    """The job's own evaluation, or mean test loss plus accuracy for class logits."""
+def evaluate(job: Job, module: nn.Module, test: Dataset, chunk: int = EVAL_CHUNK
+             ) -> dict[str, float]:
+    """The job's own evaluation, or its `evaluate_sums` (the default: mean test loss plus
+    accuracy for class logits) over its evaluated test samples, combined."""
     was_training = module.training
     module.eval()
     try:
         if job.evaluate is not None:
             return {str(k): float(v) for k, v in job.evaluate(module, test).items()}
-        return _default_evaluate(job, module, test, chunk)
+        return combine_sums([evaluation_sums(job, module, test, 0, eval_size(job, test), chunk)])
     finally:
         module.train(was_training)
 
 
-def _default_evaluate(job: Job, module: nn.Module, test: Dataset, chunk: int) -> dict[str, float]:
+def eval_size(job: Job, test: Dataset) -> int:
+    """How many test samples (the first ones) an evaluation covers."""
     n = len(test)
-    if n == 0:
-        return {}
+    return n if job.eval_samples is None else max(0, min(n, int(job.eval_samples)))
+
+
+def sums_evaluable(job: Job) -> bool:
+    """Whether the job's evaluation is a sum over test samples (so ranges of the test set can
+    be evaluated apart, on workers): `evaluate_sums`, or the default with no `evaluate`."""
+    return job.evaluate_sums is not None or job.evaluate is None
+
+
+@torch.no_grad()
+def evaluation_sums(job: Job, module: nn.Module, test: Dataset, start: int, count: int,
+                    chunk: int | Callable[[], int] = EVAL_CHUNK,
+                    between: Optional[Callable[[], None]] = None,
+                    observe: Optional[Callable[[int], None]] = None
+                    ) -> dict[str, tuple[float, float]]:
+    """`{metric: (sum, count)}` over test samples [start, start + count), in eval mode, in
+    chunks (`chunk`: a size, or a callable the worker's engine sizes from its speed; `between`
+    and `observe` as for the gradient kernels). Sums of a range's pieces add up to the range's."""
+    was_training = module.training
+    module.eval()
     device = next(module.parameters()).device
-    loss_sum, correct, counted = 0.0, 0, 0
-    classify = True
-    for start in range(0, n, chunk):
-        idx = range(start, min(n, start + chunk))
-        batch = batch_to(gather(test, list(idx), job.collate), device)
-        loss_sum += float(job.loss(module, batch)) * len(idx)
-        if classify and isinstance(batch, (list, tuple)) and len(batch) == 2:
-            x, y = batch
-            if isinstance(y, torch.Tensor) and not y.is_floating_point() and y.dim() == 1:
-                out = module(x)
-                if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[0] == y.shape[0]:
-                    correct += int((out.argmax(dim=1) == y).sum())
-                    counted += len(idx)
-                    continue
-        classify = False
-    metrics = {"loss": loss_sum / n}
-    if classify and counted == n:
-        metrics["accuracy"] = correct / n
-    return metrics
+    totals: dict[str, list[float]] = {}
+    try:
+        done = 0
+        while done < count:
+            if between is not None:
+                between()
+            size = chunk() if callable(chunk) else chunk
+            idx = list(range(start + done, start + min(count, done + max(1, size))))
+            batch = batch_to(gather(test, idx, job.collate), device)
+            sums = (job.evaluate_sums(module, batch) if job.evaluate_sums is not None
+                    else classification_sums(job, module, batch))
+            for name, (total, counted) in sums.items():
+                entry = totals.setdefault(str(name), [0.0, 0.0, 0])
+                entry[0] += float(total)
+                entry[1] += float(counted)
+                entry[2] += 1
+            done += len(idx)
+            if observe is not None:
+                observe(len(idx))
+        chunks = max((e[2] for e in totals.values()), default=0)
+        # a metric some chunk did not report (accuracy of a batch that is not class logits)
+        # would be a mean over part of the range: dropped
+        return {name: (e[0], e[1]) for name, e in totals.items() if e[2] == chunks}
+    finally:
+        module.train(was_training)
+
+
+def classification_sums(job: Job, module: nn.Module, batch: Any
+                        ) -> dict[str, tuple[float, float]]:
+    """The default evaluation of a batch: the summed loss and, when the model returns class
+    logits for integer labels, the correct count."""
+    n = _batch_len(batch)
+    sums = {"loss": (float(job.loss(module, batch)) * n, float(n))}
+    if isinstance(batch, (list, tuple)) and len(batch) == 2:
+        x, y = batch
+        if isinstance(y, torch.Tensor) and not y.is_floating_point() and y.dim() == 1:
+            out = module(x)
+            if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[0] == y.shape[0]:
+                sums["accuracy"] = (float((out.argmax(dim=1) == y).sum()), float(n))
+    return sums
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return len(batch)
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_len(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _batch_len(next(iter(batch.values())))
+    raise JobError("cannot tell the size of a test batch: give the job an evaluate_sums")
 
 
 def reference_gradient_norm(job: Job, model: FlatModel, train: Dataset, seed: EpochOrder,

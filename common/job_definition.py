@@ -37,6 +37,14 @@ class Job:
       gradients stay in the parameters' dtype. CPU workers and the coordinator are unchanged.
     - `collate(samples)`: makes a batch of a list of samples, where torch's default collate
       cannot.
+    - `evaluate_sums(model, batch)`: the evaluation of one batch of test samples as
+      `{metric: (sum, count)}`; a metric is the sum of its sums over the count of its counts,
+      whatever batches the test set was cut into. With it, evaluation can be handed to workers
+      (a range of the test set each, `--eval-on`), and the coordinator uses it too. Without it
+      and without `evaluate`, the default is classification's: `loss` (the mean loss) and, for
+      class logits, `accuracy`, computed the same way. A job whose `evaluate` returns means has
+      them computed on the coordinator only.
+    - `eval_samples`: evaluate the first this many test samples (None: all).
     """
 
     name: str
@@ -60,3 +68,5 @@ class Job:
     # and serves the pack as if given --data DIR, so workers fetch the data instead of needing
     # the corpus; a job built without a store (one process, a baseline) reads it locally.
     pack: Optional[Callable[[], str]] = None
+    evaluate_sums: Optional[Callable[[nn.Module, Any], dict[str, tuple[float, float]]]] = None
+    eval_samples: Optional[int] = None

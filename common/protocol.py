@@ -27,7 +27,8 @@ from .errors import ProtocolError
 # 4: fetch, chunk, welcome.blob_mirrors, heartbeat.cache (the data plane); task.buffers,
 #    result.buffers (model state beyond parameters); welcome.shuffle_window, heartbeat.shards,
 #    task.prefetch (locality)
-# 5: task.snapshot and task.snapshot_bytes (a large model by name), handback, heartbeat "capped"
+# 5: task.snapshot and task.snapshot_bytes (a large model by name), handback, heartbeat "capped";
+#    task kind "eval", eval_result (evaluation on workers)
 PROTOCOL_VERSION = 5
 
 MAX_FRAME_BYTES = 16 * 1024 * 1024  # tensor frames are cut to this; larger zero-copy frames slow down
@@ -68,6 +69,10 @@ MAX_URL = 512
 # What a worker's heartbeat may say of its blob cache: counters, each a non-negative int.
 CACHE_COUNTERS = frozenset({"hits", "downloads", "in_flight", "bytes_mirrors",
                             "bytes_coordinator", "used_bytes", "failures"})
+
+# An evaluation slot's answer: at most this many metrics, each named by a short printable name.
+MAX_EVAL_METRICS = 16
+MAX_METRIC_NAME = 64
 
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -137,6 +142,18 @@ class Result(Message):
     # The model's persistent buffers (BatchNorm statistics, counters) as the slot's computation
     # left them, float64, in the order both sides derive from the job; None when it has none.
     buffers: Optional[Blob] = None
+
+
+@dataclass(frozen=True)
+class EvalResult(Message):
+    """An evaluation slot's answer: for each metric, [sum, count] over the slot's range of the
+    test set at `version` (the coordinator adds them up over the slots: sum / count)."""
+
+    TYPE: ClassVar[str] = "eval_result"
+    slot: int
+    version: int
+    compute_s: float
+    sums: dict[str, list[float]]
 
 
 @dataclass(frozen=True)
@@ -244,7 +261,9 @@ class Task(Message):
     snapshot: Optional[str] = None
     snapshot_bytes: int = 0
 
-    KINDS: ClassVar[frozenset] = frozenset({"gradient", "local"})
+    # "eval": evaluate the model at `version` on test samples [offset, offset + count) of the
+    # one part [0, offset, count] (the test set in its own order), answered by an eval_result.
+    KINDS: ClassVar[frozenset] = frozenset({"gradient", "local", "eval"})
 
 
 @dataclass(frozen=True)
@@ -410,7 +429,7 @@ class Enrolled(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Hello, Ready, Result, Heartbeat, Fetch, Handback, Bye, Welcome, Task, Chunk,
+    for cls in (Hello, Ready, Result, EvalResult, Heartbeat, Fetch, Handback, Bye, Welcome, Task, Chunk,
                 Cancel, Ack, Reject, Shutdown, StatusRequest, Status, Control, ControlReply,
                 CreditRequest, Credit, Invite, Invited, Enrol, Enrolled)
 }
@@ -827,6 +846,8 @@ def _semantic_checks(msg: Message) -> None:
             raise ProtocolError("schema", f"task.kind {msg.kind[:20]!r} unknown")
         if msg.kind == "local" and (msg.steps < 1 or len(msg.parts) != 1):
             raise ProtocolError("schema", "a local task has steps >= 1 and exactly one part")
+        if msg.kind == "eval" and len(msg.parts) != 1:
+            raise ProtocolError("schema", "an eval task has exactly one part")
         non_negative("snapshot_bytes")
         if msg.snapshot is not None and (not is_sha256(msg.snapshot) or msg.model is not None
                                          or msg.buffers is not None):
@@ -834,6 +855,11 @@ def _semantic_checks(msg: Message) -> None:
     elif isinstance(msg, Handback):
         if len(msg.slots) > 1024 or any(s < 0 for s in msg.slots) or len(msg.reason) > MAX_NAME:
             raise ProtocolError("schema", "handback: at most 1024 slots >= 0, a short reason")
+    elif isinstance(msg, EvalResult):
+        non_negative("slot", "version", "compute_s")
+        if not msg.compute_s <= MAX_REPORTED_S:
+            raise ProtocolError("schema", f"eval_result.compute_s over {MAX_REPORTED_S:g}")
+        check_eval_sums(msg.sums)
     elif isinstance(msg, StatusRequest):
         non_negative("cursor")
     elif isinstance(msg, Control):
@@ -874,6 +900,21 @@ def _semantic_checks(msg: Message) -> None:
         if len(msg.name) > MAX_WORKER_ID or len(msg.reason) > MAX_NAME:
             raise ProtocolError("schema", f"enrolled.name over {MAX_WORKER_ID} or reason over "
                                           f"{MAX_NAME} characters")
+
+
+def check_eval_sums(sums: dict) -> None:
+    """ProtocolError unless `sums` names at most MAX_EVAL_METRICS metrics by short printable
+    names, each [sum, count] of finite numbers with count >= 0."""
+    if not 0 < len(sums) <= MAX_EVAL_METRICS:
+        raise ProtocolError("schema", f"eval_result.sums: 1 to {MAX_EVAL_METRICS} metrics")
+    for name, pair in sums.items():
+        if not (0 < len(name) <= MAX_METRIC_NAME and name.isprintable()):
+            raise ProtocolError("schema", f"eval_result.sums: a metric name is 1 to "
+                                          f"{MAX_METRIC_NAME} printable characters")
+        if (len(pair) != 2 or not all(math.isfinite(v) for v in pair) or pair[1] < 0
+                or max(abs(v) for v in pair) > 1e300):
+            raise ProtocolError("schema", "eval_result.sums: each metric is [sum, count], finite, "
+                                          "count >= 0")
 
 
 def _is_invitation_id(text: Optional[str]) -> bool:

@@ -42,6 +42,10 @@ class CoordinatorConfig:
     open_rounds: int = 0
     staleness: StalenessRule = field(default_factory=StalenessRule)
     eval_every: Optional[float] = None  # None: adaptive, at most ~10% of the time
+    # where evaluations run: workers | coordinator | auto (coordinator/eval_slots.py `choose`)
+    eval_on: str = "auto"
+    # who computes a slot to settle a suspect or a disagreement: coordinator | workers (verify.py)
+    settle_on: str = "coordinator"
     min_deadline_s: float = 30.0
     threads: Optional[int] = None
     pause_grace_s: float = 5.0  # a worker paused by its owner keeps its slots this long
@@ -75,6 +79,10 @@ class CoordinatorConfig:
     # (snapshots.py); None: 8, or 1 with local tasks and a mirror
     snapshot_min_mb: Optional[float] = None
     snapshot_dir: Optional[str] = None  # where snapshot blobs are written; None: a temporary one
+
+
+EVAL_ON = ("auto", "workers", "coordinator")
+SETTLE_ON = ("coordinator", "workers")
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,12 @@ def check(config: CoordinatorConfig) -> Checked:
     if not 1 <= config.shuffle_window <= proto.MAX_SHUFFLE_WINDOW:
         raise ConfigError(f"--shuffle-window must be from 1 to {proto.MAX_SHUFFLE_WINDOW} "
                           f"shards, not {config.shuffle_window}")
+    if config.eval_on not in EVAL_ON:
+        raise ConfigError(f"--eval-on must be one of {', '.join(EVAL_ON)}, not "
+                          f"{str(config.eval_on)[:40]!r}")
+    if config.settle_on not in SETTLE_ON:
+        raise ConfigError(f"--settle-on must be one of {', '.join(SETTLE_ON)}, not "
+                          f"{str(config.settle_on)[:40]!r}")
     _check_paths(config)
     _check_data(config)
     return Checked(task_mode, redundancy, keypair, keys)

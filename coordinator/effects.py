@@ -93,3 +93,13 @@ class Refused:
     identity: str
     slot: int
     reason: str
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """An evaluation handed to workers is complete: the metrics of the model at `version`."""
+
+    version: int
+    samples: int  # samples applied when it was planned
+    metrics: dict
+    seconds: float  # the workers' compute seconds for it, per worker (eval_slots.py)

@@ -39,6 +39,10 @@ class EvaluationPlan:
             return False
         return True
 
+    def postpone(self, now: float) -> None:
+        """A due evaluation could not start (no worker to hand it to): ask again later."""
+        self.next_at = now + self.interval()
+
     def stale(self, version: int) -> bool:
         """Whether the model at `version` has not been evaluated (the last word of a run)."""
         return version != self.last_version

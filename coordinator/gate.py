@@ -35,7 +35,7 @@ WORK, READ, OPERATE, OWN = "work", "read", "operate", "own"
 
 # What each message to the coordinator asks to do; anything else is not for the coordinator.
 NEEDS: dict[type, str] = {
-    proto.Hello: WORK, proto.Ready: WORK, proto.Result: WORK, proto.Heartbeat: WORK,
+    proto.Hello: WORK, proto.Ready: WORK, proto.Result: WORK, proto.EvalResult: WORK, proto.Heartbeat: WORK,
     proto.Bye: WORK, proto.Fetch: WORK, proto.Handback: WORK, proto.StatusRequest: READ,
     proto.Control: OPERATE, proto.Invite: OPERATE, proto.CreditRequest: OWN,
 }

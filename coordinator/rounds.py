@@ -7,7 +7,8 @@ decoded rounds. Each call takes what happened and `now`, and returns what the dr
 - to a worker: `Assign` (send a task), `CancelSlots`, `Drained` (send it home), `Ban` (refuse and
   forget it), `Evicted` (forget its connection);
 - here: `Compute` (compute a slot exactly as a worker would, then call `computed`);
-- to record: `Used` (a result taken into its round), `Applied` (a step taken: ledger, rate, and
+- to record: `Evaluated` (an evaluation handed to workers is complete: its metrics),
+  `Used` (a result taken into its round), `Applied` (a step taken: ledger, rate, and
   what each result it used earns), `Replanned`, `Event` (the event log), `Joined` and `Refused`
   (for the credits).
 
@@ -33,7 +34,9 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 from ..common.errors import GradientRejected
 from .credits import shares
-from .effects import Applied, Ban, Compute, Contribution, Event, Joined, Refused, Replanned, Used
+from .effects import (Applied, Ban, Compute, Contribution, Evaluated, Event, Joined, Refused,
+                      Replanned, Used)
+from .eval_slots import WorkerEvaluation
 from .scheduler import Assign, CompareCopies, Decoded, Drained, Evicted, Scheduler
 from .trust import TrustPolicy
 from .verify import Settlement, Stored
@@ -62,7 +65,9 @@ class RoundCore:
     key, or its worker id without keys): the driver names it when the worker joins."""
 
     def __init__(self, scheduler: Scheduler, backend: Backend, trust: TrustPolicy,
-                 samples_applied: int = 0):
+                 samples_applied: int = 0, settle_on_workers: bool = False):
+        """`settle_on_workers`: a suspect or a disagreement is computed by a third worker
+        rather than here (verify.py)."""
         self.scheduler = scheduler
         self.backend = backend
         self.trust = trust
@@ -74,6 +79,8 @@ class RoundCore:
         self.train_loss: Optional[float] = None
         self.rate: deque[tuple[float, int]] = deque(maxlen=512)  # (time, samples applied)
         self.settlement = Settlement(self)
+        self.settlement.on_workers = settle_on_workers
+        self.evaluation: Optional[WorkerEvaluation] = None  # the one handed to workers, if any
 
     @property
     def version(self) -> int:
@@ -102,10 +109,46 @@ class RoundCore:
         return self._leave(worker_id, reason, now)
 
     def tick(self, now: float) -> list:
-        return self.interpret(self.scheduler.tick(now), now)
+        return self.interpret(self.scheduler.tick(now), now) + self.settlement.check(now)
 
     def stop(self, now: float) -> list:
+        self.evaluation = None  # its slots are withdrawn with the rest
         return self.interpret(self.scheduler.stop(), now)
+
+    def evaluate(self, parts: list[list[int]], samples: int, now: float) -> list:
+        """Hand an evaluation of the model as it is now to workers: a side slot per part
+        ([0, offset, count] of the test set). At most one at a time: a second replaces the first."""
+        out = self.drop_evaluation(now) if self.evaluation is not None else []
+        ids, actions = self.scheduler.add_side(self.version, parts, now)
+        self.evaluation = WorkerEvaluation(self.version, samples, now,
+                                           dict(zip(ids, (list(p) for p in parts))))
+        self.counters["evaluations_planned"] += 1
+        return out + self.interpret(actions, now)
+
+    def drop_evaluation(self, now: float) -> list:
+        self.evaluation = None
+        return self.interpret(self.scheduler.drop_side(now), now)
+
+    def evaluated(self, worker_id: str, slot: int, version: int,
+                  sums: dict[str, tuple[float, float]], compute_s: float, now: float) -> list:
+        """A worker's sums for an evaluation slot (schema-checked: few metrics, finite). Taken
+        if the worker holds the slot; the last one completes the evaluation (`Evaluated`)."""
+        evaluation = self.evaluation
+        if evaluation is None or slot not in evaluation.ranges:
+            self.counters["eval_results_dropped"] += 1
+            return self.interpret(self.scheduler.side_result(worker_id, slot, now)[1], now)
+        if version != evaluation.version:  # not what it was asked: the range goes to another
+            self.counters["eval_results_dropped"] += 1
+            return self.interpret(self.scheduler.failed(worker_id, slot, now), now)
+        accepted, actions = self.scheduler.side_result(worker_id, slot, now)
+        out = []
+        if not accepted:
+            self.counters["eval_results_dropped"] += 1
+        elif evaluation.answer(slot, sums, compute_s):
+            self.evaluation = None
+            out.append(Evaluated(evaluation.version, evaluation.samples, evaluation.metrics(),
+                                 evaluation.seconds(len(self.scheduler.workers))))
+        return out + self.interpret(actions, now)
 
     def seen(self, worker_id: str, state: Optional[str], now: float,
              shards: Optional[list[int]] = None) -> list:
@@ -175,6 +218,8 @@ class RoundCore:
         (inf or nan when not finite), `buffers` the model's buffers its computation ended with
         (None without buffers). Screened, then used, settled or refused."""
         identity = self.identity(worker_id)
+        if slot in self.scheduler.side:  # a third worker's computation, to settle a dispute
+            return self.settlement.answered(worker_id, identity, slot, gradient, norm, now)
         scale = self.scheduler.slot_scale(worker_id, slot)
         if not math.isfinite(norm):
             verdict = self.trust.judge(identity, math.nan, 1.0, now)

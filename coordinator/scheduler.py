@@ -43,6 +43,16 @@ Locality (locality.py): with a shard-aware order the sampler plans block by bloc
 opened by a worker comes from its home block, and a worker takes pending slots of its own blocks
 before others' (`_next_slot_for(local=True)`); each `Assign` carries its prefetch hint.
 
+Side slots (issue 18): slots outside any round, each one part to compute at a model version,
+answered with something other than a gradient: an evaluation of a range of the test set
+(`add_side`, `side_result`, `drop_side`). They share the workers' credits, deadlines, eviction
+and withdrawal with round slots (a vanished holder's side slot goes back to the queue), are
+handed out before round slots, but a worker takes one only while it holds none and its last
+slot was a round's: side work interleaves with training instead of starving it. Only when there
+is no round work left does a worker take side slots back to back. Their model version is in use
+(`version_in_use`) until the last of them is answered or dropped. They earn no credit and feed
+no speed reading (a forward pass is not a training step).
+
 Scale (issue 8): no call walks the whole fleet. `tick` takes from heaps of due times (a worker's
 silence, a pause's grace, a slot's deadline, the moment a worker's slot may turn late) only the
 entries that are due, checks each against the live record (stale entries are dropped), and
@@ -209,6 +219,8 @@ class WorkerRecord:
     draining: bool = False  # gets no new slots; sent home once it holds none
     session: int = 0  # tells this record's entries in the scheduler's queues from a former one's
     late_check: Optional[int] = None  # its current entry in the speculation queue
+    side_last: bool = False  # its last slot was a side slot: the next is a round's, if any
+    side_samples: int = 0  # samples of the side slots it answered first (evaluated)
 
     @property
     def free(self) -> int:
@@ -249,6 +261,30 @@ class Slot:
     index: int = 0  # its row in the round's code
     kind: str = "gradient"  # what its holder computes: gradient | local (local.TaskMode)
     steps: int = 0  # local: inner steps; gradient: 0
+
+
+@dataclass
+class SideSlot:
+    """A slot outside any round: `part` ([0, offset, count] of the test set, for an "eval") to
+    compute at `version`. Forgotten once answered or dropped."""
+
+    id: int
+    version: int
+    part: list[int]
+    kind: str = "eval"
+    holders: set[str] = field(default_factory=set)
+    queued: bool = True
+    # a "gradient" or "local" side slot (a settlement computed by a third worker, verify.py):
+    # its parts and their coefficients, and the workers that must not compute it (the parties
+    # to the dispute)
+    parts: list[list[int]] = field(default_factory=list)
+    coefficients: list[float] = field(default_factory=lambda: [1.0])
+    exclude: frozenset = frozenset()
+    steps: int = 0  # a "local" one: inner steps
+
+    @property
+    def samples(self) -> int:
+        return sum(p[2] for p in self.parts) if self.parts else self.part[2]
 
 
 class SlotTask(NamedTuple):
@@ -304,6 +340,9 @@ class Scheduler:
         self.paused = False  # True: hand out no slots at all (the operator paused training)
         self._draining: set[str] = set()  # draining workers not yet announced as Drained
         self._pending: deque[int] = deque()
+        self.side: dict[int, SideSlot] = {}  # open side slots
+        self._side_pending: deque[int] = deque()
+        self._side_at: Counter[int] = Counter()  # open side slots per model version
         self._hungry: dict[str, None] = {}  # workers with free credits, in arrival order
         self._rounds_at: Counter[int] = Counter()  # open rounds per model version
         self._next_id = next_id
@@ -328,7 +367,7 @@ class Scheduler:
 
     def version_in_use(self, version: int) -> bool:
         """Whether an open round was planned at `version` (its slots need that model)."""
-        return self._rounds_at[version] > 0
+        return self._rounds_at[version] > 0 or self._side_at[version] > 0
 
     def next_id(self) -> int:
         return self._next_id
@@ -550,11 +589,7 @@ class Scheduler:
         worker.failed += 1
         self._update_hunger(worker)
         self._watch_late(worker, now)
-        slot = self.slots.get(slot_id)
-        if slot is not None:
-            slot.holders.discard(worker_id)
-            if not slot.holders:  # another holder may still answer
-                self._requeue(slot)
+        self._let_go(slot_id, worker_id)  # (another holder may still answer)
         return self._fill(now)
 
     def handback(self, worker_id: str, slot_ids: list[int], now: float) -> list[Action]:
@@ -615,7 +650,10 @@ class Scheduler:
             worker.missed += 1
             worker.assigned[slot_id] = math.inf  # requeued once; the holder may still win
             self.stats["deadline_requeues"] += 1
-            self._requeue(self.slots[slot_id])
+            if slot_id in self.side:
+                self._requeue_side(self.side[slot_id])
+            else:
+                self._requeue(self.slots[slot_id])
         due = self._late_due
         while due and due[0][0] <= now:
             _, seq, worker_id = heapq.heappop(due)
@@ -667,6 +705,12 @@ class Scheduler:
             return []
         out = []
         for slot_id, deadline in sorted(worker.assigned.items()):
+            wait = deadline - now if math.isfinite(deadline) else self.config.min_deadline_s
+            side = self.side.get(slot_id)
+            if side is not None:
+                worker.model_version = side.version
+                out.append(self._side_assign(worker, side, max(0.0, wait), True))
+                continue
             slot = self.slots.get(slot_id)
             if slot is None or slot.round not in self.rounds:
                 continue
@@ -689,6 +733,7 @@ class Scheduler:
         """Open no more rounds and withdraw every assignment (shutdown)."""
         self.accepting = False
         self._pending.clear()
+        self._drop_side_slots()
         actions = []
         for worker in self.workers.values():
             if worker.assigned:
@@ -772,6 +817,21 @@ class Scheduler:
         else:
             self._hungry.pop(worker.id, None)
 
+    def _let_go(self, slot_id: int, worker_id: str) -> bool:
+        """`worker_id` no longer holds `slot_id` (a round's or a side slot): requeued if nobody
+        else does. Whether it was requeued."""
+        slot = self.slots.get(slot_id)
+        side = self.side.get(slot_id) if slot is None else None
+        holder = slot if slot is not None else side
+        if holder is None:
+            return False
+        holder.holders.discard(worker_id)
+        if holder.holders:
+            return False
+        if side is not None:
+            return self._requeue_side(side)
+        return self._requeue(slot) is None
+
     def _requeue(self, slot: Slot) -> None:
         if not slot.arrived and not slot.queued and slot.round in self.rounds:
             slot.queued = True
@@ -817,11 +877,7 @@ class Scheduler:
         """Take every slot back from a (paused) worker: cancelled there, requeued for others."""
         slots = sorted(worker.assigned)
         for slot_id in reversed(slots):
-            slot = self.slots.get(slot_id)
-            if slot is not None:
-                slot.holders.discard(worker.id)
-                if not slot.holders:
-                    self._requeue(slot)
+            self._let_go(slot_id, worker.id)
         worker.assigned.clear()
         worker.cancelled += len(slots)
         self.stats["pause_withdrawn"] += len(slots)
@@ -836,12 +892,7 @@ class Scheduler:
         self._draining.discard(worker_id)
         requeued = 0
         for slot_id in sorted(worker.assigned, reverse=True):
-            slot = self.slots.get(slot_id)
-            if slot is not None:
-                slot.holders.discard(worker_id)
-                if not slot.holders:
-                    self._requeue(slot)
-                    requeued += 1
+            requeued += self._let_go(slot_id, worker_id)
         self.stats["workers_removed"] += 1
         return [Evicted(worker_id, reason, requeued)]
 
@@ -1020,6 +1071,15 @@ class Scheduler:
                 actions.append(Drained(worker_id))
         if self.paused or not self._hungry:
             return actions
+        if self._side_pending:
+            actions += self._fill_side(now, alternate=True)
+        actions += self._fill_rounds(now)
+        if self._side_pending and self._hungry:  # no round work for them: side work back to back
+            actions += self._fill_side(now, alternate=False)
+        return actions
+
+    def _fill_rounds(self, now: float) -> list[Action]:
+        actions: list[Action] = []
         # Nothing to hand out (the plan is exhausted, the open-round limit reached): every
         # hungry worker would come away empty, so none is asked.
         can_open = self._can_open()
@@ -1047,6 +1107,7 @@ class Scheduler:
                         slot = self._next_slot_for(worker)
                     if slot is not None:
                         actions.append(self._assign(worker, slot, now))
+                        worker.side_last = False
                         progress = True
                 self._update_hunger(worker)
         return actions
@@ -1098,6 +1159,156 @@ class Scheduler:
             parts=[list(round_.parts[j]) for j, _ in slot.row],
             coefficients=[c for _, c in slot.row], deadline_s=deadline - now,
             send_model=send_model, kind=slot.kind, steps=slot.steps, prefetch=prefetch)
+
+
+    # side slots -----------------------------------------------------------------------------
+
+    def add_side(self, version: int, parts: list[list[int]], now: float,
+                 kind: str = "eval") -> tuple[list[int], list[Action]]:
+        """Queue a side slot per part, at `version`: (their ids, what to hand out now)."""
+        return self._add_side([SideSlot(self._take_id(), version, list(part), kind)
+                               for part in parts], now)
+
+    def add_side_task(self, version: int, parts: list[list[int]], coefficients: list[float],
+                      kind: str, steps: int, exclude: frozenset, now: float
+                      ) -> tuple[int, list[Action]]:
+        """Queue one side slot computing what a round's slot of `parts`, `coefficients`,
+        `kind` and `steps` would, at `version`, for a worker not in `exclude`: (its id,
+        actions)."""
+        slot = SideSlot(self._take_id(), version, [], kind, parts=[list(p) for p in parts],
+                        coefficients=list(coefficients), exclude=frozenset(exclude), steps=steps)
+        ids, actions = self._add_side([slot], now)
+        return ids[0], actions
+
+    def _add_side(self, slots: list[SideSlot], now: float) -> tuple[list[int], list[Action]]:
+        ids = []
+        for slot in slots:
+            version = slot.version
+            self.side[slot.id] = slot
+            self._side_pending.append(slot.id)
+            self._side_at[version] += 1
+            ids.append(slot.id)
+        self.stats["side_slots"] += len(ids)
+        return ids, self._fill(now)
+
+    def side_result(self, worker_id: str, slot_id: int, now: float
+                    ) -> tuple[bool, list[Action]]:
+        """A worker's answer for a side slot: (use it?, actions). The first answer from a holder
+        wins and its other holders are cancelled; any other is refused (counted)."""
+        worker = self.workers.get(worker_id)
+        slot = self.side.get(slot_id)
+        if worker is None or slot is None or slot_id not in worker.assigned:
+            self.stats["results_unexpected"] += 1
+            return False, []
+        del worker.assigned[slot_id]
+        worker.last_seen = now
+        if slot.kind == "eval":
+            worker.side_samples += slot.samples
+        slot.holders.discard(worker_id)
+        self._update_hunger(worker)
+        self._watch_late(worker, now)
+        self.stats["side_answered"] += 1
+        actions = self._close_side(slot)
+        return True, actions + self._fill(now)
+
+    def drop_side(self, now: float, kind: str = "eval") -> list[Action]:
+        """Forget every open side slot of `kind` (an evaluation abandoned): their holders are
+        cancelled."""
+        actions: list[Action] = []
+        for slot in [s for s in self.side.values() if s.kind == kind]:
+            actions += self._close_side(slot)
+        return actions + self._fill(now)
+
+    def drop_side_slot(self, slot_id: int, now: float) -> list[Action]:
+        """Forget one open side slot (its holders are cancelled)."""
+        slot = self.side.get(slot_id)
+        return [] if slot is None else self._close_side(slot) + self._fill(now)
+
+    def _close_side(self, slot: SideSlot) -> list[Action]:
+        actions: list[Action] = []
+        for holder in sorted(slot.holders):
+            worker = self.workers.get(holder)
+            if worker is not None and worker.assigned.pop(slot.id, None) is not None:
+                worker.cancelled += 1
+                self._update_hunger(worker)
+                actions.append(CancelSlots(holder, [slot.id]))
+        slot.holders.clear()
+        del self.side[slot.id]
+        self._side_at[slot.version] -= 1
+        if self._side_at[slot.version] <= 0:
+            del self._side_at[slot.version]
+        return actions
+
+    def _drop_side_slots(self) -> None:
+        self.side.clear()
+        self._side_pending.clear()
+        self._side_at.clear()
+
+    def _requeue_side(self, slot: SideSlot) -> bool:
+        if slot.queued or slot.id not in self.side:
+            return False
+        slot.queued = True
+        self._side_pending.appendleft(slot.id)
+        self.stats["side_requeued"] += 1
+        return True
+
+    def _fill_side(self, now: float, alternate: bool) -> list[Action]:
+        """Hand pending side slots to hungry workers holding none; with `alternate`, only to
+        those whose last slot was a round's."""
+        actions: list[Action] = []
+        for worker_id in self._hungry_in_order():
+            if not self._side_pending:
+                break
+            worker = self.workers[worker_id]
+            if (worker.free <= 0 or (alternate and worker.side_last)
+                    or any(s in self.side for s in worker.assigned)):
+                continue
+            slot = self._next_side_for(worker)
+            if slot is None:
+                continue
+            slot.queued = False
+            deadline = now + self.speed.deadline_s(worker.speed, slot.samples, worker.capacity)
+            worker.assigned[slot.id] = deadline
+            heapq.heappush(self._deadline_due, (deadline, next(self._seq), worker.id, slot.id))
+            slot.holders.add(worker.id)
+            send_model = worker.model_version != slot.version
+            worker.model_version = slot.version
+            worker.side_last = True
+            actions.append(self._side_assign(worker, slot, deadline - now, send_model))
+            self._update_hunger(worker)
+        return actions
+
+    def _next_side_for(self, worker: WorkerRecord) -> Optional[SideSlot]:
+        """The oldest pending side slot `worker` may take (not one it is excluded from)."""
+        skipped: list[int] = []
+        found = None
+        while self._side_pending:
+            slot_id = self._side_pending.popleft()
+            candidate = self.side.get(slot_id)
+            if candidate is None or not candidate.queued:
+                continue
+            if worker.id in candidate.exclude:
+                skipped.append(slot_id)
+                continue
+            found = candidate
+            break
+        self._side_pending.extendleft(reversed(skipped))
+        return found
+
+    def side_takers(self, slot_id: int) -> int:
+        """Workers that could take side slot `slot_id` (neither excluded nor draining)."""
+        slot = self.side.get(slot_id)
+        if slot is None:
+            return 0
+        return sum(1 for w in self.workers.values() if w.id not in slot.exclude and not w.draining)
+
+    @staticmethod
+    def _side_assign(worker: WorkerRecord, slot: SideSlot, deadline_s: float,
+                     send_model: bool) -> Assign:
+        return Assign(worker=worker.id, slot=slot.id, round=0, version=slot.version,
+                      parts=[list(p) for p in slot.parts] or [list(slot.part)],
+                      coefficients=list(slot.coefficients), deadline_s=deadline_s,
+                      send_model=send_model, kind=slot.kind, steps=slot.steps)
 
 
 def _queue_order(code: Code) -> list[int]:

@@ -2,8 +2,8 @@
 
 It decodes messages, asks the gate (gate.py) whether their sender may say them, hands them to
 the round core (rounds.py) and performs what the core returns: tasks and replies on the socket,
-the coordinator's own computations and evaluations in a thread, events, the ledger and the
-metrics log. Decisions live in those rooms, not here. Every inbound message is untrusted: a bad
+the coordinator's own computations and evaluations in a thread (or evaluations handed to
+workers, `--eval-on`), events, the ledger and the metrics log. Decisions live in those rooms, not here. Every inbound message is untrusted: a bad
 one is counted, logged with its sender and dropped, and the loop goes on.
 """
 
@@ -25,7 +25,7 @@ from ..common.errors import ConfigError, ProtocolError
 from ..common.throttle import Throttle
 from . import bans, blobserve, enrolment, evaluation
 from .config import CoordinatorConfig, check, load_key_lists
-from .effects import Applied, Ban, Compute, Event, Used
+from .effects import Applied, Ban, Compute, Evaluated, Event, Used
 from .gate import BANNED, REVOKED, Gate, KeyLists
 from .records import RunRecords
 from .scheduler import Assign, CancelSlots, Drained, Evicted
@@ -88,7 +88,8 @@ class Coordinator:
         security_note = (f"CURVE, {self.gate.describe()}" if self.gate.secure
                          else "no keys: unencrypted")
         self._event("start", f"job {self.training.job.name} at version {self.version}, "
-                             f"listening on {self.config.bind} ({security_note})")
+                             f"listening on {self.config.bind} ({security_note}); evaluations "
+                             f"on the {self.training.eval_on} ({self.training.eval_choice.reason})")
         try:
             await self._loop(transport)
             await self._finish()
@@ -137,8 +138,8 @@ class Coordinator:
         try:
             while self.stop_reason is None:
                 now = time.monotonic()
-                due = min(next_tick, next_checkpoint, plan.next_at if evaluating is None
-                          else math.inf)
+                idle = evaluating is None and self.core.evaluation is None
+                due = min(next_tick, next_checkpoint, plan.next_at if idle else math.inf)
                 # chunks waiting to be served: look at the socket, and come straight back
                 wait = 0.0 if self._blobs_pending() else max(0.0, due - now)
                 waiting = {recv, self._stopping} | {f for f in (evaluating, self._computing) if f}
@@ -173,9 +174,16 @@ class Coordinator:
                 if evaluating is not None and evaluating.done():
                     self._evaluated(evaluating.result())
                     evaluating = None
-                if (evaluating is None and self.stop_reason is None
-                        and plan.due(time.monotonic(), self.version)):
-                    evaluating = asyncio.ensure_future(asyncio.to_thread(self.training.evaluation()))
+                if (evaluating is None and self.core.evaluation is None
+                        and self.stop_reason is None and plan.due(time.monotonic(), self.version)):
+                    if self.training.eval_on == "coordinator":
+                        evaluating = asyncio.ensure_future(
+                            asyncio.to_thread(self.training.evaluation()))
+                    elif self.scheduler.workers:
+                        await self.perform(self.core.evaluate(
+                            self.training.eval_parts(), self.samples_applied, time.monotonic()))
+                    else:  # nobody to hand it to: ask again later
+                        plan.postpone(time.monotonic())
                 if self.config.checkpoint_dir and now >= next_checkpoint:
                     self.save_checkpoint()
                     next_checkpoint = time.monotonic() + self.config.checkpoint_every
@@ -216,7 +224,8 @@ class Coordinator:
                 await self._send(route, proto.Shutdown(
                     reason=f"training finished ({self.stop_reason})"))
         if self.training.plan.stale(self.version):
-            self._evaluated(self.training.evaluation()())
+            # The last word of a run is the coordinator's: workers may all be gone by now.
+            self._evaluated(self.training.evaluation()(), "coordinator")
         self.save_checkpoint()
         # the run's tallies, for after the status endpoint is gone
         self.records.metrics(dict(self.training.metrics_record(time.monotonic()), final=True,
@@ -231,14 +240,19 @@ class Coordinator:
             self.records.write("checkpoint", version=self.version)
         return path
 
-    def _evaluated(self, result: tuple) -> None:
-        """An evaluation (made in a thread, on a copy of the model) is done."""
+    def _evaluated(self, result: tuple, source: str = "coordinator") -> None:
+        """An evaluation is done: made here (in a thread, on a copy of the model), or by
+        workers (`source`)."""
         version, samples, _, _ = result
+        self.counters["evaluations_" + source] += 1
         outcome = self.training.evaluated(*result, time.monotonic(),
                                           judge=self.stop_reason is None)
-        self.records.metrics(self.training.metrics_record(time.monotonic(), version, samples))
-        if outcome == evaluation.CONFIRM:  # training pauses for one evaluation
-            self._evaluated(self.training.evaluation()())
+        self.records.metrics(self.training.metrics_record(time.monotonic(), version, samples,
+                                                          source))
+        if outcome == evaluation.CONFIRM:
+            # Training pauses for one evaluation here, on the model it would stop with (on
+            # workers, training would move on meanwhile)
+            self._evaluated(self.training.evaluation()(), "coordinator")
         elif outcome in (evaluation.TARGET, evaluation.BAD_TARGET):
             self.stop_reason = outcome
 
@@ -372,6 +386,12 @@ class Coordinator:
             slot = self._acks_due.pop(worker_id, None)
             if slot is not None:
                 await self._tell(worker_id, proto.Ack(slots=[slot]))
+
+    async def _on_eval_result(self, route: bytes, msg: proto.EvalResult, key) -> None:
+        worker_id = self._worker_of(route)
+        sums = {name: (float(pair[0]), float(pair[1])) for name, pair in msg.sums.items()}
+        await self.perform(self.core.evaluated(worker_id, msg.slot, msg.version, sums,
+                                               msg.compute_s, time.monotonic()))
 
     async def _on_heartbeat(self, route: bytes, msg: proto.Heartbeat, key) -> None:
         worker_id = self._worker_of(route)
@@ -509,6 +529,7 @@ class Coordinator:
                                              identities=len(credits.accounts)))
 
     _HANDLERS = {proto.Hello: _on_hello, proto.Ready: _on_ready, proto.Result: _on_result,
+                 proto.EvalResult: _on_eval_result,
                  proto.Heartbeat: _on_heartbeat, proto.Bye: _on_bye, proto.Fetch: _on_fetch,
                  proto.Handback: _on_handback, proto.StatusRequest: _on_status,
                  proto.Control: _on_control, proto.Invite: _on_invite,
@@ -563,6 +584,9 @@ class Coordinator:
                 self.training.prune_snapshots()
             elif isinstance(effect, Compute):
                 self._start_computing(effect)
+            elif isinstance(effect, Evaluated):
+                self._evaluated((effect.version, effect.samples, effect.metrics, effect.seconds),
+                                "workers")
             elif isinstance(effect, Ban):
                 await self._tell(effect.worker, proto.Reject(code="banned",
                                                              reason=effect.reason or BANNED))

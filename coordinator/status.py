@@ -51,6 +51,7 @@ def worker_row(w: WorkerRecord, now: float) -> dict:
         # share of its time in this session spent computing slots (what prefetch keeps high)
         "busy": round(min(1.0, w.compute_s / (now - w.joined)), 3) if now > w.joined else 0.0,
         "last_seen_s": round(now - w.last_seen, 3), "joined_s": round(now - w.joined, 3),
+        "evaluated": w.side_samples,  # test samples evaluated (not training: no credit)
     }
 
 
@@ -80,6 +81,9 @@ def rounds_summary(scheduler: Scheduler) -> dict:
         "results_duplicate": stats["results_duplicate"],
         "results_unexpected": stats["results_unexpected"],
         "workers_removed": stats["workers_removed"],
+        "side_slots": stats["side_slots"],
+        "side_answered": stats["side_answered"],
+        "side_requeued": stats["side_requeued"],
     }
 
 
@@ -102,6 +106,16 @@ def build_snapshot(scheduler: Scheduler, now: float, base: dict[str, Any],
     snap["events"] = events_after(events, cursor, events_limit)
     snap["cursor"] = last_event
     return snap
+
+
+def evaluation_summary(evaluation, scheduler: Scheduler) -> Optional[dict]:
+    """The evaluation in flight on workers, if any: its version, slots, answers, and who holds
+    its unanswered slots (a bounded list)."""
+    if evaluation is None:
+        return None
+    holders = sorted({w for slot in scheduler.side.values() for w in slot.holders})
+    return {"version": evaluation.version, "slots": len(evaluation.ranges),
+            "answered": len(evaluation.sums), "holders": holders[:64]}
 
 
 def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool = False,
@@ -130,6 +144,8 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
         "credits": training.credits.table(SHOWN_PER_STATUS),
         # the data plane: what this coordinator served, what workers say of their caches
         "data": training.blobs.summary() if training.blobs is not None else None,
+        "eval_on": training.eval_on,
+        "evaluation": evaluation_summary(core.evaluation, scheduler),
     }
     staleness = config.staleness
     stats = scheduler.stats

@@ -17,14 +17,16 @@ from typing import Callable, Optional
 import torch
 
 from ..common.errors import CheckpointError, ConfigError, JobError
-from ..common.job import (build, build_schedule, epoch_order, evaluate, load_job, make_optimizer,
-                          reference_gradient_norm, resolve_factory)
+from ..common.job import (build, build_schedule, epoch_order, eval_size, evaluate,
+                          evaluation_sums, load_job, make_optimizer, reference_gradient_norm,
+                          resolve_factory, sums_evaluable)
 from ..common.permutation import ShardOrder, epoch_blocks
 from ..common.job import FlatModel
 from . import blobserve, checkpoint, outer, snapshots
 from .config import Checked, CoordinatorConfig, naming_job_args
 from .credits import Credits
 from .effects import Event
+from .eval_slots import EVAL_SLOT_BATCHES, EvalChoice, choose, plan_ranges
 from .evaluation import BAD_TARGET, CONTINUE, TARGET, EvaluationPlan
 from .locality import Locality, group_for
 from .model_state import ModelState
@@ -139,10 +141,12 @@ class Training:
                             speculate=config.speculate, verify_replicas=config.verify_replicas),
             self.sampler, version=version, next_id=next_id, task_mode=self.task_mode,
             locality=Locality(self.order, group_for(checked.redundancy)) if sharded else None)
-        self.core = RoundCore(scheduler, self.model, self._trust(), samples_applied=samples)
+        self.core = RoundCore(scheduler, self.model, self._trust(), samples_applied=samples,
+                              settle_on_workers=config.settle_on == "workers")
         # saved with the model, so that after a crash they are the checkpoint's, as the samples
         self.credits = Credits.from_state(state.get("credits") if state is not None else None)
         self.plan = EvaluationPlan(config.eval_every, config.target)
+        self.eval_choice = self._choose_eval_on()
         self.bad_messages: Counter[str] = Counter()  # by reason
         self.events: deque[dict] = deque(maxlen=self.EVENTS_KEPT)
         self.event_id = 0
@@ -185,6 +189,50 @@ class Training:
             raise JobError(f"job {job.name!r}: its loss failed on the first training samples: "
                            f"{type(exc).__name__}: {exc}"[:500]) from None
         return TrustPolicy(self.config.trust, reference=reference)
+
+    @property
+    def eval_on(self) -> str:
+        """Where evaluations run during the run: "workers" or "coordinator"."""
+        return self.eval_choice.where
+
+    def eval_parts(self) -> list[list[int]]:
+        """The test set's evaluated samples cut into evaluation slots' parts."""
+        job = self.built.job
+        return plan_ranges(eval_size(job, self.built.test), EVAL_SLOT_BATCHES * job.batch_size)
+
+    def _choose_eval_on(self) -> EvalChoice:
+        job, wanted = self.built.job, self.config.eval_on
+        if wanted == "workers" and not sums_evaluable(job):
+            raise ConfigError(f"--eval-on workers: job {job.name!r} has an evaluate that returns "
+                              "means, which ranges of the test set cannot be added up from: give "
+                              "the job an evaluate_sums, or use --eval-on coordinator")
+        if wanted != "auto" or not sums_evaluable(job):
+            return choose(wanted, sums_evaluable(job))
+        return choose(wanted, True, *self._costs())
+
+    def _costs(self) -> tuple[float, float]:
+        """Estimates of one evaluation's seconds here (a few test samples timed, scaled to the
+        evaluated count) and of the run's training seconds as this machine alone would take it
+        (a few training samples' gradient timed, scaled to the epochs; one without --epochs)."""
+        job, train, test = self.built.job, self.built.train, self.built.test
+        scratch = FlatModel(job.build_model())
+        scratch.load(self.built.model.params)
+        if scratch.buffers:
+            scratch.load_buffers(self.built.model.buffers_flat())
+        total = eval_size(job, test)
+        few = min(32, total)
+        try:
+            evaluation_sums(job, scratch.module, test, 0, min(4, few))  # warm-up
+            t0 = time.perf_counter()
+            evaluation_sums(job, scratch.module, test, 0, few)
+            eval_s = (time.perf_counter() - t0) / max(1, few) * total
+            count = min(32, len(train))
+            t0 = time.perf_counter()
+            reference_gradient_norm(job, scratch, train, self.order, count)
+            run_s = (time.perf_counter() - t0) / count * len(train) * (self.config.epochs or 1)
+        except Exception:  # noqa: BLE001 - the job's own code: the first evaluation will say
+            return 0.0, 1.0
+        return eval_s, run_s
 
     def _check_target(self, target: Target) -> None:
         """A target on a metric the job does not report is one line now, not an error after the
@@ -244,8 +292,8 @@ class Training:
         return outcome
 
     def metrics_record(self, now: float, version: Optional[int] = None,
-                       samples: Optional[int] = None) -> dict:
-        """A line of the metrics log."""
+                       samples: Optional[int] = None, source: Optional[str] = None) -> dict:
+        """A line of the metrics log; `source`: where its evaluation ran (`eval_on`)."""
         core = self.core
         return {
             "time": time.time(), "elapsed": round(self.elapsed(now), 4),
@@ -257,6 +305,7 @@ class Training:
             "bytes_per_sample": self.bytes_per_sample(), "task": str(self.task_mode),
             **({"data": self.blobs.summary()} if self.blobs is not None else {}),
             **({"snapshots": self.snapshots.summary()} if self.snapshots is not None else {}),
+            **({"eval_on": source} if source is not None else {}),
         }
 
     def bytes_per_sample(self) -> Optional[float]:

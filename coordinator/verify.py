@@ -8,6 +8,13 @@ core's `Compute`), and judge by that third opinion:
 - a **disagreement** (`--verify-replicas`): two copies of one row from two workers that differ.
   Each copy that does not match is an offence of its sender; the one that does is used.
 
+Where that computation runs (`--settle-on`): here (`Compute`, the driver computes it in a thread
+and calls `computed`), or on a third worker (`settle_on_workers`): a side slot of the scheduler
+computing the same slot at the same version, which no party to the dispute may take (by
+identity); its result comes back through the round core as the reference, and is judged exactly
+as the coordinator's own computation would be. With no worker outside the dispute to take it,
+now or later (`check`), the coordinator computes it after all.
+
 One computation at a time, so hostile workers cannot make the coordinator compute more than one
 slot at once: a suspect arriving meanwhile goes back to the pool (no offence), a disagreement
 waits in a bounded queue (most disagreements meet a busy settle, since a received batch is
@@ -61,6 +68,9 @@ class Settlement:
         # ("copies", first, second)
         self.busy: Optional[tuple] = None
         self.disputes: deque[CompareCopies] = deque()
+        self.on_workers = False  # --settle-on workers: a third worker computes it
+        self.side_slot: Optional[int] = None  # the side slot computing it, on workers
+        self._excluded: frozenset = frozenset()  # the identities it must not come from
 
     def suspect(self, slot: int, stored: Stored, scale: float, detail: str, now: float) -> list:
         core = self.core
@@ -95,7 +105,9 @@ class Settlement:
         if refused is not None:
             return out + refused
         if self.busy is None:
-            out.append(Event("replicas_disagreed", f"{detail}: computing it here to settle it"))
+            where = "on a third worker" if self.on_workers else "here"
+            out.append(Event("replicas_disagreed", f"{detail}: computing it {where} to "
+                                                   "settle it"))
         elif len(self.disputes) < self.QUEUED:
             out.append(Event("replicas_disagreed", f"{detail}: to be computed here"))
             self.disputes.append(action)
@@ -140,7 +152,66 @@ class Settlement:
         request = self.core.compute_request(slot)
         if request is None:  # (its round closed meanwhile: nothing to settle it against)
             return self.computed(None, "its round has closed", now)
+        if self.on_workers:
+            return self._compute_elsewhere(request, now)
         return [request]
+
+    def _parties(self) -> frozenset:
+        """The identities whose results the computation in flight judges."""
+        store = self.core.store
+        if self.busy[0] == "suspect":
+            return frozenset({self.busy[2].identity})
+        return frozenset(store[s].identity for s in self.busy[1:] if s in store)
+
+    def _compute_elsewhere(self, request, now: float) -> list:
+        """Hand the computation to a worker outside the dispute; here if there is none."""
+        core = self.core
+        parties = self._parties()
+        exclude = frozenset(w for w in core.scheduler.workers if core.identity(w) in parties)
+        if len(core.scheduler.workers) <= len(exclude):
+            core.counters["settled_here_no_third"] += 1
+            return [request]
+        self._excluded = parties
+        self.side_slot, actions = core.scheduler.add_side_task(
+            request.version, request.parts, request.coefficients, request.kind, request.steps,
+            exclude, now)
+        core.counters["settlements_on_workers"] += 1
+        return core.interpret(actions, now)
+
+    def check(self, now: float) -> list:
+        """A settlement waiting for a worker outside the dispute when none is left: computed
+        here after all."""
+        slot = self.side_slot
+        if slot is None or self.core.scheduler.side_takers(slot):
+            return []
+        self.side_slot = None
+        core = self.core
+        out = core.interpret(core.scheduler.drop_side_slot(slot, now), now)
+        core.counters["settled_here_no_third"] += 1
+        subject = self.busy[1]
+        request = core.compute_request(subject)
+        if request is None:
+            return out + self.computed(None, "its round has closed", now)
+        return out + [request]
+
+    def answered(self, worker_id: str, identity: str, slot: int, reference: Any, norm: float,
+                 now: float) -> list:
+        """A worker's result for a side slot of a settlement: the reference, unless it comes
+        from a party to the dispute (a reconnect under another id) or is not finite."""
+        core = self.core
+        accepted, actions = core.scheduler.side_result(worker_id, slot, now)
+        out = core.interpret(actions, now)
+        if not accepted or slot != self.side_slot:
+            core.counters["results_dropped"] += 1
+            return out
+        self.side_slot = None
+        if identity in self._excluded:
+            return out + self.computed(None, "computed by a party to the dispute", now)
+        if not math.isfinite(norm):
+            return out + self.computed(None, "the third worker's result is not finite", now)
+        core.counters["settled_by_workers"] += 1
+        return out + [Event("settled", f"slot settled by {worker_id}'s computation", worker_id)
+                      ] + self.computed(reference, None, now)
 
     def _settle_suspect(self, busy: tuple, reference: Any, error: Optional[str],
                         now: float) -> list:

@@ -29,6 +29,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import platform
 import random
@@ -151,6 +152,12 @@ class _PrefetchGate:
 
     def wait(self) -> None:
         raise CacheError("the owner needs the machine: prefetch given up until a slot needs it")
+
+
+def _wire_sum(value: float) -> float:
+    """The wire takes finite sums only: a diverged model's (inf, nan) reads as a huge one."""
+    value = float(value)
+    return value if math.isfinite(value) else (-1e300 if value == -math.inf else 1e300)
 
 
 class _Rehello(Exception):
@@ -705,7 +712,7 @@ class Worker:
                 await asyncio.wait({computing})
                 outcome = self._finish(computing)
                 if self._stop is None:
-                    if outcome is not None:  # finished just now: sent after the reconnect
+                    if outcome is not None and outcome.sums is None:  # sent after the reconnect
                         self._keep_result(outcome)
                     elif work is not None:  # interrupted by the lost session: compute it again
                         self._queue.appendleft(work)
@@ -729,6 +736,15 @@ class Worker:
         return result
 
     async def _send_result(self, sock, outcome: Outcome) -> None:
+        if outcome.sums is not None:
+            # Not kept for a resend: a lost evaluation answer is a slot the coordinator hands
+            # out again at its deadline.
+            await self._send(sock, proto.EvalResult(
+                slot=outcome.slot, version=outcome.version, compute_s=outcome.compute_s,
+                sums={name[:proto.MAX_METRIC_NAME]: [_wire_sum(s), _wire_sum(c)]
+                      for name, (s, c) in list(outcome.sums.items())[:proto.MAX_EVAL_METRICS]}))
+            self.results_sent += 1
+            return
         await self._send_tracked(sock, outcome.slot, self._keep_result(outcome))
         self.results_sent += 1
 

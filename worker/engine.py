@@ -27,7 +27,8 @@ import torch
 from ..common import snapshot
 from ..common.blobs import BlobError
 from ..common.errors import ProtocolError
-from ..common.job import BuiltJob, EpochOrder, FlatModel, accumulate_coded_gradient, local_change
+from ..common.job import (BuiltJob, EpochOrder, FlatModel, accumulate_coded_gradient,
+                          evaluation_sums, local_change)
 from ..common.tensors import BufferPool, buffer_vector, from_blob
 
 
@@ -52,7 +53,9 @@ class Work:
     params: torch.Tensor | Sequence[torch.Tensor]
     parts: Sequence[Sequence[int]]  # [epoch, offset, count] each
     coefficients: Sequence[float]
-    kind: str = "gradient"  # "local": `steps` inner steps of the job's optimizer (compute_local)
+    # "local": `steps` inner steps of the job's optimizer (compute_local); "eval": the sums of the
+    # evaluation of the one part's range of the test set (compute_eval)
+    kind: str = "gradient"
     steps: int = 0
     arrived: Optional[float] = None  # time.monotonic() when the task reached the worker
     # the model's persistent buffers at `version` (float64, FlatModel.buffers_flat's order);
@@ -67,13 +70,15 @@ class Work:
 class Outcome:
     slot: int
     version: int
-    gradient: torch.Tensor  # flat, CPU; the caller owns it, and may hand it back (`release`)
+    # flat, CPU; the caller owns it, and may hand it back (`release`). None for an evaluation.
+    gradient: Optional[torch.Tensor]
     samples: int
     loss: float
     compute_s: float
     waited_s: float = 0.0  # from the task's arrival to the start of its compute (the daemon's)
     # the persistent buffers the computation left (float64, CPU); None when the model has none
     buffers: Optional[torch.Tensor] = None
+    sums: Optional[dict[str, tuple[float, float]]] = None  # an evaluation's answer
 
 
 class Engine:
@@ -112,7 +117,7 @@ class Engine:
                 raise ValueError("a model snapshot, and no blob cache to fetch it")
         elif self.built.model.buffers and work.buffers is None:
             raise ValueError("no buffers with the model, which has some")
-        n = len(self.built.train)
+        n = len(self.built.test if work.kind == "eval" else self.built.train)
         for epoch, offset, count in work.parts:
             if offset < 0 or count < 0 or offset + count > n:
                 raise ValueError(f"part [{epoch}, {offset}, {count}] outside a data set of "
@@ -130,6 +135,8 @@ class Engine:
         gated = self.store.gated(gate) if self.store is not None else contextlib.nullcontext()
         with gated:
             work = self._with_model(work)
+            if work.kind == "eval":
+                return self.compute_eval(work, cancel, running)
             if work.kind == "local":
                 return self._compute_local(work, gate, start)
             return self._compute_gradient(work, gate, start)
@@ -182,6 +189,28 @@ class Engine:
         return Outcome(work.slot, work.version, gradient, tally.samples,
                        tally.loss_sum / tally.samples if tally.samples else 0.0,
                        max(0.0, time.perf_counter() - start - paused_s), buffers=self._buffers())
+
+    def compute_eval(self, work: Work, cancel: threading.Event,
+                     running: Optional[threading.Event] = None) -> Outcome:
+        """The evaluation sums of the model at `work.version` over its range of the test set, in
+        micro-batches (forward only: sized from the training speed, they take less time)."""
+        start = time.perf_counter()
+        gate = _MicroBatchGate(self, cancel, running)
+        model = self.built.model
+        if work.params is not self._loaded:
+            self._loaded = None
+            model.load(work.params if isinstance(work.params, torch.Tensor) else list(work.params))
+            self._loaded = work.params
+        self._load_buffers(work)  # eval mode reads the running statistics
+        ((_, offset, count),) = work.parts
+        sums = evaluation_sums(self.built.job, model.module, self.built.test, offset, count,
+                               chunk=lambda: self.micro_batch, between=gate.between)
+        paused_s = gate.paused_s
+        injected = self._injected_delay(time.perf_counter() - start - paused_s)
+        if injected > 0:
+            paused_s += self._sleep(injected, cancel, running)
+        return Outcome(work.slot, work.version, None, count, 0.0,
+                       max(0.0, time.perf_counter() - start - paused_s), sums=sums)
 
     def _load_buffers(self, work: Work) -> None:
         """Every slot starts from its version's buffers: the forward passes of the last slot

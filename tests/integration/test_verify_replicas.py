@@ -97,3 +97,33 @@ def test_verify_replicas_without_replication_is_refused_in_one_line(cluster):
     assert coordinator.wait() == 2
     said = coordinator.said()
     assert len(said) == 1 and "needs --redundancy replicate:R" in said[0], said
+
+
+def test_settled_on_workers_a_sign_flipper_is_still_refused_and_banned(cluster, digits_train_size):
+    """--settle-on workers: each disagreement is computed by a third worker, not the
+    coordinator; its result decides, and the flipper is refused and banned as before."""
+    ckpt = cluster.dir / "ckpt"
+    epochs = 10
+    coordinator, workers = cluster.start_together(
+        ["--job", "digits", "--epochs", str(epochs), "--checkpoint-dir", str(ckpt),
+         "--ban-after", "3", "--settle-on", "workers", *VERIFIED], ["w1", "w2", "w3", "w4"])
+    evil = cluster.worker("evil", "--poison", "flip")
+    status = cluster.status()
+    status.wait_for(lambda s: "evil" in s["trust"]["banned"], "the sign-flipping worker banned",
+                    alive=[coordinator])
+    assert evil.wait(timeout=60) != 0 and "banned" in evil.output()
+    assert status.follow(coordinator) == 0
+    last = status.last
+    final = final_metrics(ckpt / "metrics.jsonl")
+    counters = final["counters"]
+    assert final["samples"] == epochs * digits_train_size  # every sample applied exactly once
+    assert counters.get("rejected_replica", 0) >= 3, counters
+    # settled by third workers: the coordinator computed none of them
+    assert counters.get("settled_by_workers", 0) >= 3, counters
+    assert not counters.get("settled_here_no_third"), counters
+    assert status.events_of("settled")
+    assert set(last["trust"]["offenders"]) == {"evil"}, last["trust"]  # no honest one refused
+    assert final["metrics"]["accuracy"] > 0.9, final["metrics"]
+    for w in workers:
+        assert w.wait(timeout=30) == 0
+    cluster.assert_no_tracebacks()

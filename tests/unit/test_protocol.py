@@ -98,6 +98,11 @@ def sample_messages() -> list[proto.Message]:
         Heartbeat(state="capped"),
         proto.Handback(slots=[3, 4], reason="the daily transfer cap is spent"),
         proto.Handback(slots=[]),
+        Task(slot=9, round=0, version=4, parts=[[0, 128, 64]], coefficients=[1.0],
+             deadline_s=30.0, kind="eval"),
+        proto.EvalResult(slot=9, version=4, compute_s=0.5,
+                         sums={"loss": [123.5, 64.0], "accuracy": [60.0, 64.0]}),
+        proto.EvalResult(slot=1, version=0, compute_s=0.0, sums={"bits_per_byte": [0.0, 0.0]}),
         Cancel(slots=[]),
         Cancel(slots=[1, 2, 2**63 - 1]),
         Reject(code="job", reason="wrong fingerprint"),
@@ -1094,3 +1099,38 @@ def test_deep_nesting_in_a_typed_field_is_refused_by_its_type(shape):
     with pytest.raises(ProtocolError) as info:
         decode([_in_header(deep, kind="cancel", name="slots")])
     assert info.value.reason in ("schema", "msgpack")
+
+
+@pytest.mark.parametrize("sums", [
+    {},  # no metric
+    {f"m{i}": [1.0, 1.0] for i in range(proto.MAX_EVAL_METRICS + 1)},  # too many
+    {"loss": [1.0]},  # not a pair
+    {"loss": [1.0, 2.0, 3.0]},
+    {"loss": [1.0, -1.0]},  # a negative count
+    {"": [1.0, 1.0]},  # no name
+    {"x" * (proto.MAX_METRIC_NAME + 1): [1.0, 1.0]},
+    {"lo\nss": [1.0, 1.0]},  # not printable
+    {"loss": [1e301, 1.0]},
+    {"loss": ["1", 1.0]},  # not a number
+])
+def test_an_eval_result_with_bad_sums_is_refused(sums):
+    header = {"v": PROTOCOL_VERSION, "type": "eval_result", "slot": 1, "version": 0,
+              "compute_s": 0.1, "sums": sums}
+    with pytest.raises(ProtocolError):
+        decode([packb(header)])
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_an_eval_result_with_non_finite_sums_is_refused(value):
+    header = {"v": PROTOCOL_VERSION, "type": "eval_result", "slot": 1, "version": 0,
+              "compute_s": 0.1, "sums": {"loss": [value, 1.0]}}
+    with pytest.raises(ProtocolError):
+        decode([packb(header)])
+
+
+def test_an_eval_task_has_one_part():
+    header = {"v": PROTOCOL_VERSION, "type": "task", "slot": 1, "round": 0, "version": 0,
+              "parts": [[0, 0, 4], [0, 4, 4]], "coefficients": [1.0, 1.0], "deadline_s": 1.0,
+              "kind": "eval"}
+    with pytest.raises(ProtocolError):
+        decode([packb(header)])

@@ -1,0 +1,127 @@
+"""`--settle-on workers` as pure logic: a disagreement between two verified copies is computed by a
+third worker (never one of the two senders), whose result decides which copy was wrong; the wrong
+copy's sender is refused as when the coordinator computes it. With no worker outside the dispute,
+now or later, the coordinator computes it after all."""
+
+from __future__ import annotations
+
+import torch
+
+from idlegrad.common.coding import parse_redundancy
+from idlegrad.common.tensors import distance, finite_norm
+from idlegrad.coordinator.effects import Compute, Event, Refused
+from idlegrad.coordinator.rounds import RoundCore
+from idlegrad.coordinator.sampler import Sampler
+from idlegrad.coordinator.scheduler import Assign, Scheduler, SchedulerConfig
+from idlegrad.coordinator.trust import TrustConfig, TrustPolicy
+
+RIGHT = [torch.full((4,), 2.0)]  # norm 4: an honest slot of 4 samples at reference norm 1
+WRONG = [torch.full((4,), -2.0)]  # the same size, sign-flipped
+
+
+class VectorBackend:
+    version = 0
+
+    def apply(self, terms, norms, samples, round_version, in_use):
+        self.version += 1
+        return 1.0
+
+    def distance(self, a, b):
+        return distance(a, b)
+
+    def size(self, a):
+        return finite_norm(a)
+
+    def merge_buffers(self, states, weight):
+        pass
+
+
+def core_with(workers: dict[str, int], settle_on_workers: bool = True) -> tuple[RoundCore, list]:
+    scheduler = Scheduler(SchedulerConfig(batch_size=4, redundancy=parse_redundancy("replicate:2"),
+                                          verify_replicas=True, heartbeat_s=1.0, liveness=3),
+                          Sampler(400, None))
+    core = RoundCore(scheduler, VectorBackend(), TrustPolicy(TrustConfig(), reference=1.0),
+                     settle_on_workers=settle_on_workers)
+    out = []
+    for worker, credits in workers.items():
+        out += core.join(worker, {}, worker, 0.0)
+        out += core.ready(worker, credits, 0.0)
+    return core, out
+
+
+def assigns(effects, worker=None):
+    return [e for e in effects if isinstance(e, Assign) and (worker is None or e.worker == worker)]
+
+
+def dispute(core: RoundCore, first: Assign, second: Assign, now: float = 1.0) -> list:
+    """`first`'s holder answers right, `second`'s wrong: the copies disagree."""
+    out = core.result(first.worker, first.slot, RIGHT, 4.0, 0.1, now, samples=4, loss=1.0)
+    return out + core.result(second.worker, second.slot, WRONG, 4.0, 0.1, now, samples=4,
+                             loss=1.0)
+
+
+def copies_of_one_row(effects) -> tuple[Assign, Assign]:
+    by_round: dict[int, list[Assign]] = {}
+    for a in assigns(effects):
+        by_round.setdefault(a.round, []).append(a)
+    first, second = next(v for v in by_round.values() if len(v) == 2)
+    return first, second
+
+
+def test_a_third_worker_settles_a_disagreement_and_the_wrong_copy_is_refused():
+    core, out = core_with({"a": 1, "b": 1, "c": 2})
+    first, second = copies_of_one_row(out)
+    assert {first.worker, second.worker} <= {"a", "b", "c"}
+    out = dispute(core, first, second)
+    assert not [e for e in out if isinstance(e, Compute)]  # nothing computed here
+    third = ({"a", "b", "c"} - {first.worker, second.worker}).pop()
+    assert core.settlement.side_slot is not None
+    # the parties' free credits never take it
+    assert not [a for a in assigns(out) if a.round == 0]
+    for party in (first.worker, second.worker):
+        held = sorted(core.scheduler.workers[party].assigned)[0]
+        out = core.result(party, held, RIGHT, 4.0, 0.1, 1.2, samples=4, loss=1.0)
+        assert not [a for a in assigns(out) if a.round == 0], out
+    # the third's next free credit takes it
+    held = sorted(core.scheduler.workers[third].assigned)[0]
+    out = core.result(third, held, RIGHT, 4.0, 0.1, 1.5, samples=4, loss=1.0)
+    (settle,) = [a for a in assigns(out) if a.round == 0]
+    assert settle.worker == third
+    assert settle.parts == first.parts and settle.coefficients == first.coefficients
+    assert settle.version == first.version
+    out = core.result(third, settle.slot, [t.clone() for t in RIGHT], 4.0, 0.1, 2.0, samples=4)
+    refused = [e for e in out if isinstance(e, Refused)]
+    assert [(r.worker, r.reason) for r in refused] == [(second.worker, "replica")]
+    assert any(isinstance(e, Event) and e.kind == "settled" for e in out)
+    assert core.counters["settled_by_workers"] == 1
+    assert core.trust.offenders[second.worker].reasons["replica"] == 1
+    assert core.settlement.busy is None and not core.scheduler.side
+
+
+def test_with_no_third_worker_the_coordinator_computes_it():
+    core, out = core_with({"a": 1, "b": 1})
+    first, second = copies_of_one_row(out)
+    out = dispute(core, first, second)
+    (compute,) = [e for e in out if isinstance(e, Compute)]
+    assert compute.slot == first.slot
+    assert core.counters["settled_here_no_third"] == 1 and not core.scheduler.side
+
+
+def test_a_third_worker_that_vanishes_with_no_other_leaves_it_to_the_coordinator():
+    core, out = core_with({"a": 1, "b": 1, "c": 2})
+    first, second = copies_of_one_row(out)
+    third = ({"a", "b", "c"} - {first.worker, second.worker}).pop()
+    dispute(core, first, second)
+    assert core.settlement.side_slot is not None
+    out = core.leave(third, "gone", 1.5) + core.tick(1.6)
+    (compute,) = [e for e in out if isinstance(e, Compute)]
+    assert compute.slot == first.slot and core.settlement.side_slot is None
+    assert not core.scheduler.side
+
+
+def test_settling_on_the_coordinator_is_unchanged():
+    core, out = core_with({"a": 1, "b": 1, "c": 2}, settle_on_workers=False)
+    first, second = copies_of_one_row(out)
+    out = dispute(core, first, second)
+    assert [e for e in out if isinstance(e, Compute)]
+    assert not core.scheduler.side
