@@ -56,8 +56,10 @@ def test_cold_workers_fetch_the_shards_from_the_coordinator_and_train(cluster, p
     metrics = cluster.dir / "metrics.jsonl"
     procs = [cluster.worker(name, "--cache-dir", str(path)) for name, path in caches.items()]
     wait_for_hellos(cluster.address, list(caches), [p.popen for p in procs], DEADLINE)
+    # a full shuffle (no locality): every worker reads every shard, so what the coordinator
+    # serves is known exactly
     coordinator = cluster.coordinator(*PACKED, "--data", str(pack_dir), "--epochs", "3",
-                                      "--metrics", str(metrics))
+                                      "--metrics", str(metrics), "--locality", "off")
     assert coordinator.wait(DEADLINE) == 0, coordinator.tail()
     for proc in procs:
         assert proc.wait(DEADLINE) == 0, proc.tail()
@@ -160,8 +162,10 @@ def test_a_worker_whose_transfer_cap_is_spent_hands_its_slots_back_and_others_tr
                             "--daily-transfer-max-gb", f"{cap_gb:.9f}")
     helper = cluster.worker("helper", "--cache-dir", str(tmp_path / "helper"))
     wait_for_hellos(cluster.address, ["capped", "helper"], [capped.popen, helper.popen], DEADLINE)
+    # a full shuffle (no locality): every worker reads every shard, so what the coordinator
+    # serves is known exactly
     coordinator = cluster.coordinator(*PACKED, "--data", str(pack_dir), "--epochs", "3",
-                                      "--metrics", str(metrics))
+                                      "--metrics", str(metrics), "--locality", "off")
     assert coordinator.wait(DEADLINE) == 0, coordinator.tail()
     for proc in (capped, helper):
         assert proc.wait(DEADLINE) == 0, proc.tail()
