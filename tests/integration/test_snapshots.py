@@ -92,7 +92,7 @@ def test_local_tasks_with_a_mirror_send_a_mid_sized_model_by_snapshot(cluster, t
         coordinator, (worker,) = cluster.start_together(
             ["--job", "digits", "--job-arg", "hidden=4096", "--task", "local:4", "--epochs", "3",
              "--snapshot-dir", str(snaps), "--blob-mirror", mirror.url, "--metrics",
-             str(metrics)], ["w1"])
+             str(metrics), "--eval-on", "coordinator"], ["w1"])
         assert coordinator.wait(DEADLINE) == 0, coordinator.tail()
         assert worker.wait(DEADLINE) == 0, worker.tail()
     final = final_metrics(metrics)
