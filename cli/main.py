@@ -109,11 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gradients staler than this are replanned, not applied (default: 32)")
     c.add_argument("--eval-every", type=_positive(float), metavar="SECONDS",
                    help="seconds between evaluations (default: adaptive, ~10%% of the time)")
-    c.add_argument("--settle-on", choices=["coordinator", "workers"], default="coordinator",
+    c.add_argument("--settle-on", choices=["auto", "coordinator", "workers"], default="auto",
                    help="who computes a slot to settle a suspect gradient or disagreeing "
-                        "verified replicas: the coordinator (default), or a third worker, "
-                        "neither of the disputed results' senders (the coordinator when there "
-                        "is none)")
+                        "verified replicas: the coordinator, or a third worker, neither of the "
+                        "disputed results' senders (the coordinator when there is none); auto: "
+                        "where evaluations run (default: auto)")
     c.add_argument("--eval-on", choices=["auto", "workers", "coordinator"], default="auto",
                    help="where evaluations run: on workers (ranges of the test set as tasks), "
                         "on the coordinator, or auto: the coordinator only when one evaluation "

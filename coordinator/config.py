@@ -45,7 +45,8 @@ class CoordinatorConfig:
     # where evaluations run: workers | coordinator | auto (coordinator/eval_slots.py `choose`)
     eval_on: str = "auto"
     # who computes a slot to settle a suspect or a disagreement: coordinator | workers (verify.py)
-    settle_on: str = "coordinator"
+    # | auto (where evaluations run)
+    settle_on: str = "auto"
     min_deadline_s: float = 30.0
     threads: Optional[int] = None
     pause_grace_s: float = 5.0  # a worker paused by its owner keeps its slots this long
@@ -82,7 +83,7 @@ class CoordinatorConfig:
 
 
 EVAL_ON = ("auto", "workers", "coordinator")
-SETTLE_ON = ("coordinator", "workers")
+SETTLE_ON = ("auto", "coordinator", "workers")
 
 
 @dataclass(frozen=True)

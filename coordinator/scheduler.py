@@ -1191,10 +1191,13 @@ class Scheduler:
         self.stats["side_slots"] += len(ids)
         return ids, self._fill(now)
 
-    def side_result(self, worker_id: str, slot_id: int, now: float
+    def side_result(self, worker_id: str, slot_id: int, now: float, fill: bool = True
                     ) -> tuple[bool, list[Action]]:
         """A worker's answer for a side slot: (use it?, actions). The first answer from a holder
-        wins and its other holders are cancelled; any other is refused (counted)."""
+        wins and its other holders are cancelled; any other is refused (counted). Without
+        `fill`, the freed credit is not dealt yet: the caller acts on the answer first and then
+        calls `fill` (a settlement's answer can close the round of a slot a fill would hand out
+        again)."""
         worker = self.workers.get(worker_id)
         slot = self.side.get(slot_id)
         if worker is None or slot is None or slot_id not in worker.assigned:
@@ -1209,7 +1212,11 @@ class Scheduler:
         self._watch_late(worker, now)
         self.stats["side_answered"] += 1
         actions = self._close_side(slot)
-        return True, actions + self._fill(now)
+        return True, actions + (self._fill(now) if fill else [])
+
+    def fill(self, now: float) -> list[Action]:
+        """Deal free credits (after a `side_result` without `fill`)."""
+        return self._fill(now)
 
     def drop_side(self, now: float, kind: str = "eval") -> list[Action]:
         """Forget every open side slot of `kind` (an evaluation abandoned): their holders are

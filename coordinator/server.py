@@ -89,7 +89,8 @@ class Coordinator:
                          else "no keys: unencrypted")
         self._event("start", f"job {self.training.job.name} at version {self.version}, "
                              f"listening on {self.config.bind} ({security_note}); evaluations "
-                             f"on the {self.training.eval_on} ({self.training.eval_choice.reason})")
+                             f"on the {self.training.eval_on} ({self.training.eval_choice.reason}), "
+                             f"disputes settled on the {self.training.settle_on}")
         try:
             await self._loop(transport)
             await self._finish()

@@ -141,12 +141,12 @@ class Training:
                             speculate=config.speculate, verify_replicas=config.verify_replicas),
             self.sampler, version=version, next_id=next_id, task_mode=self.task_mode,
             locality=Locality(self.order, group_for(checked.redundancy)) if sharded else None)
+        self.eval_choice = self._choose_eval_on()
         self.core = RoundCore(scheduler, self.model, self._trust(), samples_applied=samples,
-                              settle_on_workers=config.settle_on == "workers")
+                              settle_on_workers=self.settle_on == "workers")
         # saved with the model, so that after a crash they are the checkpoint's, as the samples
         self.credits = Credits.from_state(state.get("credits") if state is not None else None)
         self.plan = EvaluationPlan(config.eval_every, config.target)
-        self.eval_choice = self._choose_eval_on()
         self.bad_messages: Counter[str] = Counter()  # by reason
         self.events: deque[dict] = deque(maxlen=self.EVENTS_KEPT)
         self.event_id = 0
@@ -194,6 +194,14 @@ class Training:
     def eval_on(self) -> str:
         """Where evaluations run during the run: "workers" or "coordinator"."""
         return self.eval_choice.where
+
+    @property
+    def settle_on(self) -> str:
+        """Who computes a slot to settle a dispute: "workers" or "coordinator". Under auto, where
+        evaluations run: a model too costly to evaluate here is too costly to compute a slot of
+        here (on lm tiny, settling suspects was half the coordinator's CPU)."""
+        wanted = self.config.settle_on
+        return self.eval_on if wanted == "auto" else wanted
 
     def eval_parts(self) -> list[list[int]]:
         """The test set's evaluated samples cut into evaluation slots' parts."""

@@ -79,8 +79,9 @@ class Settlement:
             core.counters["suspects_requeued"] += 1
             return core.interpret(core.scheduler.failed(stored.worker, slot, now), now)
         self.busy = ("suspect", slot, stored, scale)
+        where = "on another worker" if self.on_workers else "here"
         return [Event("suspected", f"{detail} from {stored.worker} for slot {slot}: computing it "
-                                   "here to settle it", stored.worker)] + self._compute(slot, now)
+                                   f"{where} to settle it", stored.worker)] + self._compute(slot, now)
 
     def compare(self, action: CompareCopies, now: float) -> list:
         """Two copies of a row: used if they agree; if not, settled by a computation here."""
@@ -197,21 +198,30 @@ class Settlement:
     def answered(self, worker_id: str, identity: str, slot: int, reference: Any, norm: float,
                  now: float) -> list:
         """A worker's result for a side slot of a settlement: the reference, unless it comes
-        from a party to the dispute (a reconnect under another id) or is not finite."""
+        from a party to the dispute (a reconnect under another id) or is not finite.
+
+        The answerer's freed credit is dealt only after the settlement: dealt before, it could
+        take a speculative copy of the very slot being settled, whose round the settlement then
+        closes, and the copy's task would go out with its model already released."""
         core = self.core
-        accepted, actions = core.scheduler.side_result(worker_id, slot, now)
+        accepted, actions = core.scheduler.side_result(worker_id, slot, now, fill=False)
         out = core.interpret(actions, now)
         if not accepted or slot != self.side_slot:
             core.counters["results_dropped"] += 1
-            return out
+        else:
+            out += self._judged_by(worker_id, identity, reference, norm, now)
+        return out + core.interpret(core.scheduler.fill(now), now)
+
+    def _judged_by(self, worker_id: str, identity: str, reference: Any, norm: float,
+                   now: float) -> list:
         self.side_slot = None
         if identity in self._excluded:
-            return out + self.computed(None, "computed by a party to the dispute", now)
+            return self.computed(None, "computed by a party to the dispute", now)
         if not math.isfinite(norm):
-            return out + self.computed(None, "the third worker's result is not finite", now)
-        core.counters["settled_by_workers"] += 1
-        return out + [Event("settled", f"slot settled by {worker_id}'s computation", worker_id)
-                      ] + self.computed(reference, None, now)
+            return self.computed(None, "the third worker's result is not finite", now)
+        self.core.counters["settled_by_workers"] += 1
+        return [Event("settled", f"slot settled by {worker_id}'s computation", worker_id)
+                ] + self.computed(reference, None, now)
 
     def _settle_suspect(self, busy: tuple, reference: Any, error: Optional[str],
                         now: float) -> list:
@@ -225,7 +235,7 @@ class Settlement:
         if matches(off, size):
             core.counters["suspects_honest"] += 1
             core.trust.accept(float(size), scale)
-            return [Event("verified", f"slot {slot} from {stored.worker}: computed here, it "
+            return [Event("verified", f"slot {slot} from {stored.worker}: computed again, it "
                                       "matches (an honest outlier); used", stored.worker)
                     ] + core.use(slot, stored, now)
         core.counters["suspects_wrong"] += 1

@@ -282,6 +282,38 @@ def test_adam_moments_first_weighted_second_as_fresh(history):
     assert stale_steps == fresh_steps == [history + 1] * 2  # bias corrections as fresh
 
 
+@pytest.mark.parametrize("options", [{"weight_decay": 0.5}, {"weight_decay": 0.5, "maximize": True},
+                                     {"maximize": True}])
+def test_adam_second_moment_as_fresh_with_l2_decay_and_maximize(options):
+    """With coupled L2 decay (Adam adds l2 p to the gradient before its moments) and with
+    maximize (it negates the gradient), the second moment after a stale step is the one the
+    unscaled gradient leaves, except where the scaled one's square is the larger (decay and
+    gradient opposed): there it is what the scaled one leaves, never less than fresh."""
+    def second_moments(tau):
+        torch.manual_seed(0)
+        model = FlatModel(nn.Linear(4, 3))
+        opt = torch.optim.Adam(model.module.parameters(), lr=0.01, **options)
+        agg = Aggregator(model, opt, StalenessRule("inverse", 8))
+        for i in range(2):
+            agg.apply(gradient(model, 100 + i), samples=1, round_version=agg.version)
+        params = model.params.clone()
+        agg.version += tau
+        weight = agg.weight_for(agg.version - tau)
+        agg.apply(gradient(model, 1), samples=1, round_version=agg.version - tau)
+        return torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1)
+                          for p in model.module.parameters()]), params, weight
+
+    (fresh, params, _), (stale, _, weight) = second_moments(0), second_moments(3)
+    assert weight == pytest.approx(0.25)
+    sign = -1.0 if options.get("maximize") else 1.0
+    l2 = options.get("weight_decay", 0.0)
+    g = gradient(FlatModel(nn.Linear(4, 3)), 1)
+    unclamped = (sign * g + l2 * params).abs() >= (sign * weight * g + l2 * params).abs()
+    assert unclamped.any()
+    assert torch.allclose(stale[unclamped], fresh[unclamped], rtol=1e-5, atol=1e-12)
+    assert bool((stale[~unclamped] >= fresh[~unclamped]).all())
+
+
 def test_adam_state_made_for_a_stale_first_step_is_adams_own():
     """The state created before a stale first step has the layout Adam's own first step gives
     it, so a checkpoint of it loads into a new Adam and training goes on identically."""

@@ -9,10 +9,10 @@ import torch
 
 from idlegrad.common.coding import parse_redundancy
 from idlegrad.common.tensors import distance, finite_norm
-from idlegrad.coordinator.effects import Compute, Event, Refused
+from idlegrad.coordinator.effects import Compute, Event, Refused, Used
 from idlegrad.coordinator.rounds import RoundCore
 from idlegrad.coordinator.sampler import Sampler
-from idlegrad.coordinator.scheduler import Assign, Scheduler, SchedulerConfig
+from idlegrad.coordinator.scheduler import Assign, CancelSlots, Scheduler, SchedulerConfig
 from idlegrad.coordinator.trust import TrustConfig, TrustPolicy
 
 RIGHT = [torch.full((4,), 2.0)]  # norm 4: an honest slot of 4 samples at reference norm 1
@@ -125,3 +125,76 @@ def test_settling_on_the_coordinator_is_unchanged():
     out = dispute(core, first, second)
     assert [e for e in out if isinstance(e, Compute)]
     assert not core.scheduler.side
+
+
+def test_settle_on_auto_follows_where_evaluations_run():
+    """--settle-on auto (the default) settles where evaluations run; an explicit choice stands."""
+    from idlegrad.coordinator.config import CoordinatorConfig, check
+    from idlegrad.coordinator.training import Training
+
+    def settling(eval_on: str, settle_on: str = "auto") -> tuple[str, bool]:
+        config = CoordinatorConfig(job="digits", eval_on=eval_on, settle_on=settle_on)
+        training = Training(config, check(config))
+        return training.settle_on, training.core.settlement.on_workers
+
+    assert CoordinatorConfig(job="digits").settle_on == "auto"
+    assert settling("workers") == ("workers", True)
+    assert settling("coordinator") == ("coordinator", False)
+    assert settling("workers", "coordinator") == ("coordinator", False)
+    assert settling("coordinator", "workers") == ("workers", True)
+
+
+def assigned_then_cancelled(effects) -> list[tuple[str, int]]:
+    """Tasks an effect list sends and then cancels: the step between them may release their
+    model, so the send would find none."""
+    sent, both = set(), []
+    for e in effects:
+        if isinstance(e, Assign):
+            sent.add((e.worker, e.slot))
+        elif isinstance(e, CancelSlots):
+            both += [(e.worker, s) for s in e.slots if (e.worker, s) in sent]
+    return both
+
+
+def test_a_third_workers_answer_closes_the_suspects_round_before_its_credit_is_dealt():
+    """A suspect held for settlement still looks unanswered to the scheduler, so it may turn
+    late and be speculated. The third worker's answer settles it (its round closes, the step
+    releases the round's model) before the answerer's freed credit is dealt: dealt first, the
+    credit took the speculative copy, whose task went out after the step and found no model
+    (the coordinator stopped on "no snapshot of version")."""
+    scheduler = Scheduler(SchedulerConfig(batch_size=4, heartbeat_s=100.0, speculate=True),
+                          Sampler(4000, None))
+    core = RoundCore(scheduler, VectorBackend(), TrustPolicy(TrustConfig(), reference=1.0),
+                     settle_on_workers=True)
+    held: dict[str, Assign] = {}
+
+    def deal(effects):
+        held.update({a.worker: a for a in assigns(effects)})
+        return effects
+
+    for worker in "ab":
+        deal(core.join(worker, {}, worker, 0.0) + core.ready(worker, 1, 0.0))
+    now = 0.0
+    one, big = [torch.full((4,), 1.0)], [torch.full((4,), 200.0)]
+    for _ in range(20):  # the speed model learns both workers' pace
+        for worker in "ab":
+            now += 0.1
+            deal(core.result(worker, held[worker].slot, [t.clone() for t in one], 2.0, 0.2, now,
+                             samples=4, loss=1.0))
+    suspect = held["a"]
+    now += 0.1
+    deal(core.result("a", suspect.slot, big, 400.0, 0.2, now, samples=4, loss=1.0))
+    side = core.settlement.side_slot
+    assert side is not None
+    while held["b"].slot != side:  # b finishes its slot and takes the settlement
+        now += 0.2
+        deal(core.result("b", held["b"].slot, [t.clone() for t in one], 2.0, 0.2, now,
+                         samples=4, loss=1.0))
+    now += 5.0
+    core.tick(now - 0.01)  # a's slot is late now: a copy of its row waits for a free worker
+    assert any(s.speculated for s in core.scheduler.slots.values() if s.round == suspect.round)
+    out = core.result("b", side, [t.clone() for t in big], 400.0, 0.2, now, samples=4)
+    assert any(isinstance(e, Used) and e.slot == suspect.slot for e in out)
+    assert assigned_then_cancelled(out) == []
+    assert not [a for a in assigns(out) if a.round == suspect.round]
+    assert sorted(a.worker for a in assigns(out)) == ["a", "b"]  # both freed, both dealt
