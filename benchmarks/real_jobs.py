@@ -20,7 +20,8 @@ the float32 gradient per step, 2 (N-1)/N of it per rank). The systems run altern
 times (harness.side_by_side); medians. `--plot FILE.png`: the metric against training time, every
 run. `--json`: the last line is {"jobs": {"lm": {"idlegrad_s": ..., "ddp_s": ..., "single_s":
 ..., "ratio_vs_ddp": ...}, "resnet": {...}}} (seconds are medians over runs that reached the
-target; null when none did).
+target; null when none did). `--target lm:bits_per_byte=2.5` measures to another target than
+the one in JOBS.
 
     python benchmarks/real_jobs.py --runs 3 --plot real_jobs.png --json
 """
@@ -121,7 +122,7 @@ def measure_torch(job: str, spec: dict, args, directory: Path, world: int) -> di
             "bytes_per_sample": wire, "curve": got["curve"], "threads": got.get("threads")}
 
 
-def plot(path: str, rows: dict) -> None:
+def plot(path: str, rows: dict, jobs: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -136,10 +137,10 @@ def plot(path: str, rows: dict) -> None:
                     xs, ys = zip(*r["curve"])
                     ax.plot(xs, ys, color=colours[system], alpha=0.8,
                             label=system if i == 0 else None)
-        ax.axhline(float(JOBS[job]["target"].split("=")[1]), color="grey", linestyle=":")
-        ax.set_title(f"{job}: {JOBS[job]['target']}")
+        ax.axhline(float(jobs[job]["target"].split("=")[1]), color="grey", linestyle=":")
+        ax.set_title(f"{job}: {jobs[job]['target']}")
         ax.set_xlabel("seconds of training")
-        ax.set_ylabel(JOBS[job]["target"].split("=")[0])
+        ax.set_ylabel(jobs[job]["target"].split("=")[0])
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -149,6 +150,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", default="lm,resnet", help="comma-separated, of " + ", ".join(JOBS))
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--target", action="append", default=[], metavar="JOB:METRIC=VALUE",
+                   help="another target for a job, e.g. lm:bits_per_byte=2.5 (repeatable)")
     p.add_argument("--workers", type=int, default=4, help="idlegrad workers = DDP ranks")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per worker and rank (default cores // workers, >= 1)")
@@ -165,6 +168,18 @@ def main() -> int:
     unknown = [j for j in jobs if j not in JOBS]
     if unknown:
         p.error(f"unknown job(s) {unknown}: choose among {', '.join(JOBS)}")
+    specs = {job: dict(spec) for job, spec in JOBS.items()}
+    for override in args.target:
+        job, _, target = override.partition(":")
+        metric, _, value = target.partition("=")
+        try:
+            float(value)
+        except ValueError:
+            value = ""
+        if job not in specs or not metric or not value:
+            p.error(f"--target {override!r}: expected JOB:METRIC=VALUE with JOB among "
+                    f"{', '.join(JOBS)}, e.g. lm:bits_per_byte=2.5")
+        specs[job]["target"] = f"{metric}={value}"
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="idlegrad-real-jobs-"))
     print(f"logs under {base}; workers {args.workers}, threads {args.threads}, budget "
           f"{args.budget:g} s, idlegrad {args.idlegrad_flags!r}", flush=True)
@@ -172,7 +187,7 @@ def main() -> int:
     summary = {}
     with stopped_on_interrupt():
         for job in jobs:
-            spec = JOBS[job]
+            spec = specs[job]
 
             def measure(system: str, i: int) -> dict:
                 directory = base / job / f"run{i + 1}" / system
@@ -204,7 +219,7 @@ def main() -> int:
                                                          for r in rows[job][s]]) for s in SYSTEMS}}
             print(f"  medians: {json.dumps(summary[job])}", flush=True)
     if args.plot:
-        plot(args.plot, rows)
+        plot(args.plot, rows, specs)
         print(f"curves in {args.plot}")
     if args.json:
         print(json.dumps({"jobs": summary}))
