@@ -104,8 +104,9 @@ class Engine:
         # pause gate interrupts; None until the worker makes one
         self.store = None
         self._snapshot: Optional[tuple[str, torch.Tensor, Optional[torch.Tensor]]] = None
-        # the snapshots loaded lately: one older than these goes from the cache (a task of a
-        # round opened a version or two back may still name one of them)
+        # the snapshots used lately, least recent first: one pushed out of these goes from the
+        # cache. By use, not by first load: an evaluation's slots at one version interleave
+        # with training at newer ones, and its snapshot must outlive them to be fetched once.
         self._recent_snapshots: deque[str] = deque()
 
     def check(self, work: Work) -> None:
@@ -152,8 +153,9 @@ class Engine:
             path = self.store.path_of(ref.sha256, ref.size or None)
             params, buffers = read_snapshot(path, self.built.model, work.version)
             self._snapshot = (ref.sha256, params, buffers)
-            if ref.sha256 not in self._recent_snapshots:
-                self._recent_snapshots.append(ref.sha256)
+            if ref.sha256 in self._recent_snapshots:
+                self._recent_snapshots.remove(ref.sha256)
+            self._recent_snapshots.append(ref.sha256)
             while len(self._recent_snapshots) > self.SNAPSHOTS_KEPT:
                 self.store.discard(self._recent_snapshots.popleft())
         _, params, buffers = self._snapshot

@@ -190,3 +190,26 @@ def test_a_pause_during_a_slow_snapshot_download_stops_it_and_it_resumes_where_i
     assert torch.allclose(outcome["value"].gradient, plain.gradient, atol=1e-6)
     assert mirror.gets_of(sha) == ["", f"bytes={stopped_at}-"]
     assert cache.has(sha)
+
+
+def test_an_evaluation_between_newer_training_versions_fetches_its_snapshot_once(tmp_path, built):
+    """An evaluation's slots at one version interleave with training at each newer version; the
+    engine keeps the snapshots it used last, so the evaluation's outlives the newer ones
+    between its slots and comes once (first-loaded-first-dropped fetched it again)."""
+    folder = SnapshotFolder(str(tmp_path / "www"))
+    refs = [SnapshotRef(*folder.publish(v, to_blob(params_of(built, seed=v)), None))
+            for v in range(Engine.SNAPSHOTS_KEPT + 3)]
+    with Mirror(str(tmp_path / "www")) as mirror:
+        engine = Engine(built, seed=3, device=torch.device("cpu"))
+        engine.store = BlobCache(str(tmp_path / "cache"), 10**8, [HttpSource(mirror.url)])
+        for version in range(1, len(refs)):
+            evaluation = Work(100 + version, 0, None, [[0, 10 * version, 10]], [1.0], kind="eval",
+                              snapshot=refs[0])
+            training = Work(version, version, None, [[0, 0, 20]], [1.0], snapshot=refs[version])
+            for work in (evaluation, training):
+                assert engine.compute(work, threading.Event()).samples > 0
+        assert mirror.gets_of(refs[0].sha256) == [""]
+        assert [len(mirror.gets_of(ref.sha256)) for ref in refs[1:]] == [1] * (len(refs) - 1)
+    # the older training versions went from the cache; the evaluation's stayed
+    assert engine.store.has(refs[0].sha256) and engine.store.has(refs[-1].sha256)
+    assert not engine.store.has(refs[1].sha256)
