@@ -56,7 +56,10 @@ def test_an_evaluation_survives_its_workers_death(cluster):
         "the victim holding an evaluation slot", alive=[coordinator, victim])
     in_flight = snap["evaluation"]["version"]
     victim.kill9()
-    steady = cluster.worker("steady")
+    # slowed (each slot sleeps 30 times its compute) so that the training outlasts the victim's
+    # eviction (1.5 s of silence): alone at full speed it finished in a tenth of a second, and
+    # the evaluation in flight with it
+    steady = cluster.worker("steady", "--slowdown", "30")
     assert status.follow(coordinator) == 0, cluster.report()
     assert steady.wait(DEADLINE) == 0, cluster.report()
     during, final = evaluations(metrics)
