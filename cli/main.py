@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="partitions (tasks) per round (default: 1)")
     c.add_argument("--open-rounds", type=_non_negative(int), default=0, metavar="N",
                    help="rounds open at once; 0: as many as the workers ask for (default)")
+    c.add_argument("--min-workers", type=_positive(int), default=1, metavar="N",
+                   help="hand out the first slot once N workers have joined (default 1); "
+                        "after that, workers come and go freely")
     c.add_argument("--staleness", choices=["inverse", "sqrt", "constant"], default="inverse",
                    help="step weight of a gradient tau versions old: 1/(1+tau), 1/sqrt(1+tau), 1")
     c.add_argument("--max-staleness", type=_non_negative(int), default=32, metavar="TAU",
@@ -359,8 +362,10 @@ def _run_coordinator(args) -> int:
         metrics_path=metrics, epochs=args.epochs,
         target=Target.parse(args.target) if args.target else None, seed=args.seed,
         heartbeat_s=args.heartbeat, partitions=args.partitions, open_rounds=args.open_rounds,
+        min_workers=args.min_workers,
         staleness=StalenessRule(args.staleness, args.max_staleness), eval_every=args.eval_every,
-        eval_on=args.eval_on, settle_on=args.settle_on, min_deadline_s=args.task_timeout, threads=args.threads, pause_grace_s=args.pause_grace,
+        eval_on=args.eval_on, settle_on=args.settle_on, min_deadline_s=args.task_timeout,
+        threads=args.threads, pause_grace_s=args.pause_grace,
         redundancy=str(parse_redundancy(args.redundancy)), sync=args.sync,
         max_batch=args.max_batch, speculate=args.speculate, secret_key=args.secret_key,
         allow_keys=args.allow_keys, monitor_keys=args.monitor_keys,

@@ -40,6 +40,7 @@ class CoordinatorConfig:
     liveness: int = 3
     partitions: int = 1
     open_rounds: int = 0
+    min_workers: int = 1  # no slot before this many workers have joined (once)
     staleness: StalenessRule = field(default_factory=StalenessRule)
     eval_every: Optional[float] = None  # None: adaptive, at most ~10% of the time
     # where evaluations run: workers | coordinator | auto (coordinator/eval_slots.py `choose`)

@@ -110,6 +110,9 @@ class SchedulerConfig:
     adaptive_sample: int = 64  # adaptive: time records of at most this many workers (hungry first)
     # A row arrives only once two copies of it agree (CompareCopies); needs replicate:R, R >= 2
     verify_replicas: bool = False
+    # no slot is handed out before this many workers have joined (once; churn after is free): a
+    # run's first rounds spread over the fleet instead of going to whoever joined first
+    min_workers: int = 1
 
     def __post_init__(self):
         # The rules between these options live here and nowhere else: whoever drives a
@@ -338,6 +341,7 @@ class Scheduler:
         self.slots: dict[int, Slot] = {}
         self.accepting = True  # False: open no new rounds (pause, shutdown)
         self.paused = False  # True: hand out no slots at all (the operator paused training)
+        self.quorum = config.min_workers <= 1  # min_workers have joined (at some moment)
         self._draining: set[str] = set()  # draining workers not yet announced as Drained
         self._pending: deque[int] = deque()
         self.side: dict[int, SideSlot] = {}  # open side slots
@@ -1069,6 +1073,10 @@ class Scheduler:
             if not self.workers[worker_id].assigned:
                 self._draining.discard(worker_id)
                 actions.append(Drained(worker_id))
+        if not self.quorum:
+            if len(self.workers) < self.config.min_workers:
+                return actions
+            self.quorum = True
         if self.paused or not self._hungry:
             return actions
         if self._side_pending:

@@ -90,7 +90,9 @@ class Coordinator:
         self._event("start", f"job {self.training.job.name} at version {self.version}, "
                              f"listening on {self.config.bind} ({security_note}); evaluations "
                              f"on the {self.training.eval_on} ({self.training.eval_choice.reason}), "
-                             f"disputes settled on the {self.training.settle_on}")
+                             f"disputes settled on the {self.training.settle_on}"
+                             + (f"; the first slot once {self.config.min_workers} workers have "
+                                "joined" if self.config.min_workers > 1 else ""))
         try:
             await self._loop(transport)
             await self._finish()

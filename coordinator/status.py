@@ -97,6 +97,9 @@ def build_snapshot(scheduler: Scheduler, now: float, base: dict[str, Any],
     if scheduler.paused and snap.get("state") == "training":
         snap["state"] = "paused"
     snap["paused"] = scheduler.paused
+    if not scheduler.quorum and snap.get("state") == "training":
+        snap["state"] = (f"waiting for workers ({len(scheduler.workers)} of "
+                         f"{scheduler.config.min_workers})")
     snap["workers"] = [worker_row(w, now) for w in
                        itertools.islice(scheduler.workers.values(), WORKERS_PER_STATUS)]
     snap["workers_total"] = len(scheduler.workers)

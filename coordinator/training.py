@@ -138,7 +138,8 @@ class Training:
                             liveness=config.liveness, min_deadline_s=config.min_deadline_s,
                             pause_grace_s=config.pause_grace_s, redundancy=checked.redundancy,
                             sync=config.sync, max_batch=config.max_batch,
-                            speculate=config.speculate, verify_replicas=config.verify_replicas),
+                            speculate=config.speculate, verify_replicas=config.verify_replicas,
+                            min_workers=config.min_workers),
             self.sampler, version=version, next_id=next_id, task_mode=self.task_mode,
             locality=Locality(self.order, group_for(checked.redundancy)) if sharded else None)
         self.eval_choice = self._choose_eval_on()

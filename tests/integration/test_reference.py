@@ -57,7 +57,9 @@ def test_synchronous_rounds_equal_a_single_process_run(cluster, digits_train_siz
         ["--job", "digits", "--job-arg", f"batch_size={BATCH}", "--seed", str(SEED),
          "--epochs", "1", "--redundancy", "none", "--open-rounds", "1",
          "--partitions", str(PARTITIONS), "--no-speculate", "--checkpoint-dir", str(ckpt),
-         "--ledger", str(ledger_path)], ["w1", "w2"])
+         # the whole epoch takes a tenth of a second: without it the worker that joined first
+         # could compute every slot before the other joined (seen in CI)
+         "--min-workers", "2", "--ledger", str(ledger_path)], ["w1", "w2"])
     assert coordinator.wait() == 0, coordinator.tail()
     for worker in workers:
         assert worker.wait(timeout=30) == 0, worker.tail()

@@ -196,6 +196,16 @@ def test_snapshot_content():
     assert again.snapshot["workers"] == snap["workers"]
 
 
+def test_the_snapshot_says_it_waits_for_workers_until_min_workers_have_joined():
+    s = make(min_workers=2)
+    start(s, "a", 2)
+    assert build_snapshot(s, 1.0, {"state": "training"})["state"] == "waiting for workers (1 of 2)"
+    start(s, "b", 2)
+    assert build_snapshot(s, 2.0, {"state": "training"})["state"] == "training"
+    s.leave("b", 3.0)  # once reached, the run does not wait again
+    assert build_snapshot(s, 4.0, {"state": "training"})["state"] == "training"
+
+
 def test_worker_mean_staleness():
     s = make()
     a = of(Assign, start(s, "a", 1))

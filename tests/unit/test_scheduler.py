@@ -92,6 +92,21 @@ def test_send_model_again_for_a_new_version():
     assert b[0].send_model is True
 
 
+def test_no_slot_before_min_workers_have_joined_and_churn_after_is_free():
+    s = make(n=40, batch=4, partitions=2, min_workers=3)
+    assert start(s, "a", 2) == [] and start(s, "b", 2) == []  # two of three: nothing yet
+    assert not s.quorum and not s.rounds
+    actions = start(s, "c", 2)
+    assert s.quorum
+    # the first rounds spread over all three, one slot per worker per pass
+    assert {x.worker for x in assigns(actions)} == {"a", "b", "c"}
+    s.leave("b", 1.0)
+    s.leave("c", 1.0)
+    for slot in sorted(held(s, "a")):  # one worker left of three: it goes on alone
+        _, actions = answer(s, "a", slot, 0.1, 2.0)
+    assert assigns(actions, "a")
+
+
 def test_rejoin_drops_the_old_session():
     s = make()
     old = assigns(start(s, "a", 2))
