@@ -103,7 +103,8 @@ def test_settled_on_workers_a_sign_flipper_is_still_refused_and_banned(cluster, 
     """--settle-on workers: each disagreement is computed by a third worker, not the
     coordinator; its result decides, and the flipper is refused and banned as before."""
     ckpt = cluster.dir / "ckpt"
-    epochs = 10
+    # asynchronous rounds on five workers: 10 epochs ended at 0.85 once in CI, 20 leave a margin
+    epochs = 20
     coordinator, workers = cluster.start_together(
         ["--job", "digits", "--epochs", str(epochs), "--checkpoint-dir", str(ckpt),
          "--ban-after", "3", "--settle-on", "workers", *VERIFIED], ["w1", "w2", "w3", "w4"])
@@ -123,6 +124,7 @@ def test_settled_on_workers_a_sign_flipper_is_still_refused_and_banned(cluster, 
     assert not counters.get("settled_here_no_third"), counters
     assert status.events_of("settled")
     assert set(last["trust"]["offenders"]) == {"evil"}, last["trust"]  # no honest one refused
+    print(f"accuracy {final['metrics']['accuracy']:.4f}")
     assert final["metrics"]["accuracy"] > 0.9, final["metrics"]
     for w in workers:
         assert w.wait(timeout=30) == 0
