@@ -47,7 +47,9 @@ def test_one_worker_splits_its_time_between_two_coordinators_by_share(cluster):
     got = {name: after[name] - before[name] for name in address}
     split = got["a"] / (got["a"] + got["b"])
     print(f"compute in 20 s: {got}, a's part {split:.1%} (share 75%)")
-    assert got["b"] > 0 and 0.62 <= split <= 0.88, got
+    # what b saw of the worker, should it get nothing (once in CI: b 0.0 s in 20 s, a 13.4)
+    seen_by_b = {k: status["b"].last.get(k) for k in ("rounds", "counters", "workers")}
+    assert got["b"] > 0 and 0.62 <= split <= 0.88, (got, seen_by_b)
 
     stop([coordinators["b"].popen], grace=5.0)  # b goes down: a gets the whole worker
     time.sleep(2)
