@@ -66,7 +66,8 @@ def measure_idlegrad(job: str, spec: dict, args, directory: Path, seed: int) -> 
     from idlegrad.coordinator.target import Target
 
     address = f"tcp://127.0.0.1:{free_port()}"
-    metric = spec["target"].split("=")[0]
+    target = Target.parse(spec["target"])
+    metric = target.metric
     job_args = [a for arg in spec["args"] for a in ("--job-arg", arg)]
     names = [f"w{i + 1}" for i in range(args.workers)]
     t0 = time.perf_counter()
@@ -101,7 +102,6 @@ def measure_idlegrad(job: str, spec: dict, args, directory: Path, seed: int) -> 
     # (coordinator/evaluation.py), and near a noisy plateau the confirmation can fail and the run
     # go on. DDP and one process stop at the evaluation that met it: the time compared is that
     # evaluation's, idlegrad's too; the stop is reported beside it.
-    target = Target.parse(spec["target"])
     met = next((r["elapsed"] for r in evaluated if target.reached(r["metrics"])), None)
     return {"wall_s": wall, "train_s": float(met) if reached and met is not None else stopped_s,
             "stopped_s": stopped_s, "reached": reached,
