@@ -8,6 +8,8 @@ import logging
 from dataclasses import dataclass
 from typing import Optional
 
+from .slots import SlotWork, _DescribesWork
+
 
 @dataclass(frozen=True)
 class Event:
@@ -49,16 +51,13 @@ class Replanned:
 
 
 @dataclass(frozen=True)
-class Compute:
-    """Compute slot `slot` here, exactly as a worker does, on the model at `version`; then call
-    the core's `computed` with the result (or the error). One at a time."""
+class Compute(_DescribesWork):
+    """Compute slot `slot` here, exactly as a worker does (`work`: at its version, its parts and
+    coefficients); then call the core's `computed` with the result (or the error). One at a
+    time."""
 
     slot: int
-    version: int
-    parts: list
-    coefficients: list
-    kind: str
-    steps: int
+    work: SlotWork
 
 
 @dataclass(frozen=True)

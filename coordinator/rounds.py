@@ -97,35 +97,41 @@ class RoundCore:
         self.identities[worker_id] = identity
         if identity != worker_id:  # keys (a bounded set) are shown by the name they last used
             self.identity_names[identity] = worker_id
-        return [Joined(worker_id, identity)] + out
+        return self._dealt([Joined(worker_id, identity)] + out, now)
 
     def ready(self, worker_id: str, credits: int, now: float) -> list:
-        return self.interpret(self.scheduler.ready(worker_id, credits, now), now)
+        return self._dealt(self.interpret(self.scheduler.ready(worker_id, credits, now), now),
+                           now)
 
     def resend(self, worker_id: str, now: float) -> list:
-        return self.interpret(self.scheduler.resend(worker_id, now), now)
+        return self._dealt(self.interpret(self.scheduler.resend(worker_id, now), now), now)
 
     def leave(self, worker_id: str, reason: str, now: float) -> list:
-        return self._leave(worker_id, reason, now)
+        return self._dealt(self._leave(worker_id, reason, now), now)
 
     def tick(self, now: float) -> list:
-        return self.interpret(self.scheduler.tick(now), now) + self.settlement.check(now)
+        return self._dealt(self.interpret(self.scheduler.tick(now), now)
+                           + self.settlement.check(now), now)
 
     def stop(self, now: float) -> list:
+        """Shutdown: every slot withdrawn, nothing dealt again."""
         self.evaluation = None  # its slots are withdrawn with the rest
         return self.interpret(self.scheduler.stop(), now)
 
     def evaluate(self, parts: list[list[int]], samples: int, now: float) -> list:
         """Hand an evaluation of the model as it is now to workers: a side slot per part
         ([0, offset, count] of the test set). At most one at a time: a second replaces the first."""
-        out = self.drop_evaluation(now) if self.evaluation is not None else []
-        ids, actions = self.scheduler.add_side(self.version, parts, now)
+        out = self._drop_evaluation(now) if self.evaluation is not None else []
+        ids = self.scheduler.add_side(self.version, parts, now)
         self.evaluation = WorkerEvaluation(self.version, samples, now,
                                            dict(zip(ids, (list(p) for p in parts))))
         self.counters["evaluations_planned"] += 1
-        return out + self.interpret(actions, now)
+        return self._dealt(out, now)
 
     def drop_evaluation(self, now: float) -> list:
+        return self._dealt(self._drop_evaluation(now), now)
+
+    def _drop_evaluation(self, now: float) -> list:
         self.evaluation = None
         return self.interpret(self.scheduler.drop_side(now), now)
 
@@ -136,10 +142,12 @@ class RoundCore:
         evaluation = self.evaluation
         if evaluation is None or slot not in evaluation.ranges:
             self.counters["eval_results_dropped"] += 1
-            return self.interpret(self.scheduler.side_result(worker_id, slot, now)[1], now)
+            return self._dealt(self.interpret(self.scheduler.side_result(worker_id, slot, now)[1],
+                                              now), now)
         if version != evaluation.version:  # not what it was asked: the range goes to another
             self.counters["eval_results_dropped"] += 1
-            return self.interpret(self.scheduler.failed(worker_id, slot, now), now)
+            return self._dealt(self.interpret(self.scheduler.failed(worker_id, slot, now), now),
+                               now)
         accepted, actions = self.scheduler.side_result(worker_id, slot, now)
         out = []
         if not accepted:
@@ -148,7 +156,7 @@ class RoundCore:
             self.evaluation = None
             out.append(Evaluated(evaluation.version, evaluation.samples, evaluation.metrics(),
                                  evaluation.seconds(len(self.scheduler.workers))))
-        return out + self.interpret(actions, now)
+        return self._dealt(out + self.interpret(actions, now), now)
 
     def seen(self, worker_id: str, state: Optional[str], now: float,
              shards: Optional[list[int]] = None) -> list:
@@ -188,19 +196,21 @@ class RoundCore:
         if action == "resume":
             if not scheduler.paused:
                 return True, "training was not paused", []
-            return True, "training resumed", [Event("resume", "training resumed by the operator")
-                                              ] + self.interpret(scheduler.resume(now), now)
+            return True, "training resumed", self._dealt(
+                [Event("resume", "training resumed by the operator")]
+                + self.interpret(scheduler.resume(now), now), now)
         if action == "drain":
             if worker not in scheduler.workers:
                 return False, f"no worker {str(worker)[:80]!r}", []
-            return True, f"{worker} draining", [
+            return True, f"{worker} draining", self._dealt([
                 Event("drain", f"{worker} draining: it finishes its slots, then leaves", worker)
-            ] + self.interpret(scheduler.drain(worker, now), now)
+            ] + self.interpret(scheduler.drain(worker, now), now), now)
         return False, f"unknown action {action[:20]!r}", []
 
     def handback(self, worker_id: str, slots: list[int], now: float) -> list:
         """Slots a worker gives back, through no fault of its own: to others, no offence."""
-        return self.interpret(self.scheduler.handback(worker_id, slots, now), now)
+        return self._dealt(self.interpret(self.scheduler.handback(worker_id, slots, now), now),
+                           now)
 
     def malformed(self, worker_id: str, slot: int, now: float) -> list:
         """A result whose gradient could not be read: the slot goes to someone else, and it is
@@ -209,7 +219,7 @@ class RoundCore:
         out += self.interpret(self.scheduler.failed(worker_id, slot, now), now)
         if self.trust.offence(self.identity(worker_id), "malformed", now):
             out += self.ban(worker_id, now)
-        return out
+        return self._dealt(out, now)
 
     def result(self, worker_id: str, slot: int, gradient: Any, norm: float, compute_s: float,
                now: float, waited_s: float = 0.0, samples: int = 0,
@@ -217,6 +227,11 @@ class RoundCore:
         """A worker's result for `slot`: `gradient` as the backend stores it, `norm` its L2 norm
         (inf or nan when not finite), `buffers` the model's buffers its computation ended with
         (None without buffers). Screened, then used, settled or refused."""
+        return self._dealt(self._result(worker_id, slot, gradient, norm, compute_s, now,
+                                        waited_s, samples, loss, buffers), now)
+
+    def _result(self, worker_id: str, slot: int, gradient: Any, norm: float, compute_s: float,
+                now: float, waited_s: float, samples: int, loss: float, buffers: Any) -> list:
         identity = self.identity(worker_id)
         if slot in self.scheduler.side:  # a third worker's computation, to settle a dispute
             return self.settlement.answered(worker_id, identity, slot, gradient, norm, now)
@@ -238,7 +253,7 @@ class RoundCore:
 
     def computed(self, reference: Any, error: Optional[str], now: float) -> list:
         """The computation asked for by the last `Compute` is done (`error` if it failed)."""
-        return self.settlement.computed(reference, error, now)
+        return self._dealt(self.settlement.computed(reference, error, now), now)
 
     # decisions (interpreted, not yet filtered: for the entry points above and verify.py) -------
 
@@ -289,15 +304,12 @@ class RoundCore:
             out += [Event("banned", f"{worker_id} banned by the operator", worker_id,
                           logging.WARNING), Ban(worker_id, reason)]
             out += self._leave(worker_id, "banned by the operator", now)
-        return out
+        return self._dealt(out, now)
 
     def compute_request(self, slot_id: int) -> Optional[Compute]:
         """What computing slot `slot_id` here takes; None once its round has closed."""
-        task = self.scheduler.slot_task(slot_id)
-        if task is None:
-            return None
-        return Compute(slot_id, task.version, task.parts, task.coefficients, task.kind,
-                       task.steps)
+        work = self.scheduler.slot_work(slot_id)
+        return None if work is None else Compute(slot_id, work)
 
     def _leave(self, worker_id: str, reason: str, now: float) -> list:
         if worker_id not in self.scheduler.workers:
@@ -305,6 +317,12 @@ class RoundCore:
         return self.interpret(self.scheduler.leave(worker_id, now, reason), now)
 
     # the interpretation of the scheduler's actions ----------------------------------------------
+
+    def _dealt(self, out: list, now: float) -> list:
+        """What an entry point leads to, then the work its freed credits are dealt: last, so
+        that everything the events led to (a step, a settlement closing a round) is done
+        before any slot is handed out again."""
+        return out + self.interpret(self.scheduler.deal(now), now)
 
     def interpret(self, actions: list, now: float) -> list:
         """The scheduler's actions, with those the core performs itself (decode and step,

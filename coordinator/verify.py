@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from .effects import Event, Refused
-from .scheduler import CompareCopies
+from .slots import CompareCopies
 from .trust import matches
 
 log = logging.getLogger("idlegrad.coordinator")
@@ -173,11 +173,9 @@ class Settlement:
             core.counters["settled_here_no_third"] += 1
             return [request]
         self._excluded = parties
-        self.side_slot, actions = core.scheduler.add_side_task(
-            request.version, request.parts, request.coefficients, request.kind, request.steps,
-            exclude, now)
+        self.side_slot = core.scheduler.add_side_task(request.work, exclude, now)
         core.counters["settlements_on_workers"] += 1
-        return core.interpret(actions, now)
+        return []
 
     def check(self, now: float) -> list:
         """A settlement waiting for a worker outside the dispute when none is left: computed
@@ -202,15 +200,15 @@ class Settlement:
 
         The answerer's freed credit is dealt only after the settlement: dealt before, it could
         take a speculative copy of the very slot being settled, whose round the settlement then
-        closes, and the copy's task would go out with its model already released."""
+        closes, and the copy's task would go out with its model already released: the round core
+        deals once its entry point is done."""
         core = self.core
-        accepted, actions = core.scheduler.side_result(worker_id, slot, now, fill=False)
+        accepted, actions = core.scheduler.side_result(worker_id, slot, now)
         out = core.interpret(actions, now)
         if not accepted or slot != self.side_slot:
             core.counters["results_dropped"] += 1
-        else:
-            out += self._judged_by(worker_id, identity, reference, norm, now)
-        return out + core.interpret(core.scheduler.fill(now), now)
+            return out
+        return out + self._judged_by(worker_id, identity, reference, norm, now)
 
     def _judged_by(self, worker_id: str, identity: str, reference: Any, norm: float,
                    now: float) -> list:

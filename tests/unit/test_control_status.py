@@ -11,11 +11,12 @@ from idlegrad.common import protocol as proto
 from idlegrad.coordinator.sampler import Sampler
 from idlegrad.coordinator.scheduler import (
     Assign, CancelSlots, Decoded, Drained, Scheduler, SchedulerConfig)
+from .scheduling import Dealing
 from idlegrad.coordinator.status import build_snapshot, events_after
 
 
-def make(n=400, batch=4, **config) -> Scheduler:
-    return Scheduler(SchedulerConfig(batch_size=batch, **config), Sampler(n, None))
+def make(n=400, batch=4, **config) -> Dealing:
+    return Dealing(Scheduler(SchedulerConfig(batch_size=batch, **config), Sampler(n, None)))
 
 
 def of(kind, actions):
@@ -153,7 +154,7 @@ def test_drained_worker_does_not_block_pause_or_others():
 # snapshot -------------------------------------------------------------------------------------
 
 
-def _scheduler_with(n_workers: int) -> Scheduler:
+def _scheduler_with(n_workers: int) -> Dealing:
     s = make(n=100_000, batch=8)
     for i in range(n_workers):
         start(s, f"w{i:04d}", 2, now=float(i) / 1000)

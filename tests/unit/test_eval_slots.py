@@ -19,11 +19,12 @@ from idlegrad.coordinator.rounds import RoundCore
 from idlegrad.coordinator.sampler import Sampler
 from idlegrad.coordinator.scheduler import (Assign, CancelSlots, Decoded, Evicted, Scheduler,
                                             SchedulerConfig)
+from .scheduling import Dealing
 from idlegrad.coordinator.trust import TrustConfig, TrustPolicy
 
 
-def make(n=400, batch=4, **config) -> Scheduler:
-    return Scheduler(SchedulerConfig(batch_size=batch, **config), Sampler(n, None))
+def make(n=400, batch=4, **config) -> Dealing:
+    return Dealing(Scheduler(SchedulerConfig(batch_size=batch, **config), Sampler(n, None)))
 
 
 def assigns(actions, kind=None, worker=None):
@@ -138,7 +139,8 @@ def test_side_slots_interleave_with_round_slots():
     s = make(n=400, batch=4)
     first = start(s, "a", 1)
     assert [a.kind for a in assigns(first)] == ["gradient"]
-    ids, actions = s.add_side(0, plan_ranges(12, 4), 0.0)
+    ids = s.add_side(0, plan_ranges(12, 4), 0.0)
+    actions = s.deal(0.0)
     assert len(ids) == 3 and actions == []  # no free credit
     assert s.version_in_use(0)
     kinds = []
@@ -157,11 +159,12 @@ def test_side_slots_interleave_with_round_slots():
 
 
 def test_side_slots_go_back_to_back_when_there_is_no_training_left():
-    s = Scheduler(SchedulerConfig(batch_size=4), Sampler(4, 1))  # one round in all
+    s = Dealing(Scheduler(SchedulerConfig(batch_size=4), Sampler(4, 1)))  # one round in all
     first = assigns(start(s, "a", 1))
     answer_round(s, "a", first[0].slot, 1.0)
     assert s.sampler.exhausted
-    _, actions = s.add_side(s.version, plan_ranges(8, 4), 1.0)
+    s.add_side(s.version, plan_ranges(8, 4), 1.0)
+    actions = s.deal(1.0)
     (a,) = assigns(actions)
     assert a.kind == "eval" and a.parts == [[0, 0, 4]]
     assert a.version == 1 and a.send_model  # it computed the round at version 0
@@ -175,7 +178,8 @@ def test_a_vanished_holders_eval_slot_goes_to_another_worker():
     s = make(n=400, batch=4, heartbeat_s=1.0, liveness=3)
     start(s, "a", 2)
     start(s, "b", 1)
-    ids, actions = s.add_side(0, plan_ranges(4, 4), 0.0)
+    ids = s.add_side(0, plan_ranges(4, 4), 0.0)
+    actions = s.deal(0.0)
     assert actions == []  # every credit is taken
     # a answers a round slot: its freed credit takes the eval slot
     a_slot = sorted(s.workers["a"].assigned)[0]
@@ -207,7 +211,8 @@ def test_a_late_eval_slot_is_handed_out_again_and_the_first_answer_wins():
         s.result(w, slot, 0.1, 0.1)
     s.resume(0.2)
     # (resume refilled both with round slots; free one of them for the evaluation)
-    ids, _ = s.add_side(s.version, [[0, 0, 4]], 0.3)
+    ids = s.add_side(s.version, [[0, 0, 4]], 0.3)
+    _ = s.deal(0.3)
     (a_round,) = [x for x in s.workers["a"].assigned if x not in s.side]
     (ev,) = assigns(answer_round(s, "a", a_round, 0.4), kind="eval")
     assert ev.worker == "a"
@@ -223,10 +228,11 @@ def test_a_late_eval_slot_is_handed_out_again_and_the_first_answer_wins():
 
 
 def test_dropping_an_evaluation_cancels_its_slots():
-    s = Scheduler(SchedulerConfig(batch_size=4), Sampler(4, 1))
+    s = Dealing(Scheduler(SchedulerConfig(batch_size=4), Sampler(4, 1)))
     first = assigns(start(s, "a", 1))
     answer_round(s, "a", first[0].slot, 1.0)
-    _, actions = s.add_side(s.version, plan_ranges(8, 4), 1.0)
+    s.add_side(s.version, plan_ranges(8, 4), 1.0)
+    actions = s.deal(1.0)
     (a,) = assigns(actions)
     out = s.drop_side(2.0)
     assert CancelSlots("a", [a.slot]) in out
@@ -254,7 +260,7 @@ class NoModel:
 
 
 def test_the_core_combines_worker_sums_into_the_evaluation_of_its_version():
-    scheduler = Scheduler(SchedulerConfig(batch_size=4), Sampler(4, 1))
+    scheduler = Dealing(Scheduler(SchedulerConfig(batch_size=4), Sampler(4, 1)))
     core = RoundCore(scheduler, NoModel(), TrustPolicy(TrustConfig(), reference=1.0))
     core.join("a", {}, "a", 0.0)
     (first,) = assigns(core.ready("a", 1, 0.0))

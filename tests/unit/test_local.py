@@ -21,6 +21,8 @@ from idlegrad.coordinator.local import (
     TaskMode, check_redundancy, inner_steps, parse_task)
 from idlegrad.coordinator.sampler import Sampler
 from idlegrad.coordinator.scheduler import Assign, Scheduler, SchedulerConfig
+from .scheduling import Dealing
+from idlegrad.coordinator.slots import SlotWork
 from idlegrad.coordinator.trust import matches
 from idlegrad.worker.engine import Cancelled, Engine, Work
 
@@ -290,7 +292,7 @@ def test_bad_local_tasks_are_protocol_errors(fields):
 
 def test_rounds_are_sized_for_the_worker_that_opens_them():
     mode = parse_task("local:auto", slot_s=1.0, min_steps=1, max_steps=100)
-    s = Scheduler(SchedulerConfig(batch_size=8), Sampler(100_000, None), task_mode=mode)
+    s = Dealing(Scheduler(SchedulerConfig(batch_size=8), Sampler(100_000, None), task_mode=mode))
     for worker in ("fast", "slow"):
         s.join(worker, {}, 0.0)
     first = [a for a in s.ready("fast", 1, 0.0) + s.ready("slow", 1, 0.0) if isinstance(a, Assign)]
@@ -315,12 +317,12 @@ def test_rounds_are_sized_for_the_worker_that_opens_them():
 
 
 def test_a_local_slot_tells_its_kind_and_steps_and_an_epochs_short_end_takes_fewer():
-    s = Scheduler(SchedulerConfig(batch_size=8, partitions=2), Sampler(100, 1),
-                  task_mode=parse_task("local:5"))  # rounds of 2 x 40 samples; 20 left at the end
+    s = Dealing(Scheduler(SchedulerConfig(batch_size=8, partitions=2), Sampler(100, 1),
+                  task_mode=parse_task("local:5")))  # rounds of 2 x 40 samples; 20 left at the end
     s.join("w", {}, 0.0)
     (a, b) = [x for x in s.ready("w", 2, 0.0) if isinstance(x, Assign)]
     assert (a.kind, a.steps, b.kind, b.steps) == ("local", 5, "local", 5)
-    assert s.slot_task(a.slot) == (0, [tuple(a.parts[0])], [1.0], "local", 5)
+    assert s.slot_work(a.slot) == SlotWork(0, [list(a.parts[0])], [1.0], "local", 5)
     assert [(x.kind, x.steps) for x in s.resend("w", 0.5)] == [("local", 5)] * 2
     actions = s.result("w", a.slot, 1.0, 1.0)[1]  # the next round opens on the freed credit
     actions += s.result("w", b.slot, 1.0, 1.0)[1] + s.applied(1, 1.0)
@@ -330,10 +332,10 @@ def test_a_local_slot_tells_its_kind_and_steps_and_an_epochs_short_end_takes_few
 
 
 def test_a_late_local_slots_duplicate_is_the_same_task():
-    s = Scheduler(SchedulerConfig(batch_size=8, partitions=2, open_rounds=1, speculate=True,
+    s = Dealing(Scheduler(SchedulerConfig(batch_size=8, partitions=2, open_rounds=1, speculate=True,
                                   spec_min_results=1, spec_floor_s=0.0, min_deadline_s=1000.0,
                                   heartbeat_s=1000.0),
-                  Sampler(1000, None), task_mode=parse_task("local:5"))
+                  Sampler(1000, None), task_mode=parse_task("local:5")))
     s.join("fast", {}, 0.0)
     s.join("slow", {}, 0.0)
     (mine,) = [x for x in s.ready("fast", 1, 0.0) if isinstance(x, Assign)]
@@ -342,22 +344,22 @@ def test_a_late_local_slots_duplicate_is_the_same_task():
     (copy,) = [x for x in s.tick(5.0) if isinstance(x, Assign)]
     assert copy.worker == "fast" and copy.parts == late.parts and copy.slot != late.slot
     assert (copy.kind, copy.steps) == ("local", 5)
-    assert s.slot_task(copy.slot)[3:] == ("local", 5)
+    assert (s.slot_work(copy.slot).kind, s.slot_work(copy.slot).steps) == ("local", 5)
 
 
 def test_a_gradient_slot_has_no_inner_steps():
-    s = Scheduler(SchedulerConfig(batch_size=8), Sampler(100, None))
+    s = Dealing(Scheduler(SchedulerConfig(batch_size=8), Sampler(100, None)))
     s.join("w", {}, 0.0)
     (a,) = [x for x in s.ready("w", 1, 0.0) if isinstance(x, Assign)]
     assert (a.kind, a.steps) == ("gradient", 0)
-    assert s.slot_task(a.slot).kind == "gradient" and s.slot_task(a.slot).steps == 0
+    assert s.slot_work(a.slot).kind == "gradient" and s.slot_work(a.slot).steps == 0
     assert [(x.kind, x.steps) for x in s.resend("w", 1.0)] == [("gradient", 0)]
 
 
 def test_the_scheduler_refuses_what_local_tasks_cannot_decode():
     with pytest.raises(ConfigError) as info:
-        Scheduler(SchedulerConfig(batch_size=8, redundancy=Redundancy("cyclic", 1)),
-                  Sampler(100, None), task_mode=parse_task("local:5"))
+        Dealing(Scheduler(SchedulerConfig(batch_size=8, redundancy=Redundancy("cyclic", 1)),
+                  Sampler(100, None), task_mode=parse_task("local:5")))
     assert "cyclic" in one_line(info)
 
 
@@ -434,7 +436,7 @@ def test_a_checkpoint_resumes_across_task_kinds_without_mixing_optimizer_state(t
 
 def test_link_time_is_wall_time_less_compute_and_queue_wait_of_slots_with_a_model():
     mode = parse_task("local:auto", slot_s=0.1, min_steps=1, max_steps=10_000, link_factor=3.0)
-    s = Scheduler(SchedulerConfig(batch_size=8), Sampler(1_000_000, None), task_mode=mode)
+    s = Dealing(Scheduler(SchedulerConfig(batch_size=8), Sampler(1_000_000, None), task_mode=mode))
     s.join("w", {}, 0.0)
     first, second = [a for a in s.ready("w", 2, 0.0) if isinstance(a, Assign)]
     assert first.send_model and not second.send_model  # one round's version: one download

@@ -21,6 +21,7 @@ from idlegrad.common.coding import Redundancy
 from idlegrad.coordinator.locality import Locality, group_for
 from idlegrad.coordinator.sampler import Sampler
 from idlegrad.coordinator.scheduler import Assign, Decoded, Scheduler, SchedulerConfig
+from .scheduling import Dealing
 
 
 def shard_of(order: ShardOrder) -> np.ndarray:
@@ -146,10 +147,10 @@ def test_a_checkpoint_planned_front_to_back_resumes_by_blocks():
 # the scheduler's preference -----------------------------------------------------------------
 
 
-def local_scheduler(order: ShardOrder, redundancy=Redundancy(), **config) -> Scheduler:
-    return Scheduler(SchedulerConfig(batch_size=config.pop("batch", 4), redundancy=redundancy,
+def local_scheduler(order: ShardOrder, redundancy=Redundancy(), **config) -> Dealing:
+    return Dealing(Scheduler(SchedulerConfig(batch_size=config.pop("batch", 4), redundancy=redundancy,
                                      **config),
-                     block_sampler(order), locality=Locality(order, group_for(redundancy)))
+                     block_sampler(order), locality=Locality(order, group_for(redundancy))))
 
 
 def block_of_assign(s: Scheduler, a: Assign):

@@ -11,10 +11,12 @@ from hypothesis import strategies as st
 from idlegrad.coordinator.sampler import Sampler
 from idlegrad.coordinator.scheduler import (
     Assign, CancelSlots, Decoded, Evicted, Scheduler, SchedulerConfig)
+from .scheduling import Dealing
+from idlegrad.coordinator.slots import SlotWork
 
 
-def make(n=40, batch=4, epochs=None, **config) -> Scheduler:
-    return Scheduler(SchedulerConfig(batch_size=batch, **config), Sampler(n, epochs))
+def make(n=40, batch=4, epochs=None, **config) -> Dealing:
+    return Dealing(Scheduler(SchedulerConfig(batch_size=batch, **config), Sampler(n, epochs)))
 
 
 def of(kind, actions):
@@ -30,8 +32,11 @@ def held(s: Scheduler, worker: str) -> set[int]:
 
 
 def start(s: Scheduler, worker: str, credits: int, now: float = 0.0) -> list:
-    assert s.join(worker, {"host": worker}, now) == []
-    return s.ready(worker, credits, now)
+    """A worker joins and announces its credits: what both lead to (a join that completes the
+    quorum deals the others' credits)."""
+    joined = s.join(worker, {"host": worker}, now)
+    assert not of(Assign, joined) or not s.workers[worker].capacity
+    return joined + s.ready(worker, credits, now)
 
 
 def answer(s: Scheduler, worker: str, slot: int, compute_s: float, now: float):
@@ -179,7 +184,7 @@ def test_round_of_three_partitions_decodes_after_all_three():
 def test_duplicate_late_and_unknown_results_are_refused_and_counted():
     s = make()
     x = assigns(start(s, "a", 1))[0]
-    assert s.result("a", x.slot, 0.1, 1.0)[0] is True
+    assert answer(s, "a", x.slot, 0.1, 1.0)[0] is True
     assert s.result("a", x.slot, 0.1, 1.0) == (False, [])  # a repeat
     assert s.result("ghost", x.slot, 0.1, 1.0) == (False, [])  # a worker nobody knows
     assert s.result("a", 9999, 0.1, 1.0) == (False, [])  # a slot nobody handed out
@@ -244,7 +249,7 @@ def test_deadline_miss_requeues_while_the_holder_keeps_it_original_wins():
     assert s.stats["deadline_requeues"] == 1 and s.workers["a"].missed == 1
     assert assigns(s.tick(15.0)) == []  # a's miss is requeued once only
     assert s.stats["deadline_requeues"] == 1 and s.workers["a"].missed == 1
-    ok, actions = s.result("a", x.slot, 5.0, 16.0)  # the original answers first: it wins
+    ok, actions = answer(s, "a", x.slot, 5.0, 16.0)  # the original answers first: it wins
     assert ok
     assert CancelSlots("b", [x.slot]) in actions
     assert of(Decoded, actions)[0].weights == {x.slot: 1.0}
@@ -257,7 +262,7 @@ def test_deadline_miss_the_replacement_wins():
     x = assigns(start(s, "a", 1))[0]
     start(s, "b", 1)
     assigns(s.tick(11.0))
-    ok, actions = s.result("b", x.slot, 1.0, 12.0)
+    ok, actions = answer(s, "b", x.slot, 1.0, 12.0)
     assert ok
     assert CancelSlots("a", [x.slot]) in actions
     assert len(of(Decoded, actions)) == 1
@@ -363,7 +368,7 @@ def test_version_in_use():
     assert s.version_in_use(1)  # the refill opened a round at version 1
     s.result("a", a[1].slot, 0.1, 1.0)
     assert not s.version_in_use(0)
-    assert 0 not in s._rounds_at  # no empty counters left behind
+    assert 0 not in s.book.rounds_at  # no empty counters left behind
 
 
 def test_replan_puts_parts_back():
@@ -391,7 +396,7 @@ def test_replan_puts_parts_back():
 
 
 def test_open_parts_and_next_id():
-    s = Scheduler(SchedulerConfig(batch_size=4), Sampler(40), next_id=100)
+    s = Dealing(Scheduler(SchedulerConfig(batch_size=4), Sampler(40), next_id=100))
     assert s.next_id() == 100
     a = assigns(start(s, "a", 2))
     assert all(x.slot >= 100 and x.round >= 100 for x in a)
@@ -509,7 +514,11 @@ class Harness:
         elif op == "stray" and self.assigned_ever:
             slot = sorted(self.assigned_ever)[k % len(self.assigned_ever)]
             if w not in s.workers or slot not in self.held[w]:
-                assert s.result(w, slot, 0.01, self.now) == (False, [])
+                ok, actions = s.result(w, slot, 0.01, self.now)
+                # refused, and nothing follows but the deal at the end of any event (a round
+                # replanned since the last one may have left work to deal)
+                assert not ok and all(isinstance(a, Assign) for a in actions)
+                self.perform(actions)
         elif op == "fail" and w in s.workers and self.held[w]:
             slot = sorted(self.held[w])[k % len(self.held[w])]
             self.held[w].discard(slot)
@@ -584,9 +593,9 @@ class Harness:
        script=ops)
 def test_every_round_decoded_once_and_every_sample_once(n, batch, partitions, open_rounds,
                                                        credits, script):
-    s = Scheduler(SchedulerConfig(batch_size=batch, partitions=partitions, open_rounds=open_rounds,
+    s = Dealing(Scheduler(SchedulerConfig(batch_size=batch, partitions=partitions, open_rounds=open_rounds,
                                   heartbeat_s=1.0, liveness=3, min_deadline_s=2.5),
-                  Sampler(n, epochs=1))
+                  Sampler(n, epochs=1)))
     h = Harness(s)
     h.play(credits, script, max_open_rounds=open_rounds)
     applied = h.applied_once_each(n)
@@ -661,7 +670,7 @@ from idlegrad.common.coding import parse_redundancy  # noqa: E402
 from idlegrad.coordinator import adaptive  # noqa: E402
 
 
-def coded(redundancy: str, **config) -> Scheduler:
+def coded(redundancy: str, **config) -> Dealing:
     return make(redundancy=parse_redundancy(redundancy), **config)
 
 
@@ -686,7 +695,7 @@ def test_replicate_round_has_two_copies_and_decodes_without_a_stopped_worker():
     assert ok and not of(Decoded, actions)
     assert CancelSlots("a", [stopped.slot]) in actions  # its copy arrived: a's is not needed
     assert s.stats["slots_redundant"] == 2  # the spare copy of b's row, and a's
-    ok, actions = s.result("c", first[2].slot, 0.1, 2.0)
+    ok, actions = answer(s, "c", first[2].slot, 0.1, 2.0)
     (dec,) = of(Decoded, actions)
     assert set(dec.weights) == {first[1].slot, d.slot, first[2].slot}
     assert CancelSlots("b", [b2.slot]) in actions  # the leftover copy
@@ -813,7 +822,7 @@ def test_a_late_slot_is_speculated_to_a_free_worker_and_applied_once():
     (copy,) = [x for x in assigns(actions) if x.worker == "b"]
     assert copy.round == round_.id and copy.slot != late
     assert copy.parts == [list(p) for p in round_.parts]
-    ok, actions = s.result("b", copy.slot, 0.4, now + 1.6)
+    ok, actions = answer(s, "b", copy.slot, 0.4, now + 1.6)
     (dec,) = of(Decoded, actions)
     assert dec.weights == {copy.slot: 1.0} and CancelSlots("a", [late]) in actions
     assert s.result("a", late, 5.0, now + 5.0) == (False, [])  # the late original is refused
@@ -897,7 +906,7 @@ def test_adaptive_scheduler_starts_replicated_then_follows_the_record():
     for t in [0.01] * 40 + [0.5] * 10:
         for w in "abc":
             s.speed.observe(t, s.workers[w].speed)
-    assert s._policy(3).kind != "none"
+    assert s.book.choose_code(3).kind != "none"
     assert s.last_costs and "none" in s.last_costs
 
 
@@ -933,12 +942,12 @@ class CodedHarness(Harness):
 def test_coded_rounds_applied_once_and_every_sample_once(n, batch, partitions, open_rounds,
                                                         credits, redundancy, speculate, sync,
                                                         script):
-    s = Scheduler(SchedulerConfig(batch_size=batch, partitions=partitions, open_rounds=open_rounds,
+    s = Dealing(Scheduler(SchedulerConfig(batch_size=batch, partitions=partitions, open_rounds=open_rounds,
                                   heartbeat_s=1.0, liveness=3, min_deadline_s=2.5,
                                   redundancy=parse_redundancy(redundancy), speculate=speculate,
                                   spec_floor_s=0.05, spec_min_results=1, adaptive_every=2,
                                   sync=sync),
-                  Sampler(n, epochs=1))
+                  Sampler(n, epochs=1)))
     h = CodedHarness(s)
     h.play(credits, script, max_open_rounds=1 if sync else open_rounds)
     h.applied_once_each(n)
@@ -960,18 +969,17 @@ def test_slot_scale_is_the_coded_samples_of_a_slot_its_caller_holds():
     assert s.slot_scale(x.worker, x.slot) is None  # answered: no longer held
 
 
-def test_slot_task_reads_back_what_the_holders_were_sent_until_the_round_closes():
+def test_slot_work_reads_back_what_the_holders_were_sent_until_the_round_closes():
     s = coded("cyclic:1", n=60, batch=6, partitions=3, open_rounds=1, min_deadline_s=1000.0,
               heartbeat_s=1000.0)
     got = assigns(start(s, "a", 1) + start(s, "b", 1) + start(s, "c", 1))
     for x in got:
-        task = s.slot_task(x.slot)
-        assert task == (x.version, [tuple(p) for p in x.parts], x.coefficients, "gradient", 0)
-        assert (task.kind, task.steps) == (x.kind, x.steps)
+        work = s.slot_work(x.slot)
+        assert work == x.work == SlotWork(x.version, x.parts, x.coefficients, "gradient", 0)
     decoded = []
     for x in got:
         decoded += of(Decoded, s.result(x.worker, x.slot, 0.1, 1.0)[1])
-    assert decoded and all(s.slot_task(x.slot) is None for x in got)
+    assert decoded and all(s.slot_work(x.slot) is None for x in got)
 
 
 def test_sync_rounds_are_never_speculated():

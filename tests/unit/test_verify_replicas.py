@@ -10,14 +10,15 @@ from idlegrad.common.errors import ConfigError
 from idlegrad.coordinator.sampler import Sampler
 from idlegrad.coordinator.scheduler import (
     Assign, CancelSlots, CompareCopies, Decoded, Scheduler, SchedulerConfig)
+from .scheduling import Dealing
 
 QUIET = dict(min_deadline_s=1000.0, heartbeat_s=1000.0)  # no deadline or silence interferes
 
 
-def verified(redundancy="replicate:2", n=40, batch=4, **config) -> Scheduler:
-    return Scheduler(SchedulerConfig(batch_size=batch, redundancy=parse_redundancy(redundancy),
+def verified(redundancy="replicate:2", n=40, batch=4, **config) -> Dealing:
+    return Dealing(Scheduler(SchedulerConfig(batch_size=batch, redundancy=parse_redundancy(redundancy),
                                      verify_replicas=True, open_rounds=1, **{**QUIET, **config}),
-                     Sampler(n, None))
+                     Sampler(n, None)))
 
 
 def of(kind, actions):
@@ -45,6 +46,7 @@ def test_a_row_waits_for_two_agreeing_copies_and_its_replica_is_not_cancelled():
     (decoded,) = of(Decoded, actions)
     assert decoded.weights == {a.slot: 1.0} and decoded.samples == 4
     assert s.stats["replicas_agreed"] == 1 and s.stats["replicas_disagreed"] == 0
+    s.applied(s.version + 1, 2.5)  # the round is stepped; the freed credits are dealt
     assert s.copies_agreed(a.slot, b.slot, 3.0) == []  # a stale verdict changes nothing
 
 
@@ -177,8 +179,8 @@ def test_three_copies_the_third_waits_while_the_first_two_are_settled():
                                               ("adaptive", False), ("replicate:2", True)])
 def test_verification_needs_replicas(redundancy, sync):
     with pytest.raises(ConfigError) as info:
-        Scheduler(SchedulerConfig(batch_size=4, redundancy=parse_redundancy(redundancy),
-                                  verify_replicas=True, sync=sync), Sampler(40, None))
+        Dealing(Scheduler(SchedulerConfig(batch_size=4, redundancy=parse_redundancy(redundancy),
+                                  verify_replicas=True, sync=sync), Sampler(40, None)))
     assert "--verify-replicas" in str(info.value) and "\n" not in str(info.value)
 
 

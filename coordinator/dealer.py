@@ -1,0 +1,198 @@
+"""The dealer: who gets which waiting lease, in what order. Pure; one entry point, `deal(now)`.
+
+Workers pull: the hungry ones (free credits) are served in the order they became hungry, one
+lease each per pass, so a round's slots spread over the fleet instead of filling the first
+worker's credits. A worker takes the oldest waiting round lease it may take, or opens a new round
+when none is waiting. What it may take: never a lease it holds, a copy of a row it holds, or a
+second lease of a redundant round (one stopped worker must not hold two slots of one round); with
+verified replicas never a copy of a row whose held copy is its own; with locality first a lease
+whose shards it holds (or a round of its home block). Side leases go first, but to a worker only
+while it holds none and its last lease was a round's, so side work interleaves with training
+instead of starving it; only when no round work is left does a worker take them back to back.
+
+Nothing is dealt before the quorum of `min_workers` joined, while the operator has paused
+training, or to a draining worker; a draining worker that holds nothing is announced `Drained`.
+The events of the scheduler never deal: the round core calls `deal` once at the end of each of its
+entry points, after it has acted on what the events led to.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from .fleet import Fleet, WorkerRecord
+from .leases import LeaseTable
+from .locality import Locality
+from .round_book import RoundBook
+from .sampler import Sampler
+from .side_work import SideWork
+from .slots import Action, Assign, Drained, Lease, LeaseState
+from .speed import SpeedModel
+
+_LOCAL_SCAN = 64  # locality: waiting leases looked at for one of a worker's own shards
+
+
+class Dealer:
+    def __init__(self, config, fleet: Fleet, leases: LeaseTable, rounds: RoundBook,
+                 side: SideWork, speed: SpeedModel, sampler: Sampler,
+                 locality: Optional[Locality]):
+        self.config = config
+        self.fleet = fleet
+        self.leases = leases
+        self.rounds = rounds
+        self.side = side
+        self.speed = speed
+        self.sampler = sampler
+        self.locality = locality
+        self.paused = False  # the operator paused training: nothing is dealt
+
+    def deal(self, now: float) -> list[Action]:
+        actions: list[Action] = [Drained(w) for w in self.fleet.drained()]
+        if not self.fleet.quorate() or self.paused or not self.fleet.hungry:
+            return actions
+        if self.leases.side_pending:
+            actions += self._deal_side(now, alternate=True)
+        actions += self._deal_rounds(now)
+        if self.leases.side_pending and self.fleet.hungry:  # no round work: side back to back
+            actions += self._deal_side(now, alternate=False)
+        return actions
+
+    # round leases -----------------------------------------------------------------------------
+
+    def _deal_rounds(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        pending = self.leases.pending
+        # Nothing to hand out (the plan is exhausted, the open-round limit reached): every
+        # hungry worker would come away empty, so none is asked.
+        can_open = self.rounds.can_open()
+        if not pending and not can_open:
+            return actions
+        progress = True
+        while progress and self.fleet.hungry:
+            progress = False
+            for worker_id in self.fleet.hungry_in_order():
+                if not pending and not can_open:
+                    return actions  # nothing left for the rest of the pass either
+                worker = self.fleet.workers[worker_id]
+                if worker.free > 0 and not (self.config.sync and worker.assigned):
+                    # With locality: a waiting lease of its shards, else a round of its own
+                    # block, else whatever is waiting.
+                    local = self.locality is not None
+                    lease = self._next_for(worker, local)
+                    if lease is None and can_open:
+                        can_open = self.rounds.open_round(worker)  # one that cannot, stays so
+                        if can_open:
+                            lease = self._next_for(worker, local)
+                    if lease is None and local:
+                        lease = self._next_for(worker)
+                    if lease is not None:
+                        actions.append(self._hand_out(worker, lease, now))
+                        worker.side_last = False
+                        progress = True
+                self.fleet.update_hunger(worker)
+        return actions
+
+    def _next_for(self, worker: WorkerRecord, local: bool = False) -> Optional[Lease]:
+        """The oldest waiting round lease `worker` may take (see the module's rules). `local`:
+        only one whose shards it holds or may take anyway, among the first `_LOCAL_SCAN`."""
+        pending = self.leases.pending
+        if not pending:
+            return None
+        leases, rounds = self.leases.leases, self.rounds.rounds
+        scan = _LOCAL_SCAN if local else math.inf
+        rows: set = set()
+        mine: set = set()
+        if worker.assigned:
+            held = [leases[s] for s in worker.assigned if s in leases and not leases[s].side]
+            rows = {(s.round, s.row) for s in held}
+            mine = {s.round for s in held}
+        skipped: list[int] = []
+        found = None
+        while pending and scan > 0:
+            scan -= 1
+            lease_id = pending.popleft()
+            lease = leases.get(lease_id)
+            if lease is None or not lease.needed:
+                continue  # its round closed while it waited, or a copy of it arrived
+            round_ = rounds[lease.round]
+            if round_.verified is not None:
+                if round_.verified.sender(lease_id) is not None:
+                    lease.state = LeaseState.OUT  # answered by a holder it came back from: held
+                    continue
+                if not round_.verified.may_take(worker.id, lease.row):
+                    skipped.append(lease_id)
+                    continue
+            if worker.assigned and (
+                    worker.id in lease.holders or (lease.round, lease.row) in rows
+                    or (lease.round in mine and (self.config.sync or round_.code.tolerance > 0))):
+                skipped.append(lease_id)
+                continue
+            if local and not self._local_for(worker, lease):
+                skipped.append(lease_id)
+                continue
+            found = lease
+            break
+        pending.extendleft(reversed(skipped))
+        return found
+
+    def _local_for(self, worker: WorkerRecord, lease: Lease) -> bool:
+        """Whether the locality pass may give `lease` to `worker`."""
+        round_ = self.rounds.rounds[lease.round]
+        # A round's age in versions over the rounds open: about the slot times it has waited
+        # (each open round steps the version once per slot time, roughly).
+        waited = (self.rounds.version - round_.version) / max(1, len(self.rounds.rounds))
+        return (self.locality.affine(worker.id, round_.block)
+                or self.locality.anybodys(round_.block, waited, lease.speculated))
+
+    def _hand_out(self, worker: WorkerRecord, lease: Lease, now: float) -> Assign:
+        deadline = now + self.speed.deadline_s(worker.speed, lease.samples, worker.capacity)
+        prefetch = ()
+        if self.locality is not None and not lease.side:
+            prefetch = self.locality.hint(worker.id, self.sampler.epoch, self.sampler.open_blocks,
+                                          self.sampler.block_left)
+        send_model = worker.model_version != lease.work.version
+        assign = self.leases.hand_out(worker, lease, now, deadline, send_model, prefetch)
+        if not lease.side:
+            self.rounds.watch_late(worker, now)
+        return assign
+
+    # side leases ------------------------------------------------------------------------------
+
+    def _deal_side(self, now: float, alternate: bool) -> list[Action]:
+        """Hand waiting side leases to hungry workers holding none; with `alternate`, only to
+        those whose last lease was a round's."""
+        actions: list[Action] = []
+        open_side = self.side.open
+        for worker_id in self.fleet.hungry_in_order():
+            if not self.leases.side_pending:
+                break
+            worker = self.fleet.workers[worker_id]
+            if (worker.free <= 0 or (alternate and worker.side_last)
+                    or any(s in open_side for s in worker.assigned)):
+                continue
+            lease = self._next_side_for(worker)
+            if lease is None:
+                continue
+            actions.append(self._hand_out(worker, lease, now))
+            worker.side_last = True
+            self.fleet.update_hunger(worker)
+        return actions
+
+    def _next_side_for(self, worker: WorkerRecord) -> Optional[Lease]:
+        """The oldest waiting side lease `worker` may take (not one it is excluded from)."""
+        pending = self.leases.side_pending
+        skipped: list[int] = []
+        found = None
+        while pending:
+            lease_id = pending.popleft()
+            candidate = self.side.open.get(lease_id)
+            if candidate is None or candidate.state is not LeaseState.WAITING:
+                continue
+            if worker.id in candidate.exclude:
+                skipped.append(lease_id)
+                continue
+            found = candidate
+            break
+        pending.extendleft(reversed(skipped))
+        return found

@@ -1,0 +1,353 @@
+"""Rounds: opening them (the batch, the code, its rows as leases), answers arriving, decoding,
+closing, the adaptive choice of code, and speculative copies of late slots. Pure.
+
+A round is one batch at one model version cut into partitions and covered by the rows of a code
+(DESIGN.md section 3). Each row is a lease in the lease table; a row whose copy arrived makes the
+row's other copies dead (cancelled at once). Once every partition is covered and the arrived rows
+decode, the round closes and `Decoded` says how to combine their gradients. With speculation, a
+slot later than its holder's prediction gets a duplicate row appended to its round's code, at the
+front of the queue. With verified replicas a row arrives only once two copies from two workers
+agree (`VerifiedRows`, verified_rows.py; the comparison is the round core's).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from ..common import coding
+from ..common.coding import Code, Redundancy
+from . import adaptive
+from .fleet import Fleet, WorkerRecord
+from .leases import LeaseTable
+from .local import TaskMode, inner_steps
+from .locality import Locality
+from .sampler import Part, Sampler
+from .slots import Action, CancelSlots, CompareCopies, Decoded, Lease, LeaseState, SlotWork
+from .speed import SpeedModel, WorkerSpeed
+from .verified_rows import VerifiedRows
+
+_RECHECK_FLEET = 256  # fleets up to this size look at a newcomer's slots every tick
+
+
+@dataclass
+class Round:
+    id: int
+    version: int
+    parts: list[Part]
+    code: Code
+    slots: list[int]  # lease ids, in code row order
+    arrived: set[int] = field(default_factory=set)  # code rows that arrived
+    covered: set[int] = field(default_factory=set)  # partitions some arrived row covers
+    copies: dict[tuple, list[int]] = field(default_factory=dict)  # row -> leases computing it
+    verified: Optional[VerifiedRows] = None  # verify_replicas: its held copies, by row
+    block: Optional[tuple[int, int]] = None  # locality: (epoch, block) its samples lie in
+
+    @property
+    def samples(self) -> int:
+        return sum(p[2] for p in self.parts)
+
+
+class RoundBook:
+    def __init__(self, config, sampler: Sampler, speed: SpeedModel, leases: LeaseTable,
+                 fleet: Fleet, task_mode: TaskMode, locality: Optional[Locality], stats: Counter,
+                 version: int = 0):
+        self.config = config
+        self.sampler = sampler
+        self.speed = speed
+        self.leases = leases
+        self.fleet = fleet
+        self.task_mode = task_mode
+        self.locality = locality
+        self.stats = stats
+        self.version = version
+        self.rounds: dict[int, Round] = {}
+        self.accepting = True  # False: open no new rounds (shutdown)
+        self.rounds_at: Counter[int] = Counter()  # open rounds per model version
+        self.speculating = config.speculating
+        self.last_code = "none"  # the code of the newest round
+        self.last_costs: dict[str, float] = {}  # adaptive: the predictions behind the choice
+        self._choice: tuple[Redundancy, int] = (Redundancy(), -1)  # adaptive: choice, at obs #
+        self._choice_key: tuple[int, int] = (0, 0)
+        self._seq = itertools.count()
+        self._late_due: list[tuple[float, int, str]] = []  # (when a slot may be late, seq, worker)
+
+    def round_of(self, lease: Lease) -> Optional[Round]:
+        return self.rounds.get(lease.round)
+
+    # opening ----------------------------------------------------------------------------------
+
+    def open_limit(self) -> int:
+        return 1 if self.config.sync else self.config.open_rounds
+
+    def can_open(self) -> bool:
+        """Whether `open_round` may open one now (it can still fail on an empty plan)."""
+        if not self.accepting:
+            return False
+        limit = self.open_limit()
+        if limit and len(self.rounds) >= limit:
+            return False
+        return not self.sampler.exhausted
+
+    def open_round(self, worker: Optional[WorkerRecord] = None) -> bool:
+        """Open a round at the current version (its leases wait at the back of the queue),
+        from `worker`'s home block with locality. Whether one was opened."""
+        if not self.accepting:
+            return False
+        limit = self.open_limit()
+        if limit and len(self.rounds) >= limit:
+            return False
+        k = max(1, len(self.fleet.active())) if self.config.sync else self.config.partitions
+        block = None
+        if self.locality is not None and worker is not None:
+            block = self.locality.block_for(worker.id, self.sampler.epoch,
+                                            self.sampler.open_blocks())
+        parts = self.sampler.next_round(self.round_batch(k, worker), k, block)
+        if parts is None:
+            return False
+        code = coding.build(self.choose_code(len(parts)), len(parts))
+        self.last_code = code.name
+        self.stats["rounds_" + code.name.split(":")[0]] += 1
+        round_id = self.leases.take_id()
+        slot_ids = [0] * code.slots  # in code row order
+        rows: list[list[tuple[int, float]]] = [[] for _ in range(code.slots)]
+        r_idx, c_idx = np.nonzero(code.matrix)
+        for r, c, v in zip(r_idx.tolist(), c_idx.tolist(), code.matrix[r_idx, c_idx].tolist()):
+            rows[r].append((c, v))  # code.row(r) for every row at once
+        kind, local_task = self.task_mode.kind, self.task_mode.local
+        round_ = Round(round_id, self.version, list(parts), code, slot_ids,
+                       verified=VerifiedRows() if self.config.verify_replicas else None,
+                       block=self.sampler.block_of(parts[0]) if self.locality else None)
+        for row in _queue_order(code):
+            entries = rows[row]
+            work = SlotWork(self.version, [list(parts[j]) for j, _ in entries],
+                            [c for _, c in entries], kind)
+            if local_task:  # a short slot (an epoch's end) takes fewer inner steps, never smaller
+                work = SlotWork(work.version, work.parts, work.coefficients, kind,
+                                inner_steps(work.samples, self.config.batch_size))
+            lease = Lease(self.leases.take_id(), work, round_id, tuple(entries), index=row)
+            self.leases.add(lease)
+            slot_ids[row] = lease.id
+        for slot_id in slot_ids:
+            round_.copies.setdefault(self.leases.leases[slot_id].row, []).append(slot_id)
+        self.rounds[round_id] = round_
+        self.rounds_at[self.version] += 1
+        self.stats["rounds_opened"] += 1
+        return True
+
+    def round_batch(self, k: int = 1, worker: Optional[WorkerRecord] = None) -> int:
+        if self.task_mode.local:  # a slot as long as the worker opening the round should run
+            speed = worker.speed if worker is not None else WorkerSpeed()
+            return k * self.task_mode.slot_samples(speed.s_per_sample, self.config.batch_size,
+                                                   speed.link_s)
+        batch = self.config.batch_size
+        if self.config.max_batch:
+            batch = max(1, min(batch, self.config.max_batch))
+        return batch
+
+    def choose_code(self, k: int) -> Redundancy:
+        """The code policy of a new round of `k` partitions (adaptive: chosen from the fleet's
+        recorded task times, again after `adaptive_every` new observations)."""
+        policy = self.config.redundancy
+        if self.config.sync:
+            return Redundancy()
+        if policy.kind != "adaptive":
+            return policy
+        if len(self.speed.times) < 8:
+            # Nothing measured yet: assume the fleet straggles (volunteers' machines do). A
+            # replicated first round or two costs little where nobody is slow, and where one is,
+            # a first round without redundancy waits for it.
+            if self.config.adaptive_max_level >= 2:
+                return Redundancy("replicate", 2)
+            return Redundancy()
+        active = self.fleet.sample_active(self.config.adaptive_sample)
+        choice, at = self._choice
+        key = (k, len(active))
+        observations = self.speed.observations
+        if observations - at >= self.config.adaptive_every or self._choice_key != key:
+            speculation = None
+            if self.speculating:
+                speculation = adaptive.Speculation(self.config.spec_sd, self.config.spec_floor_s)
+            choice, self.last_costs = adaptive.choose(
+                [list(w.speed.recent) for w in active] or [list(self.speed.times)], k,
+                samples_per_partition=self.round_batch() / k,
+                max_level=self.config.adaptive_max_level, seed=observations,
+                open_rounds=self.config.open_rounds, speculation=speculation)
+            self._choice = (choice, observations)
+            self._choice_key = key
+        return choice
+
+    # answers ----------------------------------------------------------------------------------
+
+    def arrive(self, lease: Lease, now: float) -> list[Action]:
+        """`lease`'s result is used: its row has arrived; its copies are cancelled, and the round
+        decodes (`Decoded`, the round closed) or waits for more."""
+        lease.state = LeaseState.ARRIVED
+        actions: list[Action] = self.cancel_holders(lease)
+        round_ = self.rounds[lease.round]
+        round_.arrived.add(lease.index)
+        round_.covered.update(j for j, _ in lease.row)
+        for other_id in round_.copies[lease.row]:  # replicas, speculation: not needed
+            other = self.leases.leases[other_id]
+            if other.needed:
+                other.state = LeaseState.DEAD
+                self.stats["slots_redundant"] += 1
+                actions += self.cancel_holders(other, now)
+        # Every partition covered is necessary for a decode: the least squares waits for it.
+        if len(round_.covered) == round_.code.partitions:
+            weights = coding.decode(round_.code, round_.arrived)
+            if weights is not None:
+                actions += self.close(round_, weights, now)
+        return actions
+
+    def hold(self, lease: Lease, worker_id: str) -> list[Action]:
+        """A verified round's copy arrived: kept until a copy from another worker is compared
+        with it. The row's other copies keep computing (they are the second opinion); only this
+        lease's other holders (a deadline handed it out twice) are cancelled."""
+        round_ = self.rounds[lease.round]
+        round_.verified.hold(lease.row, lease.id, worker_id)
+        self.stats["replicas_held"] += 1
+        return self.cancel_holders(lease) + self.compare_next(round_, lease.row)
+
+    def compare_next(self, round_: Round, row: tuple) -> list[Action]:
+        """The row's next two held copies to compare, if there are two."""
+        pair = round_.verified.next_pair(row)
+        if pair is None:
+            return []
+        first, second = pair
+        return [CompareCopies(round_.id, pair, (round_.verified.sender(first),
+                                                round_.verified.sender(second)))]
+
+    def disputed(self, first: int, second: int) -> Optional[tuple[Round, tuple]]:
+        """The round and row of a `CompareCopies` still awaiting its verdict, else None."""
+        lease = self.leases.get(first)
+        round_ = self.rounds.get(lease.round) if lease is not None else None
+        if round_ is None or round_.verified is None:
+            return None
+        row = round_.verified.row_in_dispute(first, second)
+        return None if row is None else (round_, row)
+
+    def cancel_holders(self, lease: Lease, now: Optional[float] = None) -> list[CancelSlots]:
+        """Cancel `lease` on its holders; with `now`, what they computed of it so far is a
+        (censored) reading of their speed."""
+        def cancelled(worker: WorkerRecord, lease: Lease) -> None:
+            started = lease.started.get(worker.id)
+            if now is not None and lease.samples and started is not None:
+                self.speed.observe((now - started) / lease.samples, worker.speed)
+            self.fleet.update_hunger(worker)
+            self.watch_late(worker, now if now is not None else (started or 0.0))
+        return self.leases.cancel_holders(lease, self.fleet.workers, cancelled)
+
+    def close(self, round_: Round, weights: dict[int, float],
+              now: Optional[float] = None) -> list[Action]:
+        actions: list[Action] = []
+        used = {round_.slots[row]: w for row, w in weights.items()}
+        slot_samples = {}
+        for slot_id in round_.slots:
+            lease = self.leases.leases[slot_id]
+            if slot_id in used:
+                slot_samples[slot_id] = lease.samples
+            if lease.state is not LeaseState.ARRIVED:
+                actions += self.cancel_holders(lease, now)
+            self.leases.forget(slot_id)
+        del self.rounds[round_.id]
+        self.rounds_at[round_.version] -= 1
+        if self.rounds_at[round_.version] <= 0:
+            del self.rounds_at[round_.version]
+        self.stats["rounds_decoded"] += 1
+        actions.append(Decoded(
+            round=round_.id, version=round_.version, parts=round_.parts, samples=round_.samples,
+            weights=used, slots=list(round_.slots), slot_samples=slot_samples))
+        return actions
+
+    # speculation ------------------------------------------------------------------------------
+
+    def watch_late(self, worker: WorkerRecord, now: float, after: Optional[float] = None) -> None:
+        """Queue the first moment a slot of `worker` may turn late (as `speculate_late` judges).
+
+        The judgement depends on the worker's prediction and on how many slots it holds; both
+        change only where this is called again, so the check comes exactly when it is due. A
+        worker judged by the fleet's times (few results of its own) is looked at every tick in a
+        fleet of up to `_RECHECK_FLEET` workers; in a larger one when the fleet's times of the
+        moment say it is due (they drift between its own events)."""
+        if not self.speculating or not worker.assigned:
+            worker.late_check = None
+            return
+        prediction = self.speed.prediction(worker.speed)
+        due = math.inf
+        if prediction is None or (len(self.fleet) <= _RECHECK_FLEET
+                                  and self.speed.judged_by_fleet(worker.speed)):
+            due = now  # the next tick
+        if prediction is not None:
+            queued = max(1, len(worker.assigned))
+            for lease_id in worker.assigned:
+                lease = self.leases.get(lease_id)
+                if (lease is None or lease.side or lease.speculated or not lease.needed
+                        or worker.id not in lease.started):
+                    continue
+                due = min(due, self.speed.late_at(prediction, lease.samples, queued,
+                                                  lease.started[worker.id]))
+        if due == math.inf:
+            worker.late_check = None
+            return
+        if after is not None:
+            due = max(due, math.nextafter(after, math.inf))
+        worker.late_check = next(self._seq)
+        heapq.heappush(self._late_due, (due, worker.late_check, worker.id))
+
+    def speculate_due(self, now: float) -> None:
+        """Speculate on the workers whose slots may have turned late by `now`."""
+        due = self._late_due
+        while due and due[0][0] <= now:
+            _, seq, worker_id = heapq.heappop(due)
+            worker = self.fleet.get(worker_id)
+            if worker is None or worker.late_check != seq:
+                continue
+            worker.late_check = None
+            self._speculate_late(worker, now)
+            self.watch_late(worker, now, after=now)
+
+    def _speculate_late(self, worker: WorkerRecord, now: float) -> None:
+        """Append a duplicate row for every slot of `worker` that is late past its prediction."""
+        prediction = self.speed.prediction(worker.speed)
+        if prediction is None:
+            return
+        queued = max(1, len(worker.assigned))  # it computes its slots one after another
+        for lease_id in list(worker.assigned):
+            lease = self.leases.get(lease_id)
+            if (lease is None or lease.side or lease.speculated or not lease.needed
+                    or lease.round not in self.rounds or worker.id not in lease.started):
+                continue
+            elapsed = now - lease.started[worker.id]
+            if not self.speed.is_late(prediction, lease.samples, queued, elapsed):
+                continue
+            round_ = self.rounds[lease.round]
+            round_.code = coding.speculate(round_.code, lease.index)
+            copy = Lease(self.leases.take_id(), lease.work, round_.id, lease.row,
+                         index=len(round_.slots), speculated=True)
+            self.leases.add_first(copy)
+            round_.slots.append(copy.id)
+            round_.copies[copy.row].append(copy.id)
+            lease.speculated = True
+            self.stats["slots_speculated"] += 1
+            if lease.samples:  # a bound: it has not answered yet
+                self.speed.observe(elapsed / lease.samples, worker.speed)
+            self.speed.slot_late(worker.speed)
+
+
+def _queue_order(code: Code) -> list[int]:
+    """Rows in the order their slots are queued: first copies of every row before second copies
+    (replicas, speculative duplicates), so the first workers cover the whole round."""
+    seen: Counter[bytes] = Counter()
+    copy = []
+    for row in range(code.slots):
+        key = code.matrix[row].tobytes()
+        copy.append(seen[key])
+        seen[key] += 1
+    return sorted(range(code.slots), key=lambda r: (copy[r], r))

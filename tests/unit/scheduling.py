@@ -1,0 +1,49 @@
+"""The scheduler as the round core drives it, for tests of the scheduler alone.
+
+The scheduler's events never deal; the round core deals once at the end of each of its entry
+points, after it has acted on what the event led to. `Dealing` does the same around a bare
+scheduler: each event's actions, then `deal(now)`, except when the event leaves the caller
+something to do first (a `Decoded` round to step, then `applied`; `CompareCopies` to judge, then
+a verdict), exactly where the core would deal only after that.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from idlegrad.coordinator.sampler import Sampler
+from idlegrad.coordinator.scheduler import CompareCopies, Decoded, Scheduler, SchedulerConfig
+
+_EVENTS = ("join", "ready", "result", "failed", "handback", "leave", "tick", "resume", "drain",
+           "applied", "copies_agreed", "copies_disagreed", "copies_settled", "side_result",
+           "drop_side", "drop_side_slot")
+
+
+class Dealing:
+    """A `Scheduler` whose events are each followed by a deal, as in the round core."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.scheduler, name)
+        if name not in _EVENTS:
+            return attr
+        signature = inspect.signature(attr)
+
+        def event(*args, **kwargs):
+            now = signature.bind(*args, **kwargs).arguments["now"]
+            got = attr(*args, **kwargs)
+            pair = isinstance(got, tuple)
+            actions = got[1] if pair else got
+            if not any(isinstance(a, (Decoded, CompareCopies)) for a in actions):
+                actions = actions + self.scheduler.deal(now)
+            return (got[0], actions) if pair else actions
+        return event
+
+
+def make(n: int = 40, batch: int = 4, epochs=None, **config) -> Dealing:
+    """A dealing scheduler over `n` samples (`epochs` of them; None: endless) in batches of
+    `batch`, with `config` the rest of its SchedulerConfig."""
+    return Dealing(Scheduler(SchedulerConfig(batch_size=batch, **config), Sampler(n, epochs)))
