@@ -70,15 +70,19 @@ class LeaseTable:
             lease.with_model.add(worker.id)
         else:
             lease.with_model.discard(worker.id)
-        worker.model_version = lease.work.version
-        return Assign(worker=worker.id, slot=lease.id, round=lease.round, work=lease.work,
-                      deadline_s=deadline - now, send_model=send_model, prefetch=prefetch)
+        return self._task(worker, lease, deadline - now, send_model, prefetch)
 
     def reissue(self, worker: WorkerRecord, lease: Lease, deadline_s: float) -> Assign:
         """A lease `worker` holds, told again with its model (after a reconnect)."""
+        return self._task(worker, lease, deadline_s, True)
+
+    @staticmethod
+    def _task(worker: WorkerRecord, lease: Lease, deadline_s: float, send_model: bool,
+              prefetch: tuple = ()) -> Assign:
+        """The one place an `Assign` is made: the worker will have the work's model."""
         worker.model_version = lease.work.version
         return Assign(worker=worker.id, slot=lease.id, round=lease.round, work=lease.work,
-                      deadline_s=deadline_s, send_model=True)
+                      deadline_s=deadline_s, send_model=send_model, prefetch=prefetch)
 
     def requeue(self, lease: Lease) -> bool:
         """Back in its queue, at the front, for a (further) holder. Whether it was requeued:

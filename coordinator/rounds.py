@@ -39,7 +39,8 @@ from .effects import (Applied, Ban, Compute, Contribution, Evaluated, Event, Joi
 from .eval_slots import WorkerEvaluation
 from .scheduler import Assign, CompareCopies, Decoded, Drained, Evicted, Scheduler
 from .trust import TrustPolicy
-from .verify import Settlement, Stored
+from .slots import SlotWork, Stored
+from .verify import Settlement
 
 __all__ = ["RoundCore", "Backend", "Stored", "Applied", "Ban", "Compute", "Event", "Replanned",
            "Used"]
@@ -78,7 +79,7 @@ class RoundCore:
         self.samples_applied = samples_applied
         self.train_loss: Optional[float] = None
         self.rate: deque[tuple[float, int]] = deque(maxlen=512)  # (time, samples applied)
-        self.settlement = Settlement(self)
+        self.settlement = Settlement(_Court(self))
         self.settlement.on_workers = settle_on_workers
         self.evaluation: Optional[WorkerEvaluation] = None  # the one handed to workers, if any
 
@@ -424,3 +425,59 @@ class RoundCore:
         summary["banned"] = [name(i) for i in summary["banned"]]
         summary["offenders"] = {name(i): o for i, o in summary["offenders"].items()}
         return summary
+
+
+class _Court:
+    """The round core as its settlement sees it (verify.Court): the store, the counters, trust,
+    the backend's comparisons, and the few scheduler calls a settlement makes, each interpreted."""
+
+    def __init__(self, core: RoundCore):
+        self._core = core
+        self.store = core.store
+        self.counters = core.counters
+        self.trust = core.trust
+        self.compute_request = core.compute_request
+        self.use = core.use
+        self.refuse = core.refuse
+        self.ban = core.ban
+
+    def distance(self, a: Any, b: Any) -> float:
+        return self._core.backend.distance(a, b)
+
+    def size(self, a: Any) -> float:
+        return self._core.backend.size(a)
+
+    def _interpreted(self, actions: list, now: float) -> list:
+        return self._core.interpret(actions, now)
+
+    def put_back(self, worker: str, slot: int, now: float) -> list:
+        return self._interpreted(self._core.scheduler.failed(worker, slot, now), now)
+
+    def agreed(self, first: int, second: int, now: float) -> list:
+        return self._interpreted(self._core.scheduler.copies_agreed(first, second, now), now)
+
+    def disagreed(self, first: int, second: int, now: float) -> list:
+        return self._interpreted(self._core.scheduler.copies_disagreed(first, second, now), now)
+
+    def settled(self, first: int, second: int, correct: list[int], now: float,
+                kept: Optional[int] = None) -> list:
+        return self._interpreted(
+            self._core.scheduler.copies_settled(first, second, correct, now, kept), now)
+
+    def third_worker(self, work: SlotWork, parties: frozenset, now: float) -> Optional[int]:
+        core = self._core
+        workers = core.scheduler.workers
+        exclude = frozenset(w for w in workers if core.identity(w) in parties)
+        if len(workers) <= len(exclude):
+            return None
+        return core.scheduler.add_side_task(work, exclude, now)
+
+    def takers(self, lease: int) -> int:
+        return self._core.scheduler.side_takers(lease)
+
+    def withdraw(self, lease: int, now: float) -> list:
+        return self._interpreted(self._core.scheduler.drop_side_slot(lease, now), now)
+
+    def answer_taken(self, worker: str, lease: int, now: float) -> tuple[bool, list]:
+        accepted, actions = self._core.scheduler.side_result(worker, lease, now)
+        return accepted, self._interpreted(actions, now)

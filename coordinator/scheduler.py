@@ -1,64 +1,49 @@
-"""Who computes what: workers, credits, rounds, slots, deadlines, liveness. Pure logic.
+"""Who computes what: the facade over the scheduling rooms. Pure logic.
 
 The scheduler holds no sockets, threads, tensors or clock. Every call takes `now` and returns the
-actions the server must perform (`Assign`, `CancelSlots`, `Decoded`, `Evicted`); it performs none
-itself, so it is unit-tested with a fake clock and can be driven by a simulator.
+actions its driver (the round core, rounds.py) must perform; it performs none itself, so it is
+unit-tested with a fake clock and driven unchanged by the simulator. Its state lives in rooms,
+each owning one part of it:
 
-Rounds (DESIGN.md section 3): a round is one batch at one model version, cut into partitions and
-covered by the slots of a code. Workers pull: a worker with a free credit takes the oldest pending
-slot it does not already hold, or opens a new round when none is pending. A slot whose holder is
-silent (evicted) or late (past its deadline) goes back to the pending queue; the first answer for
-a slot wins and its other holders are cancelled. A worker that says it is paused (its owner needs
-the machine) gets no new slots; the slots it holds stay its own for `pause_grace_s` (a short pause
-finishes them), then are withdrawn (cancelled on the worker) and requeued for the others. When
-the arrived slots of a round decode, the round is done and `Decoded` says how to combine their
-gradients.
+- `slots.py`: the vocabulary: `SlotWork` (what computing a slot means), `Lease` (a slot's record
+  and its one lifecycle), the actions (`Assign`, `CancelSlots`, `Decoded`, `CompareCopies`,
+  `Evicted`, `Drained`);
+- `leases.py`, the lease table: every slot, round or side, its holders and deadlines, the two
+  waiting queues, the one place that hands a slot to a worker;
+- `fleet.py`: worker records, credits and hunger, pauses and their grace, draining, the quorum of
+  `min_workers`, silences;
+- `round_book.py`: rounds (DESIGN.md section 3): opening them (batch, code, rows), answers
+  arriving, decoding, closing, the adaptive code, speculative copies of late slots, verified
+  copies held for comparison;
+- `side_work.py`: side leases outside any round (evaluation ranges, settlements on a third
+  worker);
+- `dealer.py`: who gets which waiting slot, in what order (`deal`).
 
-Redundancy (DESIGN.md section 3, issue 3): each round's code comes from the `redundancy` policy
-(none, replicate:R, cyclic:S, or adaptive: chosen per round by `adaptive.choose` from the recorded
-task times). A slot whose row repeats an arrived row is cancelled at once. With `speculate`, a slot
-later than its holder's prediction (EWMA mean + `spec_sd` standard deviations of seconds per
-sample, plus `spec_floor_s`) gets a duplicate row appended to its round's code, handed to the next
-free worker. A worker that keeps missing its predictions holds fewer slots at once (its
-`size_factor`). `sync`: one round at a time, code none, one partition per ready worker and one
-slot per worker: synchronous SGD, the baseline.
+**Events never deal.** `join`, `ready`, `result`, `failed`, `handback`, `leave`, `tick`, the
+verdicts on copies and the side-work calls change state and return what follows from them; the
+work that freed credits can take is handed out by `deal(now)`, which the round core calls once at
+the end of each of its entry points, after it has acted on the events (stepped a decoded round,
+judged copies, closed a settlement). So no decision is taken on a fill the core did not ask for.
 
-Verified replicas (`verify_replicas`, issue 9): with replicate:R a row arrives only once two
-copies of it, from different workers, agree. The first copy's result is held (the server keeps it)
-and its replicas go on; the second yields `CompareCopies`, and the server's verdict comes back
-through `copies_agreed`, or `copies_disagreed` and then `copies_settled` (with what the
-coordinator's own computation found right). The sender of a held copy never takes a copy of the
-same row, so two copies always come from two workers. Which copies are held, whose they are and
-which rows are in dispute is a round's `VerifiedRows` (verified_rows.py).
+Pulling: a worker with a free credit takes the oldest waiting slot it may take, or opens a new
+round when none waits. A slot whose holder is silent (evicted) or late (past its deadline) goes
+back to its queue; the first answer for a slot wins and its other holders are cancelled. A worker
+that says it is paused gets no new slots; the slots it holds stay its own for `pause_grace_s`,
+then are withdrawn and requeued. `sync`: one round at a time, code none, one partition per ready
+worker and one slot per worker: synchronous SGD, the baseline.
 
-Speeds (speed.py): a worker's seconds per sample, the fleet's recent readings, and what follows
-from them (deadlines, the moment a slot turns late, `size_factor`) are the `SpeedModel`'s; the
-scheduler feeds it readings and asks it.
+Tasks: the `task_mode` (local.TaskMode) says what a slot computes: coded gradients (the
+default), or local steps (sized for the worker that opens the round, each carrying its inner
+steps). Locality (locality.py): with a shard-aware order the sampler plans block by block, a
+round opened by a worker comes from its home block, and a worker takes waiting slots of its own
+blocks first; each `Assign` carries its prefetch hint. Speeds (speed.py): a worker's seconds per
+sample and what follows from them (deadlines, lateness, `size_factor`) are the `SpeedModel`'s.
 
-Tasks: the `task_mode` (local.TaskMode) says what a slot computes. Gradient slots (the default)
-are sized by the configured batch; local slots by the task mode, for the worker that opens the
-round, and each carries its number of inner steps. `Assign` and `slot_task` say both.
-
-Locality (locality.py): with a shard-aware order the sampler plans block by block, a round
-opened by a worker comes from its home block, and a worker takes pending slots of its own blocks
-before others' (`_next_slot_for(local=True)`); each `Assign` carries its prefetch hint.
-
-Side slots (issue 18): slots outside any round, each one part to compute at a model version,
-answered with something other than a gradient: an evaluation of a range of the test set
-(`add_side`, `side_result`, `drop_side`). They share the workers' credits, deadlines, eviction
-and withdrawal with round slots (a vanished holder's side slot goes back to the queue), are
-handed out before round slots, but a worker takes one only while it holds none and its last
-slot was a round's: side work interleaves with training instead of starving it. Only when there
-is no round work left does a worker take side slots back to back. Their model version is in use
-(`version_in_use`) until the last of them is answered or dropped. They earn no credit and feed
-no speed reading (a forward pass is not a training step).
-
-Scale (issue 8): no call walks the whole fleet. `tick` takes from heaps of due times (a worker's
-silence, a pause's grace, a slot's deadline, the moment a worker's slot may turn late) only the
-entries that are due, checks each against the live record (stale entries are dropped), and
-queues the next; `_fill` stops as soon as nothing is left to hand out; adaptive redundancy reads
-the records of at most `adaptive_sample` workers. Per slot the cost is flat from 1,000 to 100,000
-workers (benchmarks/scheduler_scale.py).
+Scale: no call walks the whole fleet. `tick` takes from heaps of due times (silences, pause
+graces, deadlines, the moment a slot may turn late) only the entries that are due, checks each
+against the live record (stale entries are dropped), and queues the next; `deal` stops as soon as
+nothing is left to hand out; adaptive redundancy reads the records of at most `adaptive_sample`
+workers. Per slot the cost is flat from 1,000 to 100,000 workers (benchmarks/scheduler_scale.py).
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ arrived first). Leases of rounds and side leases (round 0) live in one table (le
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,27 @@ class Lease:
     def needed(self) -> bool:
         """Whether a result for it may still be used."""
         return self.state in (LeaseState.WAITING, LeaseState.OUT)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A round slot's arrived result, screened, kept while its round is open (the round
+    core's store; what a settlement compares)."""
+
+    gradient: Any  # as the backend stores it (the server: the frames' chunks)
+    norm: float
+    worker: str
+    identity: str
+    compute_s: float = 0.0
+    waited_s: float = 0.0
+    samples: int = 0
+    loss: float = math.nan
+    # identities whose copies of this row agreed or were settled right: each earns a verified
+    # slot if the row's round is applied
+    verified_by: tuple = ()
+    # the model's buffers as the slot's computation left them (as the backend stores them), or
+    # None when the model has none
+    buffers: Any = None
 
 
 # actions: what the scheduler asks its driver (the round core) to do ----------------------------

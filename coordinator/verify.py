@@ -27,43 +27,65 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import deque
-from dataclasses import dataclass, replace
-from typing import Any, Optional
+from collections import Counter, deque
+from dataclasses import replace
+from typing import Any, Optional, Protocol
 
-from .effects import Event, Refused
-from .slots import CompareCopies
-from .trust import matches
+from .effects import Compute, Event, Refused
+from .slots import CompareCopies, SlotWork, Stored
+from .trust import TrustPolicy, matches
 
 log = logging.getLogger("idlegrad.coordinator")
 
 
-@dataclass(frozen=True)
-class Stored:
-    """An arrived result, kept while its round is open."""
+class Court(Protocol):
+    """What a settlement may see and do of the round core that owns it: this, and nothing else.
+    Each call that changes the scheduler returns the core's interpretation of what follows."""
 
-    gradient: Any  # as the backend stores it (the server: the frames' chunks)
-    norm: float
-    worker: str
-    identity: str
-    compute_s: float = 0.0
-    waited_s: float = 0.0
-    samples: int = 0
-    loss: float = math.nan
-    # identities whose copies of this row agreed or were settled right: each earns a verified
-    # slot if the row's round is applied
-    verified_by: tuple = ()
-    # the model's buffers as the slot's computation left them (as the backend stores them), or
-    # None when the model has none
-    buffers: Any = None
+    store: dict[int, Stored]  # the arrived results of open rounds
+    counters: Counter
+    trust: TrustPolicy
+
+    def distance(self, a: Any, b: Any) -> float: ...
+
+    def size(self, a: Any) -> float: ...
+
+    def compute_request(self, slot: int) -> Optional[Compute]: ...
+
+    def put_back(self, worker: str, slot: int, now: float) -> list:
+        """The slot goes to someone else, no offence."""
+
+    def agreed(self, first: int, second: int, now: float) -> list: ...
+
+    def disagreed(self, first: int, second: int, now: float) -> list: ...
+
+    def settled(self, first: int, second: int, correct: list[int], now: float,
+                kept: Optional[int] = None) -> list: ...
+
+    def third_worker(self, work: SlotWork, parties: frozenset, now: float) -> Optional[int]:
+        """A side lease computing `work` for a worker whose identity is not in `parties`; None
+        when no such worker is connected."""
+
+    def takers(self, lease: int) -> int: ...
+
+    def withdraw(self, lease: int, now: float) -> list: ...
+
+    def answer_taken(self, worker: str, lease: int, now: float) -> tuple[bool, list]: ...
+
+    def use(self, slot: int, stored: Stored, now: float) -> list: ...
+
+    def refuse(self, worker: str, slot: int, reason: str, detail: str, banned: bool,
+               now: float, identity: Optional[str] = None) -> list: ...
+
+    def ban(self, worker: str, now: float, identity: Optional[str] = None) -> list: ...
 
 
 class Settlement:
     QUEUED = 8  # disagreements waiting for the computation in flight
 
-    def __init__(self, core):
-        """`core`: the round core (rounds.py) that owns this settlement and its store."""
-        self.core = core
+    def __init__(self, court: Court):
+        """`court`: the round core (rounds.py) that owns this settlement, as it sees it."""
+        self.core = court
         # what the computation in flight settles: ("suspect", slot, stored, scale) or
         # ("copies", first, second)
         self.busy: Optional[tuple] = None
@@ -77,7 +99,7 @@ class Settlement:
         core.counters["gradients_suspected"] += 1
         if self.busy is not None:
             core.counters["suspects_requeued"] += 1
-            return core.interpret(core.scheduler.failed(stored.worker, slot, now), now)
+            return core.put_back(stored.worker, slot, now)
         self.busy = ("suspect", slot, stored, scale)
         where = "on another worker" if self.on_workers else "here"
         return [Event("suspected", f"{detail} from {stored.worker} for slot {slot}: computing it "
@@ -91,15 +113,15 @@ class Settlement:
             core.counters["replicas_unsettled"] += 1
             return self._drop(first, second, [], now)
         a, b = store[first], store[second]
-        off = core.backend.distance(a.gradient, b.gradient)
+        off = core.distance(a.gradient, b.gradient)
         size = max(a.norm, b.norm)
         # One identity under two worker ids would agree with itself: a third opinion decides.
         if matches(off, size) and a.identity != b.identity:
             store[first] = replace(a, verified_by=(a.identity, b.identity))
-            out = core.interpret(core.scheduler.copies_agreed(first, second, now), now)
+            out = core.agreed(first, second, now)
             store.pop(second, None)  # not used: the first copy is
             return out
-        out = core.interpret(core.scheduler.copies_disagreed(first, second, now), now)
+        out = core.disagreed(first, second, now)
         detail = (f"copies of slots {first} ({a.worker}) and {second} ({b.worker}) in round "
                   f"{action.round} differ by {off / max(size, 1e-12):.3g} of their size")
         refused = self._refuse_banned(first, second, detail, now)
@@ -168,12 +190,11 @@ class Settlement:
         """Hand the computation to a worker outside the dispute; here if there is none."""
         core = self.core
         parties = self._parties()
-        exclude = frozenset(w for w in core.scheduler.workers if core.identity(w) in parties)
-        if len(core.scheduler.workers) <= len(exclude):
+        self.side_slot = core.third_worker(request.work, parties, now)
+        if self.side_slot is None:
             core.counters["settled_here_no_third"] += 1
             return [request]
         self._excluded = parties
-        self.side_slot = core.scheduler.add_side_task(request.work, exclude, now)
         core.counters["settlements_on_workers"] += 1
         return []
 
@@ -181,11 +202,11 @@ class Settlement:
         """A settlement waiting for a worker outside the dispute when none is left: computed
         here after all."""
         slot = self.side_slot
-        if slot is None or self.core.scheduler.side_takers(slot):
+        if slot is None or self.core.takers(slot):
             return []
         self.side_slot = None
         core = self.core
-        out = core.interpret(core.scheduler.drop_side_slot(slot, now), now)
+        out = core.withdraw(slot, now)
         core.counters["settled_here_no_third"] += 1
         subject = self.busy[1]
         request = core.compute_request(subject)
@@ -203,8 +224,7 @@ class Settlement:
         closes, and the copy's task would go out with its model already released: the round core
         deals once its entry point is done."""
         core = self.core
-        accepted, actions = core.scheduler.side_result(worker_id, slot, now)
-        out = core.interpret(actions, now)
+        accepted, out = core.answer_taken(worker_id, slot, now)
         if not accepted or slot != self.side_slot:
             core.counters["results_dropped"] += 1
             return out
@@ -227,9 +247,9 @@ class Settlement:
         _, slot, stored, scale = busy
         if error is not None:  # nobody is blamed: the slot goes to someone else
             log.warning("could not compute slot %d to settle it: %s", slot, error)
-            return core.interpret(core.scheduler.failed(stored.worker, slot, now), now)
-        off = core.backend.distance(stored.gradient, reference)
-        size = core.backend.size(reference)
+            return core.put_back(stored.worker, slot, now)
+        off = core.distance(stored.gradient, reference)
+        size = core.size(reference)
         if matches(off, size):
             core.counters["suspects_honest"] += 1
             core.trust.accept(float(size), scale)
@@ -252,9 +272,9 @@ class Settlement:
             return self._drop(first, second, [], now)
         if first not in store or second not in store:
             return self._drop(first, second, [], now)
-        size = core.backend.size(reference)
+        size = core.size(reference)
         correct = [s for s in (first, second)
-                   if matches(core.backend.distance(store[s].gradient, reference), size)]
+                   if matches(core.distance(store[s].gradient, reference), size)]
         wrong = [store[s] for s in (first, second) if s not in correct]
         wrong_slots = [s for s in (first, second) if s not in correct]
         out = [Event("verified", f"slot {slot} from {store[slot].worker}: computed here, it "
@@ -294,8 +314,7 @@ class Settlement:
         for slot in banned:
             copy = store.pop(slot)
             out.append(Refused(copy.worker, copy.identity, slot, "banned"))
-        return out + core.interpret(core.scheduler.copies_settled(
-            first, second, [], now, kept=kept[0] if kept else None), now)
+        return out + core.settled(first, second, [], now, kept=kept[0] if kept else None)
 
     def _drop(self, first: int, second: int, correct: list[int], now: float) -> list:
         """Hand a settled disagreement to the scheduler; results not used are let go."""
@@ -303,4 +322,4 @@ class Settlement:
         for slot in (first, second):
             if slot not in correct[:1]:
                 core.store.pop(slot, None)
-        return core.interpret(core.scheduler.copies_settled(first, second, correct, now), now)
+        return core.settled(first, second, correct, now)
