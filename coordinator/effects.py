@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
-from .slots import SlotWork, _DescribesWork
+from .slots import Assign, CancelSlots, Drained, Evicted, SlotWork, _DescribesWork
 
 
 @dataclass(frozen=True)
@@ -102,3 +102,9 @@ class Evaluated:
     samples: int  # samples applied when it was planned
     metrics: dict
     seconds: float  # the workers' compute seconds for it, per worker (eval_slots.py)
+
+
+# Everything the round core's entry points return: the scheduler's actions its driver performs,
+# and the core's own records above.
+Effect = Union[Assign, CancelSlots, Drained, Evicted, Event, Applied, Replanned, Compute, Ban,
+               Used, Joined, Refused, Evaluated]

@@ -34,12 +34,12 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 from ..common.errors import GradientRejected
 from .credits import shares
-from .effects import (Applied, Ban, Compute, Contribution, Evaluated, Event, Joined, Refused,
-                      Replanned, Used)
+from .effects import (Applied, Ban, Compute, Contribution, Effect, Evaluated, Event, Joined,
+                      Refused, Replanned, Used)
 from .eval_slots import WorkerEvaluation
-from .scheduler import Assign, CompareCopies, Decoded, Drained, Evicted, Scheduler
-from .trust import TrustPolicy
+from .scheduler import Action, CompareCopies, Decoded, Drained, Evicted, Scheduler
 from .slots import SlotWork, Stored
+from .trust import TrustPolicy
 from .verify import Settlement
 
 __all__ = ["RoundCore", "Backend", "Stored", "Applied", "Ban", "Compute", "Event", "Replanned",
@@ -82,6 +82,9 @@ class RoundCore:
         self.settlement = Settlement(_Court(self))
         self.settlement.on_workers = settle_on_workers
         self.evaluation: Optional[WorkerEvaluation] = None  # the one handed to workers, if any
+        self._acts: dict[type, Callable[[Any, float], list]] = {
+            Decoded: self._apply, CompareCopies: self.settlement.compare,
+            Drained: self._drained, Evicted: self._evicted}
 
     @property
     def version(self) -> int:
@@ -94,30 +97,30 @@ class RoundCore:
 
     def join(self, worker_id: str, info: dict, identity: str, now: float) -> list:
         # a reconnect evicts the worker's old session first (and forgets who that was)
-        out = self.interpret(self.scheduler.join(worker_id, info, now), now)
+        out = self._interpret(self.scheduler.join(worker_id, info, now), now)
         self.identities[worker_id] = identity
         if identity != worker_id:  # keys (a bounded set) are shown by the name they last used
             self.identity_names[identity] = worker_id
         return self._dealt([Joined(worker_id, identity)] + out, now)
 
     def ready(self, worker_id: str, credits: int, now: float) -> list:
-        return self._dealt(self.interpret(self.scheduler.ready(worker_id, credits, now), now),
+        return self._dealt(self._interpret(self.scheduler.ready(worker_id, credits, now), now),
                            now)
 
     def resend(self, worker_id: str, now: float) -> list:
-        return self._dealt(self.interpret(self.scheduler.resend(worker_id, now), now), now)
+        return self._dealt(self._interpret(self.scheduler.resend(worker_id, now), now), now)
 
     def leave(self, worker_id: str, reason: str, now: float) -> list:
         return self._dealt(self._leave(worker_id, reason, now), now)
 
     def tick(self, now: float) -> list:
-        return self._dealt(self.interpret(self.scheduler.tick(now), now)
+        return self._dealt(self._interpret(self.scheduler.tick(now), now)
                            + self.settlement.check(now), now)
 
     def stop(self, now: float) -> list:
         """Shutdown: every slot withdrawn, nothing dealt again."""
         self.evaluation = None  # its slots are withdrawn with the rest
-        return self.interpret(self.scheduler.stop(), now)
+        return self._interpret(self.scheduler.stop(), now)
 
     def evaluate(self, parts: list[list[int]], samples: int, now: float) -> list:
         """Hand an evaluation of the model as it is now to workers: a side slot per part
@@ -134,7 +137,7 @@ class RoundCore:
 
     def _drop_evaluation(self, now: float) -> list:
         self.evaluation = None
-        return self.interpret(self.scheduler.drop_side(now), now)
+        return self._interpret(self.scheduler.drop_side(now), now)
 
     def evaluated(self, worker_id: str, slot: int, version: int,
                   sums: dict[str, tuple[float, float]], compute_s: float, now: float) -> list:
@@ -143,11 +146,11 @@ class RoundCore:
         evaluation = self.evaluation
         if evaluation is None or slot not in evaluation.ranges:
             self.counters["eval_results_dropped"] += 1
-            return self._dealt(self.interpret(self.scheduler.side_result(worker_id, slot, now)[1],
+            return self._dealt(self._interpret(self.scheduler.side_result(worker_id, slot, now)[1],
                                               now), now)
         if version != evaluation.version:  # not what it was asked: the range goes to another
             self.counters["eval_results_dropped"] += 1
-            return self._dealt(self.interpret(self.scheduler.failed(worker_id, slot, now), now),
+            return self._dealt(self._interpret(self.scheduler.failed(worker_id, slot, now), now),
                                now)
         accepted, actions = self.scheduler.side_result(worker_id, slot, now)
         out = []
@@ -157,7 +160,7 @@ class RoundCore:
             self.evaluation = None
             out.append(Evaluated(evaluation.version, evaluation.samples, evaluation.metrics(),
                                  evaluation.seconds(len(self.scheduler.workers))))
-        return self._dealt(out + self.interpret(actions, now), now)
+        return self._dealt(out + self._interpret(actions, now), now)
 
     def seen(self, worker_id: str, state: Optional[str], now: float,
              shards: Optional[list[int]] = None) -> list:
@@ -199,27 +202,27 @@ class RoundCore:
                 return True, "training was not paused", []
             return True, "training resumed", self._dealt(
                 [Event("resume", "training resumed by the operator")]
-                + self.interpret(scheduler.resume(now), now), now)
+                + self._interpret(scheduler.resume(now), now), now)
         if action == "drain":
             if worker not in scheduler.workers:
                 return False, f"no worker {str(worker)[:80]!r}", []
             return True, f"{worker} draining", self._dealt([
                 Event("drain", f"{worker} draining: it finishes its slots, then leaves", worker)
-            ] + self.interpret(scheduler.drain(worker, now), now), now)
+            ] + self._interpret(scheduler.drain(worker, now), now), now)
         return False, f"unknown action {action[:20]!r}", []
 
     def handback(self, worker_id: str, slots: list[int], now: float) -> list:
         """Slots a worker gives back, through no fault of its own: to others, no offence."""
-        return self._dealt(self.interpret(self.scheduler.handback(worker_id, slots, now), now),
+        return self._dealt(self._interpret(self.scheduler.handback(worker_id, slots, now), now),
                            now)
 
     def malformed(self, worker_id: str, slot: int, now: float) -> list:
         """A result whose gradient could not be read: the slot goes to someone else, and it is
         an offence of its sender."""
         out = [Refused(worker_id, self.identity(worker_id), slot, "malformed")]
-        out += self.interpret(self.scheduler.failed(worker_id, slot, now), now)
+        out += self._interpret(self.scheduler.failed(worker_id, slot, now), now)
         if self.trust.offence(self.identity(worker_id), "malformed", now):
-            out += self.ban(worker_id, now)
+            out += self._ban(worker_id, now)
         return self._dealt(out, now)
 
     def result(self, worker_id: str, slot: int, gradient: Any, norm: float, compute_s: float,
@@ -248,9 +251,9 @@ class RoundCore:
         if verdict is not None and verdict.reason == "norm":
             return self.settlement.suspect(slot, stored, scale, verdict.detail, now)
         if verdict is not None and not verdict.ok:
-            return self.refuse(worker_id, slot, verdict.reason, verdict.detail, verdict.banned,
+            return self._refuse(worker_id, slot, verdict.reason, verdict.detail, verdict.banned,
                                now)
-        return self.use(slot, stored, now)
+        return self._use(slot, stored, now)
 
     def computed(self, reference: Any, error: Optional[str], now: float) -> list:
         """The computation asked for by the last `Compute` is done (`error` if it failed)."""
@@ -258,20 +261,20 @@ class RoundCore:
 
     # decisions (interpreted, not yet filtered: for the entry points above and verify.py) -------
 
-    def use(self, slot: int, stored: Stored, now: float) -> list:
+    def _use(self, slot: int, stored: Stored, now: float) -> list:
         """Hand a screened result to the scheduler; kept if its round still needs it."""
         accepted, actions = self.scheduler.result(stored.worker, slot, stored.compute_s, now,
                                                   stored.waited_s)
         if not accepted:
             self.counters["results_dropped"] += 1
-            return self.interpret(actions, now)
+            return self._interpret(actions, now)
         self.store[slot] = stored
         if stored.samples and math.isfinite(stored.loss):
             self.train_loss = stored.loss if self.train_loss is None else (
                 0.9 * self.train_loss + 0.1 * stored.loss)
-        return [Used(slot)] + self.interpret(actions, now)
+        return [Used(slot)] + self._interpret(actions, now)
 
-    def refuse(self, worker_id: str, slot: int, reason: str, detail: str, banned: bool,
+    def _refuse(self, worker_id: str, slot: int, reason: str, detail: str, banned: bool,
                now: float, identity: Optional[str] = None) -> list:
         """`identity`: the sender's, where it may have left meanwhile."""
         identity = identity if identity is not None else self.identity(worker_id)
@@ -279,12 +282,12 @@ class RoundCore:
         self.counters["rejected_" + reason.replace("-", "_")] += 1
         out = [Event("rejected", f"{detail} from {worker_id} for slot {slot}", worker_id,
                      logging.WARNING), Refused(worker_id, identity, slot, reason)]
-        out += self.interpret(self.scheduler.failed(worker_id, slot, now), now)
+        out += self._interpret(self.scheduler.failed(worker_id, slot, now), now)
         if banned:
-            out += self.ban(worker_id, now)
+            out += self._ban(worker_id, now)
         return out
 
-    def ban(self, worker_id: str, now: float, identity: Optional[str] = None) -> list:
+    def _ban(self, worker_id: str, now: float, identity: Optional[str] = None) -> list:
         """`identity`: the banned one, where the worker may have left meanwhile."""
         identity = identity if identity is not None else self.identity(worker_id)
         offender = self.trust.offenders[identity]
@@ -307,7 +310,7 @@ class RoundCore:
             out += self._leave(worker_id, "banned by the operator", now)
         return self._dealt(out, now)
 
-    def compute_request(self, slot_id: int) -> Optional[Compute]:
+    def _compute_request(self, slot_id: int) -> Optional[Compute]:
         """What computing slot `slot_id` here takes; None once its round has closed."""
         work = self.scheduler.slot_work(slot_id)
         return None if work is None else Compute(slot_id, work)
@@ -315,7 +318,7 @@ class RoundCore:
     def _leave(self, worker_id: str, reason: str, now: float) -> list:
         if worker_id not in self.scheduler.workers:
             return []
-        return self.interpret(self.scheduler.leave(worker_id, now, reason), now)
+        return self._interpret(self.scheduler.leave(worker_id, now, reason), now)
 
     # the interpretation of the scheduler's actions ----------------------------------------------
 
@@ -323,31 +326,29 @@ class RoundCore:
         """What an entry point leads to, then the work its freed credits are dealt: last, so
         that everything the events led to (a step, a settlement closing a round) is done
         before any slot is handed out again."""
-        return out + self.interpret(self.scheduler.deal(now), now)
+        return out + self._interpret(self.scheduler.deal(now), now)
 
-    def interpret(self, actions: list, now: float) -> list:
-        """The scheduler's actions, with those the core performs itself (decode and step,
-        compare copies) replaced by what they lead to, in order."""
-        out = []
+    def _interpret(self, actions: list[Action], now: float) -> list[Effect]:
+        """The scheduler's actions, with those the core acts on itself (a decoded round is
+        stepped, copies are compared, a drained or evicted worker is announced) replaced by what
+        they lead to, in order; the rest (`Assign`, `CancelSlots`) are the driver's."""
+        out: list[Effect] = []
         for action in actions:
-            if isinstance(action, Assign):
-                out.append(action)
-            elif isinstance(action, Decoded):
-                out += self._apply(action, now)
-            elif isinstance(action, CompareCopies):
-                out += self.settlement.compare(action, now)
-            elif isinstance(action, Drained):
-                out.append(Event("drained", f"{action.worker} drained; sending it home",
-                                 action.worker))
-                out.append(action)
-            elif isinstance(action, Evicted):
-                self.identities.pop(action.worker, None)
-                out.append(Event("leave", f"{action.worker} left ({action.reason}); "
-                                          f"{action.requeued} slots requeued", action.worker))
+            act = self._acts.get(type(action))
+            if act is None:
                 out.append(action)
             else:
-                out.append(action)
+                out += act(action, now)
         return out
+
+    def _drained(self, action: Drained, now: float) -> list[Effect]:
+        return [Event("drained", f"{action.worker} drained; sending it home", action.worker),
+                action]
+
+    def _evicted(self, action: Evicted, now: float) -> list[Effect]:
+        self.identities.pop(action.worker, None)
+        return [Event("leave", f"{action.worker} left ({action.reason}); {action.requeued} slots "
+                               "requeued", action.worker), action]
 
     def _apply(self, decoded: Decoded, now: float) -> list:
         """Step with a decoded round (or replan it), then let the scheduler go on."""
@@ -381,7 +382,7 @@ class RoundCore:
             out.append(Applied(decoded.round, self.backend.version, decoded.parts,
                                decoded.samples, staleness, weight, len(terms), decoded.slots,
                                credits))
-        return out + self.interpret(self.scheduler.applied(self.backend.version, now), now)
+        return out + self._interpret(self.scheduler.applied(self.backend.version, now), now)
 
     @staticmethod
     def _used(decoded: Decoded) -> list[int]:
@@ -436,10 +437,10 @@ class _Court:
         self.store = core.store
         self.counters = core.counters
         self.trust = core.trust
-        self.compute_request = core.compute_request
-        self.use = core.use
-        self.refuse = core.refuse
-        self.ban = core.ban
+        self.compute_request = core._compute_request
+        self.use = core._use
+        self.refuse = core._refuse
+        self.ban = core._ban
 
     def distance(self, a: Any, b: Any) -> float:
         return self._core.backend.distance(a, b)
@@ -448,7 +449,7 @@ class _Court:
         return self._core.backend.size(a)
 
     def _interpreted(self, actions: list, now: float) -> list:
-        return self._core.interpret(actions, now)
+        return self._core._interpret(actions, now)
 
     def put_back(self, worker: str, slot: int, now: float) -> list:
         return self._interpreted(self._core.scheduler.failed(worker, slot, now), now)

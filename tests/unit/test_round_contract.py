@@ -28,13 +28,22 @@ from idlegrad.common.job import FlatModel, coded_gradient, local_change
 from idlegrad.common.tensors import from_blob, to_blob
 from idlegrad.coordinator import simulator as sim
 from idlegrad.coordinator.effects import Applied, Replanned, Used
+from idlegrad.coordinator.rounds import RoundCore
 from idlegrad.coordinator.scheduler import Assign, CancelSlots
 from idlegrad.coordinator.server import Coordinator, CoordinatorConfig
 
 from .fakes import RecordingTransport
 
 ENTRY_POINTS = ("join", "ready", "resend", "leave", "tick", "malformed", "result", "computed",
-                "seen", "control", "stop")
+                "seen", "control", "stop", "evaluate", "drop_evaluation", "evaluated", "handback",
+                "expel")
+QUERIES = ("version", "identity", "samples_per_s", "trust_summary")
+
+
+def test_the_contract_wraps_every_entry_point_of_the_round_core():
+    """A new entry point of the core is either wrapped here or declared a query."""
+    public = {name for name in dir(RoundCore) if not name.startswith("_")}
+    assert public == set(ENTRY_POINTS) | set(QUERIES)
 
 
 def record(core) -> list:
@@ -125,7 +134,8 @@ class ScriptedFleet:
     async def say(self, route: bytes, msg: proto.Message) -> None:
         await self.coordinator.handle([route, *proto.encode(msg)])
 
-    async def run(self, rounds: int, silent: bytes | None = None) -> None:
+    async def run(self, rounds: int, silent: bytes | None = None,
+                  expel: bytes | None = None) -> None:
         for route in self.routes:
             await self.say(route, proto.Hello(worker_id=route.decode(), host="h", cores=1,
                                               threads=1, device="cpu", memory_mb=1,
@@ -150,6 +160,13 @@ class ScriptedFleet:
                     silent.decode(), "silent", now))
             if step % 7 == 0:
                 await self.coordinator.perform(self.coordinator.core.tick(now))
+            held = self.coordinator.core.scheduler.workers.get(route.decode())
+            if step % 11 == 5 and held is not None and held.assigned:  # its cap is spent
+                await self.coordinator.perform(self.coordinator.core.handback(
+                    route.decode(), sorted(held.assigned)[:1], now))
+            if step == 2 * rounds // 3 and expel is not None:  # the operator bans a key
+                await self.coordinator.perform(self.coordinator.core.expel(
+                    expel.decode(), "banned by the operator", now))
 
 
 @pytest.mark.parametrize("redundancy,verify,task", [
@@ -166,11 +183,14 @@ def test_the_server_keeps_the_round_contract(tmp_path, redundancy, verify, task)
     coordinator.open_logs()
     fleet = ScriptedFleet(coordinator, workers=5, seed=len(redundancy))
     try:
-        asyncio.run(fleet.run(rounds=300, silent=fleet.routes[-1]))
+        asyncio.run(fleet.run(rounds=300, silent=fleet.routes[-1], expel=fleet.routes[-2]))
     finally:
         coordinator.close_logs()
     figures = check_contract(trace, coordinator.samples_applied)
     assert figures["rounds"] >= 5, figures
+    # the script handed slots back and had the operator ban a key, through the core
+    assert coordinator.core.scheduler.stats["slots_handed_back"] > 0
+    assert coordinator.core.counters["workers_banned"] == 1
     records = [json.loads(line) for line in ledger.read_text().splitlines()]
     ledger_samples = sum(p[2] for r in records if r["event"] == "applied" for p in r["parts"])
     assert ledger_samples == coordinator.samples_applied
