@@ -23,7 +23,7 @@ from ..common import protocol as proto
 from ..common.aio import on_reload_signal, on_stop_signals
 from ..common.errors import ConfigError, ProtocolError
 from ..common.throttle import Throttle
-from . import bans, blobserve, enrolment, evaluation
+from . import bans, enrolment, evaluation
 from .config import CoordinatorConfig, check, load_key_lists
 from .effects import Applied, Ban, Compute, Evaluated, Event, Used
 from .gate import BANNED, REVOKED, Gate, KeyLists
@@ -144,7 +144,7 @@ class Coordinator:
                 idle = evaluating is None and self.core.evaluation is None
                 due = min(next_tick, next_checkpoint, plan.next_at if idle else math.inf)
                 # chunks waiting to be served: look at the socket, and come straight back
-                wait = 0.0 if self._blobs_pending() else max(0.0, due - now)
+                wait = 0.0 if self.training.data.pending else max(0.0, due - now)
                 waiting = {recv, self._stopping} | {f for f in (evaluating, self._computing) if f}
                 await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 overslept = time.monotonic() - now - wait
@@ -158,8 +158,9 @@ class Coordinator:
                     recv = asyncio.ensure_future(transport.receive())
                 if self._computing is not None and self._computing.done():
                     await self._computed()
-                if self._blobs_pending():
-                    await self._serve_blobs()
+                if self.training.data.pending:  # one pass, at most its byte budget
+                    await self.training.data.serve(self.gate.routes, self._send_counted,
+                                                   self._event)
                 now = time.monotonic()
                 if now >= next_tick:
                     # What arrived while the loop was not looking (a frozen or busy coordinator)
@@ -399,48 +400,13 @@ class Coordinator:
     async def _on_heartbeat(self, route: bytes, msg: proto.Heartbeat, key) -> None:
         worker_id = self._worker_of(route)
         await self.perform(self.core.seen(worker_id, msg.state, time.monotonic(), msg.shards))
-        if msg.cache is not None and self.training.blobs is not None:
-            self.training.blobs.report(worker_id, msg.cache)
+        self.training.data.report(worker_id, msg.cache)
         await self._send(route, proto.Heartbeat(state="coordinator"))
 
     async def _on_fetch(self, route: bytes, msg: proto.Fetch, key) -> None:
-        worker_id = self._worker_of(route)
-        blobs = self.training.blobs
-        if blobs is None:
-            refusal = proto.Chunk(request=msg.request, sha256=msg.sha256, offset=msg.offset,
-                                  total=0, error="this coordinator serves no data")
-        else:
-            refusal = blobs.request(worker_id, msg)
+        refusal = self.training.data.fetch(self._worker_of(route), msg)
         if refusal is not None:
             await self._send(route, refusal)
-
-    def _blobs_pending(self) -> bool:
-        return self.training.blobs is not None and self.training.blobs.pending
-
-    async def _serve_blobs(self) -> None:
-        """One pass of serving (blobserve.py): at most its byte budget read from the pack and
-        sent, so the messages that wait are handled before the next."""
-        blobs = self.training.blobs
-        for serve in blobs.take():
-            route = self.gate.routes.get(serve.worker)
-            if route is None:  # gone meanwhile
-                blobs.forget(serve.worker)
-                continue
-            try:
-                data = blobserve.read_chunk(self.training.folder_of(serve.sha256), serve)
-            except (OSError, blobserve.BlobError) as exc:
-                if not blobs.known(serve.sha256):  # a snapshot pruned while it was queued
-                    await self._send(route, blobs.failed(serve))
-                    continue
-                self._event("data", f"cannot read blob {serve.sha256[:12]}: {exc}",
-                            level=logging.WARNING)
-                await self._send(route, blobs.failed(serve))
-                continue
-            # chunk bytes are the data plane's, counted there (not in the gradient traffic)
-            await self.transport.send(route, proto.encode(proto.Chunk(
-                request=serve.request, sha256=serve.sha256, offset=serve.offset,
-                total=serve.total, data=data)), False)
-            blobs.sent(serve)
 
     async def _on_handback(self, route: bytes, msg: proto.Handback, key) -> None:
         worker_id = self._worker_of(route)
@@ -584,7 +550,7 @@ class Coordinator:
             elif isinstance(effect, Applied):
                 self.records.write("applied", round=effect.round, version=effect.version,
                                    parts=[list(p) for p in effect.parts], t=time.time())
-                self.training.prune_snapshots()
+                self.training.data.stepped(self.scheduler.version_in_use, self.version)
             elif isinstance(effect, Compute):
                 self._start_computing(effect)
             elif isinstance(effect, Evaluated):
@@ -598,16 +564,16 @@ class Coordinator:
                 await self._tell(effect.worker, proto.Shutdown(reason="drained by the operator"))
             elif isinstance(effect, Evicted):
                 self.gate.forget(effect.worker)
-                if self.training.blobs is not None:
-                    self.training.blobs.forget(effect.worker)
+                self.training.data.forget(effect.worker)
 
     async def _send_task(self, action: Assign) -> None:
         model_state = self.training.model
         model = model_state.blob(action.version) if action.send_model else None
-        snapshot, snapshot_bytes = None, 0
-        if model is not None and self.training.snapshots is not None:
-            # a large model goes by name: the worker fetches it once, from a mirror if it can
-            snapshot, snapshot_bytes = self.training.publish_snapshot(action.version)
+        # a large model goes by name: the worker fetches it once, from a mirror if it can
+        named = (self.training.data.by_name(action.version, model_state)
+                 if model is not None else None)
+        snapshot, snapshot_bytes = named or (None, 0)
+        if named is not None:
             model = None
         self.records.write("sent", slot=action.slot, worker=action.worker)
         # A small model is copied into ZeroMQ at once: a tracker costs more than the copy
@@ -648,8 +614,14 @@ class Coordinator:
 
     async def _send(self, route: bytes, msg: proto.Message, track: bool = False):
         """Send `msg`; with `track`, return the MessageTracker of its zero-copy frames."""
+        return await self._send_counted(route, msg, True, track)
+
+    async def _send_counted(self, route: bytes, msg: proto.Message, counted: bool,
+                            track: bool = False):
+        """`counted`: in the wire bytes per sample (the data plane's chunks are not)."""
         frames = proto.encode(msg)
-        self.counters["bytes_sent"] += sum(memoryview(f).nbytes for f in frames)
+        if counted:
+            self.counters["bytes_sent"] += sum(memoryview(f).nbytes for f in frames)
         return await self.transport.send(route, frames, track)
 
     def _event(self, kind: str, text: str, worker: Optional[str] = None,

@@ -22,7 +22,7 @@ from ..common.job import (build, build_schedule, epoch_order, eval_size, evaluat
                           resolve_factory, sums_evaluable)
 from ..common.permutation import ShardOrder, epoch_blocks
 from ..common.job import FlatModel
-from . import blobserve, checkpoint, outer, snapshots
+from . import checkpoint, dataplane, outer
 from .config import Checked, CoordinatorConfig, naming_job_args
 from .credits import Credits
 from .effects import Event
@@ -59,43 +59,32 @@ class Training:
             torch.set_num_threads(config.threads)
         # The data a job declares by manifest: the pack served here (--data DIR), whose
         # manifest's hash the job's factory is given as `data`, and so every worker too.
-        self.pack = blobserve.open_pack(config.data_dir) if config.data_dir else None
+        pack = dataplane.open_pack(config.data_dir) if config.data_dir else None
         self.job_args = dict(config.job_args)
         try:
-            if self.pack is not None:
-                self.job_args = blobserve.job_args_with_data(
-                    resolve_factory(config.job), self.job_args, self.pack[0])
+            if pack is not None:
+                self.job_args = dataplane.job_args_with_data(
+                    resolve_factory(config.job), self.job_args, pack[0])
             job = load_job(config.job, self.job_args)
-            if self.pack is None and job.data is None and job.pack is not None:
+            if pack is None and job.data is None and job.pack is not None:
                 pack_dir = job.pack()
                 log.info("serving job %s's own pack %s", job.name, pack_dir)
-                self.pack = blobserve.open_pack(pack_dir, "the job's pack")
-                self.job_args = blobserve.job_args_with_data(
-                    resolve_factory(config.job), self.job_args, self.pack[0], "the job's pack")
+                pack = dataplane.open_pack(pack_dir, "the job's pack")
+                self.job_args = dataplane.job_args_with_data(
+                    resolve_factory(config.job), self.job_args, pack[0], "the job's pack")
                 job = load_job(config.job, self.job_args)
-            if self.pack is not None and job.data != self.pack[0].sha256:
+            if pack is not None and job.data != pack[0].sha256:
                 raise ConfigError(
                     f"--data {config.data_dir}: job {job.name!r} does not train on it (it declares "
                     f"{'no data' if job.data is None else 'manifest ' + str(job.data)[:12]}; a "
                     "job takes its pack through a `data` argument, as the built-in packed does)")
-            self.built = build(job, seed=config.seed,
-                               store=self.pack[1] if self.pack is not None else None)
+            self.built = build(job, seed=config.seed, store=pack[1] if pack is not None else None)
         except JobError as exc:
             raise naming_job_args(exc, self.job_args) from None
         # A large model goes by name (snapshots.py): its snapshots are blobs served here too.
-        param_bytes = self.built.model.params.nbytes
-        min_mb = snapshots.min_mb_for(config.snapshot_min_mb, self.task_mode.local,
-                                     bool(config.blob_mirrors))
-        self.snapshots = (snapshots.SnapshotFolder(config.snapshot_dir)
-                          if snapshots.uses_snapshots(param_bytes, min_mb) else None)
-        if config.blob_mirrors and self.pack is None and self.snapshots is None:
-            raise ConfigError(
-                f"--blob-mirror: job {job.name!r} has no packed data to mirror (give --data DIR, "
-                f"the --out of idlegrad data pack), and its model goes inline, not as snapshots "
-                f"(its {param_bytes / 2**20:.3g} MB of parameters are under --snapshot-min-mb "
-                f"{min_mb:g})")
-        self.blobs = (blobserve.BlobService(self.pack[0] if self.pack is not None else None)
-                      if self.pack is not None or self.snapshots is not None else None)
+        self.data = dataplane.DataPlane.for_run(
+            pack, self.built.model.params.nbytes, config.snapshot_min_mb, self.task_mode.local,
+            config.blob_mirrors, config.snapshot_dir, job.name)
         if config.target is not None:
             self._check_target(config.target)
         module = self.built.model.module
@@ -312,8 +301,9 @@ class Training:
             "metrics": self.metrics, "workers": len(self.scheduler.workers),
             "samples_per_s": round(core.samples_per_s(now), 2),
             "bytes_per_sample": self.bytes_per_sample(), "task": str(self.task_mode),
-            **({"data": self.blobs.summary()} if self.blobs is not None else {}),
-            **({"snapshots": self.snapshots.summary()} if self.snapshots is not None else {}),
+            **({"data": self.data.summary()} if self.data.service is not None else {}),
+            **({"snapshots": self.data.snapshots_summary()}
+               if self.data.snapshots is not None else {}),
             **({"eval_on": source} if source is not None else {}),
         }
 
@@ -325,30 +315,8 @@ class Training:
         counters = self.core.counters
         return round((counters["bytes_sent"] + counters["bytes_received"]) / samples, 1)
 
-    # model snapshots as blobs (snapshots.py) ----------------------------------------------------
-
-    def publish_snapshot(self, version: int) -> tuple[str, int]:
-        """(sha256, size) of the snapshot blob of `version`, written and served from now on."""
-        params, buffers = self.model.blob(version), self.model.buffers_blob(version)
-        sha, size = self.snapshots.publish(version, params, buffers)
-        self.blobs.add(sha, size)
-        return sha, size
-
-    def prune_snapshots(self) -> None:
-        """After a step: the snapshots no open round names go (from the folder and the service)."""
-        if self.snapshots is not None:
-            for sha in self.snapshots.prune(self.scheduler.version_in_use, self.version):
-                self.blobs.remove(sha)
-
-    def folder_of(self, sha256: str):
-        """The folder a served blob is read from: the snapshots', or the pack's."""
-        if self.pack is None or (self.snapshots is not None and self.snapshots.holds(sha256)):
-            return self.snapshots.folder
-        return self.pack[1]
-
     def close(self) -> None:
-        if self.snapshots is not None:
-            self.snapshots.close()
+        self.data.close()
 
     # checkpoints ------------------------------------------------------------------------------
 
