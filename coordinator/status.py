@@ -125,7 +125,7 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
                          events_limit: int = EVENTS_PER_STATUS) -> dict:
     """The status endpoint's answer for a coordinator's `Training` (training.py) at `now`."""
     config, core, scheduler = training.config, training.core, training.scheduler
-    target = config.target
+    target = training.run.target
     counters = core.counters
     base = {
         "job": training.job.name, "fingerprint": training.fingerprint,

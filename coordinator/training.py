@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..common import protocol as proto
 from ..common.errors import CheckpointError, ConfigError, JobError
 from ..common.job import (build, build_schedule, epoch_order, eval_size, evaluate,
                           evaluation_sums, load_job, make_optimizer, reference_gradient_norm,
@@ -27,12 +28,13 @@ from .config import Checked, CoordinatorConfig, naming_job_args
 from .credits import Credits
 from .effects import Event
 from .eval_slots import EVAL_SLOT_BATCHES, EvalChoice, choose, plan_ranges
-from .evaluation import BAD_TARGET, CONTINUE, TARGET, EvaluationPlan
+from .evaluation import BAD_TARGET, TARGET
 from .locality import Locality, group_for
 from .model_state import ModelState
 from .rounds import RoundCore
+from .run import RunCore
 from .sampler import Sampler
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Assign, Scheduler, SchedulerConfig
 from .status import CURVE_POINTS
 from .target import Target
 from .trust import TrustPolicy
@@ -136,7 +138,8 @@ class Training:
                               settle_on_workers=self.settle_on == "workers")
         # saved with the model, so that after a crash they are the checkpoint's, as the samples
         self.credits = Credits.from_state(state.get("credits") if state is not None else None)
-        self.plan = EvaluationPlan(config.eval_every, config.target)
+        self.run = RunCore(self.core, self.eval_on, self.eval_parts(), config.eval_every,
+                           config.target)
         self.bad_messages: Counter[str] = Counter()  # by reason
         self.events: deque[dict] = deque(maxlen=self.EVENTS_KEPT)
         self.event_id = 0
@@ -256,6 +259,45 @@ class Training:
     def record(self, event: Event) -> None:
         self.event(event.kind, event.text, event.worker, event.level)
 
+    # what workers are told ---------------------------------------------------------------------
+
+    def start_text(self, security_note: str) -> str:
+        config = self.config
+        return (f"job {self.job.name} at version {self.version}, listening on {config.bind} "
+                f"({security_note}); evaluations on the {self.eval_on} "
+                f"({self.eval_choice.reason}), disputes settled on the {self.settle_on}"
+                + (f"; the first slot once {config.min_workers} workers have joined"
+                   if config.min_workers > 1 else ""))
+
+    def welcome(self, holding: list[int]) -> proto.Welcome:
+        config = self.config
+        return proto.Welcome(
+            # the job's name, not the spec: no local paths to strangers
+            job=self.job.name, job_args=self.job_args, fingerprint=self.fingerprint,
+            seed=config.seed, heartbeat_s=config.heartbeat_s, liveness=config.liveness,
+            instance=self.instance, holding=holding, result_dtype=config.result_dtype,
+            blob_mirrors=list(config.blob_mirrors), shuffle_window=self.shuffle_window)
+
+    def task(self, action: Assign, acks: list[int]) -> tuple[proto.Task, bool]:
+        """The task message of `action`, and whether to track its send (the model's frames
+        are sent zero-copy and reused once sent)."""
+        model_state = self.model
+        model = model_state.blob(action.version) if action.send_model else None
+        # a large model goes by name: the worker fetches it once, from a mirror if it can
+        named = self.data.by_name(action.version, model_state) if model is not None else None
+        snapshot, snapshot_bytes = named or (None, 0)
+        if named is not None:
+            model = None
+        # A small model is copied into ZeroMQ at once: a tracker costs more than the copy
+        track = model is not None and model.numel > model_state.copy_numel
+        return proto.Task(
+            slot=action.slot, round=action.round, version=action.version, parts=action.parts,
+            coefficients=action.coefficients, deadline_s=min(action.deadline_s, 1e9), model=model,
+            acks=acks, kind=action.kind, steps=action.steps,
+            buffers=model_state.buffers_blob(action.version) if model is not None else None,
+            prefetch=list(action.prefetch), snapshot=snapshot,
+            snapshot_bytes=snapshot_bytes), track
+
     # evaluations --------------------------------------------------------------------------------
 
     def evaluation(self) -> Callable[[], tuple[int, int, dict, float]]:
@@ -270,24 +312,22 @@ class Training:
         return timed
 
     def evaluated(self, version: int, samples: int, metrics: dict, seconds: float,
-                  now: float, judge: bool = True) -> str:
-        """An evaluation is done: kept for the curve and, with `judge`, judged by the plan
-        (evaluation.py): what it means for the run."""
+                  now: float, judge: bool = True) -> list:
+        """An evaluation is done: kept for the curve and, with `judge`, judged by the run core
+        (run.py). Returns what the run core starts now (a confirming evaluation)."""
         self.metrics = metrics
         self.curve.append({"t": round(self.elapsed(now), 3), "version": version,
                            "samples": samples, "loss": self.core.train_loss,
                            "metrics": dict(metrics)})
-        outcome = self.plan.record(version, metrics, seconds, now, self.version)
-        target = self.config.target
-        if not judge:
-            return CONTINUE
+        outcome, start = self.run.evaluated(version, metrics, seconds, now, judge)
+        target = self.run.target
         if outcome == BAD_TARGET:
             log.error("target metric %r is not among the job's metrics %s", target.metric,
                       sorted(metrics))
         elif outcome == TARGET:
             self.event("target", f"{target} reached at version {version}: "
                                  f"{target.metric}={metrics[target.metric]:.4f}")
-        return outcome
+        return start
 
     def metrics_record(self, now: float, version: Optional[int] = None,
                        samples: Optional[int] = None, source: Optional[str] = None) -> dict:
