@@ -10,9 +10,10 @@ why the run stops. Its drivers, the server and the simulator, call `tick` on the
 handed out) and `EvaluateHere`, an evaluation of the model as it is now that the driver makes
 off its event loop (a thread in the server) and answers with `evaluated`.
 
-A confirming evaluation runs like any other: training goes on while it runs, and its answer
-decides (met: the run stops on its target; not met: training goes on). The model the run stops
-with may then be a few steps past the one confirmed; the run's last word (`stale`) evaluates it.
+A confirming evaluation's answer decides (met: the run stops on its target; not met: training
+goes on). The server applies no round while it runs (it awaits the thread), so the model the run
+stops with is the one confirmed; a driver that let training go on meanwhile would stop a few
+steps past it, and the run's last word (`stale`) would evaluate that model.
 """
 
 from __future__ import annotations

@@ -469,7 +469,12 @@ class Coordinator:
             elif isinstance(effect, Evaluated):
                 await self._evaluated((effect.version, effect.samples, effect.metrics,
                                        effect.seconds), "workers")
-            elif isinstance(effect, EvaluateHere):  # off the loop: training goes on meanwhile
+            elif isinstance(effect, EvaluateHere) and effect.confirming:
+                # in a thread, awaited: no round is applied meanwhile, so the model the run
+                # stops with is the one that met the target
+                await self._evaluated(await asyncio.to_thread(self.training.evaluation()),
+                                      "coordinator")
+            elif isinstance(effect, EvaluateHere):  # in a thread: training goes on meanwhile
                 self._evaluating = asyncio.ensure_future(
                     asyncio.to_thread(self.training.evaluation()))
             elif isinstance(effect, Ban):

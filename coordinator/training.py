@@ -1,6 +1,12 @@
-"""The coordinator's state apart from its socket: the job, the model, the round core, the
-evaluation plan, checkpoints, the event log and what the status and metrics report. No sockets,
-no clock (`now` is an argument), no threads: the server owns those.
+"""The coordinator's composition root: from the checked configuration (and a checkpoint, when
+resuming) it builds the job, the model, the round core, the run core (evaluations, the target,
+the stop), the data plane and the credits, and it keeps what the server reports: events, the
+evaluation curve, metrics records, checkpoints, the welcome and task messages.
+
+No sockets: the server owns the socket, the loop and the threads (`evaluation()` hands it a
+callable to run in one). It does read clocks: the wall clock for event and metrics times and the
+run's instance name, and at start it times a few samples (the evaluation's and a gradient's
+cost, for `--eval-on auto`); `now`, the loop's monotonic time, is passed in.
 """
 
 from __future__ import annotations
