@@ -104,7 +104,7 @@ def main() -> None:
     import torch
 
     from idlegrad.coordinator import simulator as sim
-    from idlegrad.coordinator.aggregator import StalenessRule
+    from idlegrad.coordinator.staleness import StalenessRule
     from idlegrad.coordinator.target import Target
 
     torch.set_num_threads(1)

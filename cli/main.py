@@ -347,9 +347,9 @@ def _run_coordinator(args) -> int:
 
     from ..common.coding import parse_redundancy
     from ..common.job_loading import parse_job_args
-    from ..coordinator.aggregator import StalenessRule
-    from ..coordinator.outer import OuterConfig
+    from ..coordinator.local import OuterConfig
     from ..coordinator.server import Coordinator, CoordinatorConfig
+    from ..coordinator.staleness import StalenessRule
     from ..coordinator.target import Target
     from ..coordinator.trust import TrustConfig
 

@@ -165,8 +165,8 @@ def run_simulate(args) -> int:
 
     from ..common.coding import parse_redundancy
     from ..coordinator import simulator as sim
-    from ..coordinator.aggregator import StalenessRule
     from ..coordinator.local import check_redundancy, parse_task
+    from ..coordinator.staleness import StalenessRule
     from ..coordinator.target import Target
 
     try:

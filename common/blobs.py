@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from . import atomic
 from .errors import ConfigError, IdlegradError
 
 MANIFEST_FORMAT = "idlegrad-shards/1"
@@ -214,10 +215,9 @@ class BlobFolder:
 
     def put_bytes(self, data: bytes) -> str:
         sha = hashlib.sha256(data).hexdigest()
-        fd, temp = tempfile.mkstemp(dir=self.root, prefix=".incoming-")
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        self.put_file(temp, sha)
+        dest = os.path.join(self.root, blob_relpath(sha))
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        atomic.write_bytes(dest, data)
         return sha
 
     def names(self) -> Iterator[str]:
@@ -296,10 +296,7 @@ class ShardWriter:
         manifest = Manifest(self.fields, tuple(self.shards), source, decode)
         data = manifest.to_bytes()
         self.folder.put_bytes(data)  # the manifest is a blob like the shards
-        temp = os.path.join(self.folder.root, MANIFEST_FILE + ".tmp")
-        with open(temp, "wb") as fh:
-            fh.write(data)
-        os.replace(temp, os.path.join(self.folder.root, MANIFEST_FILE))
+        atomic.write_bytes(os.path.join(self.folder.root, MANIFEST_FILE), data)
         return manifest
 
 
@@ -490,11 +487,11 @@ def publish(pack_dir: str, mirror: str) -> tuple[Manifest, int, int]:
         if target.has(shard.sha256) and sha256_file(target.path_of(shard.sha256)) == shard.sha256:
             present += 1
             continue
-        fd, temp = tempfile.mkstemp(dir=mirror, prefix=".incoming-")
-        with os.fdopen(fd, "wb") as out, open(path, "rb") as src:
+        dest = os.path.join(mirror, blob_relpath(shard.sha256))
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        with open(path, "rb") as src, atomic.writing(dest, prefix=".incoming-") as out:
             while block := src.read(1 << 22):
                 out.write(block)
-        target.put_file(temp, shard.sha256)
         copied += 1
     if target.has(manifest.sha256):
         present += 1

@@ -22,6 +22,7 @@ from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 import msgpack
 
 from .errors import ProtocolError
+from .locality_bounds import MAX_HELD_SHARDS, MAX_PREFETCH, MAX_SHUFFLE_WINDOW
 
 # 2: ack; hello.instance; welcome.instance and welcome.holding. 3: task.acks, result.waited_s.
 # 4: fetch, chunk, welcome.blob_mirrors, heartbeat.cache (the data plane); task.buffers,
@@ -53,11 +54,7 @@ MAX_REPORTED_S = 1e6
 # coordinator's welcome, and a beat of a microsecond would have it send nothing else.
 HEARTBEAT_S_RANGE = (0.01, 86400.0)
 LIVENESS_RANGE = (1, 1000)
-# Locality: shards a worker may say it holds, shards one prefetch hint names, and the largest
-# shuffle window (shards) of a shard-aware epoch order.
-MAX_HELD_SHARDS = 4096
-MAX_PREFETCH = 64
-MAX_SHUFFLE_WINDOW = 65536
+# Locality's bounds (shards held, a prefetch hint, the shuffle window): common/locality_bounds.py
 # ZMQ_MAXMSGSIZE for every socket: the peer is disconnected by ZeroMQ itself past this.
 SOCKET_MAX_MSG_BYTES = max(MAX_FRAME_BYTES, MAX_HEADER_BYTES) + 4096
 

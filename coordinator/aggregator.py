@@ -1,6 +1,6 @@
 """Decoded gradients -> optimizer steps, weighted by staleness.
 
-The staleness rule is a pure policy (`StalenessRule`); `Aggregator` owns the model's flat
+The staleness rule is a pure policy (`StalenessRule`, coordinator/staleness.py); `Aggregator` owns the model's flat
 parameters and the optimizer, and is the only place the model changes.
 
 A weight w means influence: over all the steps that follow, a gradient weighted w moves the
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -37,39 +36,9 @@ import torch
 from ..common.errors import ConfigError, GradientRejected
 from ..common.job import FlatModel, clip_
 from ..common.tensors import sum_of_squares
+from .staleness import StalenessRule
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StalenessRule:
-    """How much a gradient computed `tau` versions ago still counts.
-
-    `inverse`: 1/(1+tau); `sqrt`: 1/sqrt(1+tau); `constant`: 1. Past `max_staleness` the
-    gradient is not applied at all (its samples are replanned).
-    """
-
-    kind: str = "inverse"
-    max_staleness: int = 32
-
-    KINDS = ("inverse", "sqrt", "constant")
-
-    def __post_init__(self):
-        if self.kind not in self.KINDS:
-            raise ConfigError(f"staleness rule {self.kind!r} unknown: use one of {', '.join(self.KINDS)}")
-        if self.max_staleness < 0:
-            raise ConfigError("max staleness must be >= 0")
-
-    def weight(self, tau: int) -> Optional[float]:
-        if tau < 0:
-            raise ValueError("a gradient from the future")
-        if tau > self.max_staleness:
-            return None
-        if self.kind == "inverse":
-            return 1.0 / (1 + tau)
-        if self.kind == "sqrt":
-            return 1.0 / math.sqrt(1 + tau)
-        return 1.0
 
 
 class Aggregator:

@@ -2,7 +2,7 @@
 `bans.json`, mapping each banned identity (a worker's key, or its worker id without keys) to
 the name it was banned under. It lives beside the enrolled keys (`--enrolled DIR`), else in the
 checkpoint folder; with neither a ban holds until the coordinator stops. Written whole at every
-change (enrolment.write_atomic); the decisions are the gate's.
+change (common/atomic.py); the decisions are the gate's.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 import os
 from typing import Optional
 
+from ..common import atomic
 from ..common.errors import ConfigError
-from .enrolment import write_atomic
 
 FILENAME = "bans.json"
 MAX_BYTES = 16 * 1024 * 1024
@@ -42,4 +42,4 @@ def load(path: Optional[str]) -> dict[str, str]:
 
 def save(path: str, bans: dict[str, str]) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    write_atomic(path, json.dumps({"bans": bans}, indent=1, sort_keys=True).encode())
+    atomic.write_bytes(path, json.dumps({"bans": bans}, indent=1, sort_keys=True).encode())

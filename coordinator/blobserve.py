@@ -9,63 +9,22 @@ heartbeats) are handled between two passes. Serving never holds the loop longer 
 
 Requests are untrusted: a name is answered only when it is a blob of the served pack (its
 manifest or a shard), and an offset only inside that blob; anything else is answered with a
-one-line error, and counted. `BlobService` is pure (no sockets, no clock); `read_chunk` is its
-one piece of I/O, a bounded read from the pack's folder.
+one-line error, and counted. Pure (no sockets, no clock, no disk): the pack's opening, the reads
+and the sends are the data plane's (coordinator/dataplane.py).
 """
 
 from __future__ import annotations
 
-import inspect
-import os
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Optional
 
 from ..common import protocol as proto
-from ..common.blobs import MANIFEST_FILE, BlobError, BlobFolder, Manifest, load_manifest
-from ..common.errors import ConfigError, JobError
+from ..common.blobs import Manifest
 
 PASS_BYTES = 4 << 20  # read and sent per pass of the loop, at most (plus one chunk)
 QUEUE_PER_WORKER = 16  # requests waiting per worker; an honest worker's window is below it
 QUEUE_TOTAL = 4096  # requests waiting, all workers together
-
-
-def open_pack(data_dir: str, flag: str = "--data") -> tuple[Manifest, BlobFolder]:
-    """The pack a coordinator serves (`idlegrad data pack`'s --out): its manifest, checked, and
-    its blob folder. ConfigError with one line when it is not one."""
-    path = os.path.join(data_dir, MANIFEST_FILE)
-    try:
-        manifest = load_manifest(path)
-    except BlobError as exc:
-        raise ConfigError(f"{flag} {data_dir}: {exc} (give the --out folder of idlegrad data "
-                          "pack)") from None
-    except OSError as exc:
-        raise ConfigError(f"{flag} {data_dir}: cannot read {MANIFEST_FILE}: "
-                          f"{exc.strerror or exc}") from None
-    folder = BlobFolder(data_dir)
-    missing = [s.sha256[:12] for s in manifest.shards if not folder.has(s.sha256)]
-    if missing:
-        raise ConfigError(f"{flag} {data_dir}: {len(missing)} of its {len(manifest.shards)} "
-                          f"shards are missing (first {missing[0]}): the pack is incomplete")
-    if not folder.has(manifest.sha256):
-        folder.put_bytes(manifest.to_bytes())  # a pack copied without its blobs/ copy of it
-    return manifest, folder
-
-
-def job_args_with_data(factory, job_args: dict, manifest: Manifest, flag: str = "--data") -> dict:
-    """The job arguments with `data` set to the served manifest's hash, for a job factory that
-    takes `data` (as the built-in `packed` does). A `data` given too must be the same."""
-    given = job_args.get("data")
-    if given is not None and given != manifest.sha256:
-        raise JobError(f"--job-arg data={str(given)[:16]}... is not the manifest of {flag} "
-                       f"({manifest.sha256[:16]}...): give one or the other")
-    try:
-        takes_data = "data" in inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        takes_data = False
-    if not takes_data:
-        return job_args
-    return {**job_args, "data": manifest.sha256}
 
 
 @dataclass(frozen=True)
@@ -223,12 +182,3 @@ class BlobService:
             "bytes_from_coordinator": workers["bytes_coordinator"],
         }
 
-
-def read_chunk(folder: BlobFolder, serve: Serve) -> bytes:
-    """The chunk's bytes from the pack's folder (OSError or BlobError when it cannot be read)."""
-    path = folder.path_of(serve.sha256)
-    with open(path, "rb") as fh:
-        data = os.pread(fh.fileno(), serve.length, serve.offset)
-    if len(data) != serve.length:
-        raise BlobError(f"blob {serve.sha256[:12]}: {len(data)} bytes read, {serve.length} asked")
-    return data

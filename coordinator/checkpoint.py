@@ -1,4 +1,5 @@
-"""Atomic checkpoints: write to a temporary file, fsync, rename over the old one, fsync the folder.
+"""Atomic checkpoints (common/atomic.py: a temporary file, fsync, rename over the old one, fsync
+the folder).
 
 A reader sees the old checkpoint or the new one, never half of one. Loading uses
 `torch.load(weights_only=True)`: a checkpoint holds tensors and plain containers, no pickled code.
@@ -10,21 +11,22 @@ this process is still writing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
-import tempfile
 import threading
 from typing import Any, Optional
 
 import torch
 
+from ..common import atomic
 from ..common.errors import CheckpointError
 
 FILENAME = "checkpoint.pt"
 FORMAT = 1
 TMP_PREFIX, TMP_SUFFIX = ".checkpoint-", ".tmp"
-# mkstemp's names: the prefix, random letters, digits and underscores, the suffix
+# atomic.writing's names (hex digits between), and mkstemp's of earlier versions
 TMP_NAME = re.compile(re.escape(TMP_PREFIX) + r"[A-Za-z0-9_]+" + re.escape(TMP_SUFFIX))
 
 _being_written: set[str] = set()  # this process's temporary files, from creation to rename
@@ -39,30 +41,20 @@ def save(directory: str, state: dict[str, Any]) -> str:
     os.makedirs(directory, exist_ok=True)
     remove_orphans(directory)
     target = path_in(directory)
-    with _being_written_lock:
-        fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, suffix=TMP_SUFFIX, dir=directory)
-        _being_written.add(os.path.abspath(tmp))
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save({"format": FORMAT, **state}, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    finally:
-        with _being_written_lock:
-            _being_written.discard(os.path.abspath(tmp))
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    writing: list[str] = []
+    with contextlib.ExitStack() as stack:
+        stack.callback(_written, writing)  # after the rename: until then the file is ours
+        with _being_written_lock:  # claimed before remove_orphans can see it
+            fh = stack.enter_context(atomic.writing(target, TMP_PREFIX, TMP_SUFFIX, mode=0o600))
+            writing.append(os.path.abspath(fh.name))
+            _being_written.add(writing[0])
+        torch.save({"format": FORMAT, **state}, fh)
     return target
+
+
+def _written(writing: list[str]) -> None:
+    with _being_written_lock:
+        _being_written.difference_update(writing)
 
 
 def load(directory: str) -> Optional[dict[str, Any]]:

@@ -14,10 +14,9 @@ from ..common import security
 from ..common.coding import Redundancy
 from ..common.errors import ConfigError, JobError
 from . import local
-from .aggregator import StalenessRule
+from .staleness import StalenessRule
 from .gate import KeyLists
-from .local import TaskMode
-from .outer import OuterConfig
+from .local import OuterConfig, TaskMode
 from .scheduler import SchedulerConfig
 from .target import Target
 from .trust import TrustConfig, check_verify_replicas

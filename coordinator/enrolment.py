@@ -14,7 +14,7 @@ The folder (`--enrolled DIR`):
     DIR/invites/ID.revoked  present once the invitation is revoked (its record stays, listed)
     DIR/keys/NAME.key     an enrolled worker's public key
     DIR/bans.json         the operator's bans (bans.py)
-Every file is written whole (tmp, fsync, rename); the coordinator reads the record at every
+Every file is written whole (common/atomic.py: tmp, fsync, rename); the coordinator reads the record at every
 enrolment, so an invitation minted or revoked by `idlegrad invite` on this machine needs no
 signal. An operator elsewhere mints and revokes through the running coordinator (`invite`, and
 `control` "revoke"), which writes the same files.
@@ -36,8 +36,8 @@ from typing import Optional
 import zmq
 import zmq.asyncio
 
+from ..common import atomic, security
 from ..common import protocol as proto
-from ..common import security
 from ..common.errors import ConfigError, ProtocolError
 from ..common.invitation import ID_RE, NAME_RE, Token, digest, enrol_address
 from .invitations import Invitation, Refusals, SourceLimit, judge, key_name
@@ -45,19 +45,6 @@ from .invitations import Invitation, Refusals, SourceLimit, judge, key_name
 log = logging.getLogger("idlegrad.coordinator.enrolment")
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    directory = os.path.dirname(path) or "."
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Store:
@@ -82,7 +69,7 @@ class Store:
         secret = secrets.token_urlsafe(32)
         inv = Invitation(id=secrets.token_hex(8), digest=digest(secret), uses=uses,
                          expires=now + expires_s, name=name, created=now)
-        write_atomic(os.path.join(self.invites, inv.id + ".json"),
+        atomic.write_bytes(os.path.join(self.invites, inv.id + ".json"),
                      json.dumps(inv.to_json()).encode())
         return inv, secret
 
@@ -128,13 +115,13 @@ class Store:
             return None
         if self.revoked(inv_id):
             return False
-        write_atomic(os.path.join(self.invites, inv_id + ".revoked"), f"{now:.3f}".encode())
+        atomic.write_bytes(os.path.join(self.invites, inv_id + ".revoked"), f"{now:.3f}".encode())
         return True
 
     def enrol(self, inv: Invitation, used: int, name: str, key: bytes) -> None:
         """Count the use first: a crash between the two writes loses a use, never exceeds one."""
-        write_atomic(os.path.join(self.invites, inv.id + ".used"), str(used + 1).encode())
-        write_atomic(os.path.join(self.keys, name + security.PUBLIC_SUFFIX),
+        atomic.write_bytes(os.path.join(self.invites, inv.id + ".used"), str(used + 1).encode())
+        atomic.write_bytes(os.path.join(self.keys, name + security.PUBLIC_SUFFIX),
                      security.public_key_text(key, f"enrolled with invitation {inv.id}"))
 
     def enrolled_keys(self) -> frozenset[bytes]:

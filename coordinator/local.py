@@ -135,3 +135,21 @@ def check_redundancy(mode: TaskMode, redundancy: Redundancy, sync: bool = False)
     if sync:
         raise ConfigError("--sync cannot be used with --task local: use --partitions K for rounds "
                           "of K local slots")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    # Defaults for asynchronous rounds of one slot each (the default --partitions 1): every
+    # round is one worker's change, applied as it lands, so momentum adds up the changes of
+    # workers that ran concurrently from nearly the same model and overshoots (momentum 0.9 and
+    # even 0.3 diverged on `synthetic`, see docs/architecture.md). DiLoCo's lr 0.7, momentum 0.9
+    # suit synchronous rounds that average several workers (--partitions K).
+    lr: float = 1.0
+    momentum: float = 0.0
+    nesterov: bool = True
+
+    def __post_init__(self):
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"outer learning rate must be positive, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"outer momentum must be in [0, 1), got {self.momentum}")

@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from ..common.coding import Redundancy
 from ..common.permutation import Block, ShardOrder, epoch_blocks
-from ..common.protocol import MAX_PREFETCH
+from ..common.locality_bounds import MAX_PREFETCH
 
 BlockKey = tuple[int, int]  # (epoch, block)
 

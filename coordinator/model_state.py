@@ -23,7 +23,8 @@ from ..common.errors import ProtocolError
 from ..common.job import BuiltJob, EpochOrder, FlatModel, coded_gradient, evaluate, local_change
 from ..common.tensors import (TORCH_DTYPES, BufferPool, blob_chunks, buffer_vector, distance,
                               finite_norm, to_blob)
-from .aggregator import Aggregator, StalenessRule, merge_buffers
+from .aggregator import Aggregator, merge_buffers
+from .staleness import StalenessRule
 from .effects import Compute
 
 log = logging.getLogger("idlegrad.coordinator")

@@ -21,13 +21,15 @@ import zmq
 from .. import __version__
 from ..common import protocol as proto
 from ..common.aio import on_reload_signal, on_stop_signals
-from ..common.errors import ConfigError, ProtocolError
+from ..common.errors import ProtocolError
 from ..common.throttle import Throttle
-from . import bans, blobserve, enrolment, evaluation
-from .config import CoordinatorConfig, check, load_key_lists
+from . import enrolment
+from .config import CoordinatorConfig, check
 from .effects import Applied, Ban, Compute, Evaluated, Event, Used
-from .gate import BANNED, REVOKED, Gate, KeyLists
+from .operators import Operators
+from .gate import BANNED, REVOKED, Gate
 from .records import RunRecords
+from .run import EvaluateHere
 from .scheduler import Assign, CancelSlots, Drained, Evicted
 from .status import EVENTS_PER_STATUS, coordinator_snapshot
 from .training import Training, tune_gc
@@ -46,11 +48,13 @@ class Coordinator:
         self.training = Training(config, checked, zmq.COPY_THRESHOLD)
         self.core = self.training.core
         self.gate = Gate(checked.keys, self.core.trust.is_banned)
-        self.bans_path = bans.path_for(config.enrolled, config.checkpoint_dir)
-        self.gate.load_bans(bans.load(self.bans_path))
+        self.operators = Operators(config, self.gate, self.core, self.training.credits,
+                                   self.keypair[0] if self.keypair else None, self._event)
+        self.operators.load_bans()
         self.enrolment: Optional[enrolment.Endpoint] = None  # with --enrolled, while serving
         self._acks_due: dict[str, int] = {}  # worker id -> the slot of the result being taken
         self._computing: Optional[asyncio.Future] = None  # the core's Compute in flight
+        self._evaluating: Optional[asyncio.Future] = None  # the run core's EvaluateHere
         self._bad_logged = Throttle()  # bad messages, however hostile the peer
         self._refused_logged = Throttle()  # handshakes from keys not allowed
         self.transport = None  # ZmqTransport while serving; anything with its `send` in tests
@@ -81,18 +85,13 @@ class Coordinator:
         tune_gc()
         self.transport = transport = ZmqTransport(self.config.bind, self.keypair, self._allow)
         self.enrolment = enrolling = enrolment.start(self)  # None without --enrolled
+        self.operators.store = enrolling.store if enrolling is not None else None
         on_stop_signals(self._on_signal)
         if self.gate.secure:
             on_reload_signal(lambda: asyncio.ensure_future(self.reload_keys()))
         self.open_logs()
-        security_note = (f"CURVE, {self.gate.describe()}" if self.gate.secure
-                         else "no keys: unencrypted")
-        self._event("start", f"job {self.training.job.name} at version {self.version}, "
-                             f"listening on {self.config.bind} ({security_note}); evaluations "
-                             f"on the {self.training.eval_on} ({self.training.eval_choice.reason}), "
-                             f"disputes settled on the {self.training.settle_on}"
-                             + (f"; the first slot once {self.config.min_workers} workers have "
-                                "joined" if self.config.min_workers > 1 else ""))
+        self._event("start", self.training.start_text(
+            f"CURVE, {self.gate.describe()}" if self.gate.secure else "no keys: unencrypted"))
         try:
             await self._loop(transport)
             await self._finish()
@@ -134,18 +133,17 @@ class Coordinator:
         tick_every = self.config.heartbeat_s / 2
         next_tick = time.monotonic() + tick_every
         next_checkpoint = time.monotonic() + self.config.checkpoint_every
-        evaluating: Optional[asyncio.Future] = None
         recv = asyncio.ensure_future(transport.receive())
         self._stopping = asyncio.get_running_loop().create_future()
-        plan = self.training.plan
+        run = self.training.run
         try:
             while self.stop_reason is None:
                 now = time.monotonic()
-                idle = evaluating is None and self.core.evaluation is None
-                due = min(next_tick, next_checkpoint, plan.next_at if idle else math.inf)
+                due = min(next_tick, next_checkpoint, run.next_at())
                 # chunks waiting to be served: look at the socket, and come straight back
-                wait = 0.0 if self._blobs_pending() else max(0.0, due - now)
-                waiting = {recv, self._stopping} | {f for f in (evaluating, self._computing) if f}
+                wait = 0.0 if self.training.data.pending else max(0.0, due - now)
+                waiting = {recv, self._stopping} | {
+                    f for f in (self._evaluating, self._computing) if f}
                 await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 overslept = time.monotonic() - now - wait
                 if overslept > self.config.heartbeat_s:  # stopped, suspended, or starved of CPU
@@ -158,8 +156,9 @@ class Coordinator:
                     recv = asyncio.ensure_future(transport.receive())
                 if self._computing is not None and self._computing.done():
                     await self._computed()
-                if self._blobs_pending():
-                    await self._serve_blobs()
+                if self.training.data.pending:  # one pass, at most its byte budget
+                    await self.training.data.serve(self.gate.routes, self._send_counted,
+                                                   self._event)
                 now = time.monotonic()
                 if now >= next_tick:
                     # What arrived while the loop was not looking (a frozen or busy coordinator)
@@ -174,19 +173,11 @@ class Coordinator:
                     now = time.monotonic()
                     await self.perform(self.core.tick(now))
                     next_tick = now + tick_every
-                if evaluating is not None and evaluating.done():
-                    self._evaluated(evaluating.result())
-                    evaluating = None
-                if (evaluating is None and self.core.evaluation is None
-                        and self.stop_reason is None and plan.due(time.monotonic(), self.version)):
-                    if self.training.eval_on == "coordinator":
-                        evaluating = asyncio.ensure_future(
-                            asyncio.to_thread(self.training.evaluation()))
-                    elif self.scheduler.workers:
-                        await self.perform(self.core.evaluate(
-                            self.training.eval_parts(), self.samples_applied, time.monotonic()))
-                    else:  # nobody to hand it to: ask again later
-                        plan.postpone(time.monotonic())
+                if self._evaluating is not None and self._evaluating.done():
+                    done, self._evaluating = self._evaluating, None
+                    await self._evaluated(done.result(), "coordinator")
+                if self.stop_reason is None:  # the evaluation due, if one is (run.py)
+                    await self.perform(run.tick(time.monotonic()))
                 if self.config.checkpoint_dir and now >= next_checkpoint:
                     self.save_checkpoint()
                     next_checkpoint = time.monotonic() + self.config.checkpoint_every
@@ -194,7 +185,7 @@ class Coordinator:
                     self.stop_reason = "epochs"
         finally:
             recv.cancel()
-            for pending in (evaluating, self._computing):
+            for pending in (self._evaluating, self._computing):
                 if pending is not None:
                     await asyncio.wait({pending})
 
@@ -226,9 +217,9 @@ class Coordinator:
             for route in list(self.gate.routes.values()):
                 await self._send(route, proto.Shutdown(
                     reason=f"training finished ({self.stop_reason})"))
-        if self.training.plan.stale(self.version):
+        if self.training.run.stale():
             # The last word of a run is the coordinator's: workers may all be gone by now.
-            self._evaluated(self.training.evaluation()(), "coordinator")
+            await self._evaluated(self.training.evaluation()(), "coordinator")
         self.save_checkpoint()
         # the run's tallies, for after the status endpoint is gone
         self.records.metrics(dict(self.training.metrics_record(time.monotonic()), final=True,
@@ -243,21 +234,19 @@ class Coordinator:
             self.records.write("checkpoint", version=self.version)
         return path
 
-    def _evaluated(self, result: tuple, source: str = "coordinator") -> None:
+    async def _evaluated(self, result: tuple, source: str) -> None:
         """An evaluation is done: made here (in a thread, on a copy of the model), or by
-        workers (`source`)."""
+        workers (`source`). What the run core makes of it may stop the run, or start the
+        evaluation that confirms a target."""
         version, samples, _, _ = result
         self.counters["evaluations_" + source] += 1
-        outcome = self.training.evaluated(*result, time.monotonic(),
-                                          judge=self.stop_reason is None)
+        start = self.training.evaluated(*result, time.monotonic(),
+                                        judge=self.stop_reason is None)
         self.records.metrics(self.training.metrics_record(time.monotonic(), version, samples,
                                                           source))
-        if outcome == evaluation.CONFIRM:
-            # Training pauses for one evaluation here, on the model it would stop with (on
-            # workers, training would move on meanwhile)
-            self._evaluated(self.training.evaluation()(), "coordinator")
-        elif outcome in (evaluation.TARGET, evaluation.BAD_TARGET):
-            self.stop_reason = outcome
+        if self.stop_reason is None:
+            self.stop_reason = self.training.run.stopped
+        await self.perform(start)
 
     # messages -------------------------------------------------------------------------------
 
@@ -343,13 +332,7 @@ class Coordinator:
         self._event("join", f"{msg.worker_id} {'came back' if resumed else 'joined'} from "
                             f"{msg.host} ({msg.device}, {msg.threads} threads)", msg.worker_id)
         holding = sorted(self.scheduler.workers[msg.worker_id].assigned) if resumed else []
-        await self._send(route, proto.Welcome(
-            # the job's name, not the spec: no local paths to strangers
-            job=training.job.name, job_args=training.job_args, fingerprint=training.fingerprint,
-            seed=self.config.seed, heartbeat_s=self.config.heartbeat_s,
-            liveness=self.config.liveness, instance=training.instance, holding=holding,
-            result_dtype=self.config.result_dtype, blob_mirrors=list(self.config.blob_mirrors),
-            shuffle_window=training.shuffle_window))
+        await self._send(route, training.welcome(holding))
         if resumed:  # tasks sent down its old connection may be lost: it ignores the ones it has
             await self.perform(self.core.resend(msg.worker_id, now))
 
@@ -399,48 +382,13 @@ class Coordinator:
     async def _on_heartbeat(self, route: bytes, msg: proto.Heartbeat, key) -> None:
         worker_id = self._worker_of(route)
         await self.perform(self.core.seen(worker_id, msg.state, time.monotonic(), msg.shards))
-        if msg.cache is not None and self.training.blobs is not None:
-            self.training.blobs.report(worker_id, msg.cache)
+        self.training.data.report(worker_id, msg.cache)
         await self._send(route, proto.Heartbeat(state="coordinator"))
 
     async def _on_fetch(self, route: bytes, msg: proto.Fetch, key) -> None:
-        worker_id = self._worker_of(route)
-        blobs = self.training.blobs
-        if blobs is None:
-            refusal = proto.Chunk(request=msg.request, sha256=msg.sha256, offset=msg.offset,
-                                  total=0, error="this coordinator serves no data")
-        else:
-            refusal = blobs.request(worker_id, msg)
+        refusal = self.training.data.fetch(self._worker_of(route), msg)
         if refusal is not None:
             await self._send(route, refusal)
-
-    def _blobs_pending(self) -> bool:
-        return self.training.blobs is not None and self.training.blobs.pending
-
-    async def _serve_blobs(self) -> None:
-        """One pass of serving (blobserve.py): at most its byte budget read from the pack and
-        sent, so the messages that wait are handled before the next."""
-        blobs = self.training.blobs
-        for serve in blobs.take():
-            route = self.gate.routes.get(serve.worker)
-            if route is None:  # gone meanwhile
-                blobs.forget(serve.worker)
-                continue
-            try:
-                data = blobserve.read_chunk(self.training.folder_of(serve.sha256), serve)
-            except (OSError, blobserve.BlobError) as exc:
-                if not blobs.known(serve.sha256):  # a snapshot pruned while it was queued
-                    await self._send(route, blobs.failed(serve))
-                    continue
-                self._event("data", f"cannot read blob {serve.sha256[:12]}: {exc}",
-                            level=logging.WARNING)
-                await self._send(route, blobs.failed(serve))
-                continue
-            # chunk bytes are the data plane's, counted there (not in the gradient traffic)
-            await self.transport.send(route, proto.encode(proto.Chunk(
-                request=serve.request, sha256=serve.sha256, offset=serve.offset,
-                total=serve.total, data=data)), False)
-            blobs.sent(serve)
 
     async def _on_handback(self, route: bytes, msg: proto.Handback, key) -> None:
         worker_id = self._worker_of(route)
@@ -461,75 +409,18 @@ class Coordinator:
 
     async def control(self, action: str, worker: Optional[str] = None,
                       invitation: Optional[str] = None) -> tuple[bool, str]:
-        """An operator's command (from a monitor or `idlegrad ban` / `invite`): pause, resume,
-        drain, ban or unban a worker, revoke an invitation."""
-        now = time.monotonic()
-        if action in ("ban", "unban"):
-            ok, detail, identity = self.gate.ban(action, worker, self.core.identities,
-                                                 self.training.credits.named)
-            if ok and action == "ban":
-                reason = self.gate.ban_reason(identity) or BANNED
-                await self.perform(self.core.expel(identity, reason, now))
-            if ok:
-                self._event(action, f"{detail} by the operator", level=logging.WARNING)
-                detail += self._save_bans()
-            return ok, detail
-        if action == "revoke":
-            return self._revoke_invitation(invitation)
-        ok, detail, effects = self.core.control(action, worker, now)
+        """An operator's command (operators.py): pause, resume, drain, ban or unban a worker,
+        revoke an invitation."""
+        ok, detail, effects = self.operators.command(action, worker, invitation,
+                                                     time.monotonic())
         await self.perform(effects)
         return ok, detail
 
-    def _save_bans(self) -> str:
-        """Keep the operator's bans for the next run; what the reply adds about it."""
-        if self.bans_path is None:
-            return " (until this coordinator stops: it has no --enrolled or --checkpoint-dir)"
-        try:
-            bans.save(self.bans_path, self.gate.bans)
-        except OSError as exc:
-            self._event("bans", f"cannot save the bans in {self.bans_path}: {exc}",
-                        level=logging.ERROR)
-            return f" (but not saved: {exc.strerror or exc})"
-        return ""
-
-    def _revoke_invitation(self, invitation: Optional[str]) -> tuple[bool, str]:
-        if self.enrolment is None:
-            return False, "this coordinator enrols no one (it has no --enrolled folder)"
-        done = self.enrolment.store.revoke(invitation, time.time())
-        if done is None:
-            return False, f"no invitation {invitation} here"
-        if done:
-            self._event("revoked", f"invitation {invitation} revoked by the operator")
-        return True, (f"invitation {invitation} {'revoked' if done else 'was already revoked'} "
-                      "(keys it enrolled stay: `idlegrad ban` them)")
-
     async def _on_invite(self, route: bytes, msg: proto.Invite, key) -> None:
-        if self.enrolment is None:
-            reply = proto.Invited(ok=False, reason="this coordinator enrols no one (it has no "
-                                                   "--enrolled folder)")
-        else:
-            try:
-                inv, text = enrolment.issue(self.enrolment.store, msg.address, self.keypair[0],
-                                            msg.uses, msg.expires_s, msg.name, time.time())
-            except ConfigError as exc:
-                reply = proto.Invited(ok=False, reason=str(exc)[:200])
-            else:
-                self.counters["invitations_minted"] += 1
-                self._event("invited", f"invitation {inv.id} minted by the operator ({inv.uses} "
-                                       f"use{'' if inv.uses == 1 else 's'})")
-                reply = proto.Invited(ok=True, token=text, invitation=inv.id, expires=inv.expires)
-        await self._send(route, reply)
+        await self._send(route, self.operators.invite(msg))
 
     async def _on_credit(self, route: bytes, msg: proto.CreditRequest, key) -> None:
-        credits = self.training.credits
-        identity, refusal = self.gate.credit_of(key, msg.worker, credits.named)
-        if refusal is not None:
-            self.counters[refusal.counter] += 1
-            await self._send(route, refusal.reply(msg))
-            return
-        name, row = credits.row(identity)
-        await self._send(route, proto.Credit(ok=True, worker=name[:200], row=row,
-                                             identities=len(credits.accounts)))
+        await self._send(route, self.operators.credit(key, msg))
 
     _HANDLERS = {proto.Hello: _on_hello, proto.Ready: _on_ready, proto.Result: _on_result,
                  proto.EvalResult: _on_eval_result,
@@ -539,21 +430,9 @@ class Coordinator:
                  proto.CreditRequest: _on_credit}
 
     async def reload_keys(self) -> None:
-        """Re-read the key folders (SIGHUP): new keys may connect; a removed key's connections
-        are cut off from the next message on, and a key no longer in --allow-keys has its
-        worker evicted."""
-        if not self.gate.secure:
-            self._event("keys", "SIGHUP ignored: this coordinator runs without keys")
-            return
-        try:
-            keys = load_key_lists(self.config)
-        except ConfigError as exc:
-            # Fail closed: an unreadable folder admits nobody until it is fixed and re-read.
-            keys = KeyLists()
-            self._event("keys", f"{exc}; admitting nobody", level=logging.ERROR)
-        revoked_workers, revoked = self.gate.reload(keys)
-        self._event("keys", f"key folders re-read: {keys.describe()}; {revoked} revoked")
-        for worker_id in revoked_workers:
+        """Re-read the key folders (SIGHUP); a key no longer in --allow-keys has its worker
+        evicted."""
+        for worker_id in self.operators.reload_keys():
             self._event("revoked", f"{worker_id}: key revoked", worker_id, logging.WARNING)
             await self._revoke_worker(worker_id)
 
@@ -584,12 +463,20 @@ class Coordinator:
             elif isinstance(effect, Applied):
                 self.records.write("applied", round=effect.round, version=effect.version,
                                    parts=[list(p) for p in effect.parts], t=time.time())
-                self.training.prune_snapshots()
+                self.training.data.stepped(self.scheduler.version_in_use, self.version)
             elif isinstance(effect, Compute):
                 self._start_computing(effect)
             elif isinstance(effect, Evaluated):
-                self._evaluated((effect.version, effect.samples, effect.metrics, effect.seconds),
-                                "workers")
+                await self._evaluated((effect.version, effect.samples, effect.metrics,
+                                       effect.seconds), "workers")
+            elif isinstance(effect, EvaluateHere) and effect.confirming:
+                # in a thread, awaited: no round is applied meanwhile, so the model the run
+                # stops with is the one that met the target
+                await self._evaluated(await asyncio.to_thread(self.training.evaluation()),
+                                      "coordinator")
+            elif isinstance(effect, EvaluateHere):  # in a thread: training goes on meanwhile
+                self._evaluating = asyncio.ensure_future(
+                    asyncio.to_thread(self.training.evaluation()))
             elif isinstance(effect, Ban):
                 await self._tell(effect.worker, proto.Reject(code="banned",
                                                              reason=effect.reason or BANNED))
@@ -598,30 +485,15 @@ class Coordinator:
                 await self._tell(effect.worker, proto.Shutdown(reason="drained by the operator"))
             elif isinstance(effect, Evicted):
                 self.gate.forget(effect.worker)
-                if self.training.blobs is not None:
-                    self.training.blobs.forget(effect.worker)
+                self.training.data.forget(effect.worker)
 
     async def _send_task(self, action: Assign) -> None:
-        model_state = self.training.model
-        model = model_state.blob(action.version) if action.send_model else None
-        snapshot, snapshot_bytes = None, 0
-        if model is not None and self.training.snapshots is not None:
-            # a large model goes by name: the worker fetches it once, from a mirror if it can
-            snapshot, snapshot_bytes = self.training.publish_snapshot(action.version)
-            model = None
         self.records.write("sent", slot=action.slot, worker=action.worker)
-        # A small model is copied into ZeroMQ at once: a tracker costs more than the copy
-        track = model is not None and model.numel > model_state.copy_numel
         ack = self._acks_due.pop(action.worker, None)
-        tracker = await self._send(self.gate.routes[action.worker], proto.Task(
-            slot=action.slot, round=action.round, version=action.version, parts=action.parts,
-            coefficients=action.coefficients, deadline_s=min(action.deadline_s, 1e9), model=model,
-            acks=[] if ack is None else [ack], kind=action.kind, steps=action.steps,
-            buffers=model_state.buffers_blob(action.version) if model is not None else None,
-            prefetch=list(action.prefetch), snapshot=snapshot, snapshot_bytes=snapshot_bytes),
-            track=track)
+        task, track = self.training.task(action, [] if ack is None else [ack])
+        tracker = await self._send(self.gate.routes[action.worker], task, track=track)
         if track:
-            model_state.tracked(action.version, tracker)
+            self.training.model.tracked(action.version, tracker)
 
     def _start_computing(self, request: Compute) -> None:
         run = self.training.model.computation(request)
@@ -648,8 +520,14 @@ class Coordinator:
 
     async def _send(self, route: bytes, msg: proto.Message, track: bool = False):
         """Send `msg`; with `track`, return the MessageTracker of its zero-copy frames."""
+        return await self._send_counted(route, msg, True, track)
+
+    async def _send_counted(self, route: bytes, msg: proto.Message, counted: bool,
+                            track: bool = False):
+        """`counted`: in the wire bytes per sample (the data plane's chunks are not)."""
         frames = proto.encode(msg)
-        self.counters["bytes_sent"] += sum(memoryview(f).nbytes for f in frames)
+        if counted:
+            self.counters["bytes_sent"] += sum(memoryview(f).nbytes for f in frames)
         return await self.transport.send(route, frames, track)
 
     def _event(self, kind: str, text: str, worker: Optional[str] = None,

@@ -56,7 +56,7 @@ import numpy as np
 from ..common import coding
 from ..common.errors import ConfigError
 from ..common.permutation import ShardOrder, epoch_blocks, part_indices
-from .aggregator import StalenessRule
+from .staleness import StalenessRule
 from .effects import Applied, Compute, Replanned, Used
 from .local import parse_task
 from .locality import Locality, group_for

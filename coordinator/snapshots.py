@@ -23,7 +23,7 @@ import shutil
 import tempfile
 from typing import Callable, Optional
 
-from ..common import snapshot
+from ..common import atomic, snapshot
 from ..common.blobs import BlobFolder, blob_relpath, check_sha256
 from ..common.protocol import Blob
 
@@ -79,11 +79,9 @@ class SnapshotFolder:
         self._write_index()
 
     def _write_index(self) -> None:
-        temp = self._index_path() + ".tmp"
         try:
-            with open(temp, "w", encoding="utf-8") as fh:
-                json.dump(sorted(sha for sha, _ in self.names.values()), fh)
-            os.replace(temp, self._index_path())
+            atomic.write_text(self._index_path(),
+                              json.dumps(sorted(sha for sha, _ in self.names.values())))
         except OSError as exc:
             log.warning("cannot write %s: %s", self._index_path(), exc)
 

@@ -125,7 +125,7 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
                          events_limit: int = EVENTS_PER_STATUS) -> dict:
     """The status endpoint's answer for a coordinator's `Training` (training.py) at `now`."""
     config, core, scheduler = training.config, training.core, training.scheduler
-    target = config.target
+    target = training.run.target
     counters = core.counters
     base = {
         "job": training.job.name, "fingerprint": training.fingerprint,
@@ -146,7 +146,7 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
         "bytes_per_sample": training.bytes_per_sample(),
         "credits": training.credits.table(SHOWN_PER_STATUS),
         # the data plane: what this coordinator served, what workers say of their caches
-        "data": training.blobs.summary() if training.blobs is not None else None,
+        "data": training.data.summary(),
         "eval_on": training.eval_on,
         "evaluation": evaluation_summary(core.evaluation, scheduler),
     }

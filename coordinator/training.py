@@ -1,6 +1,12 @@
-"""The coordinator's state apart from its socket: the job, the model, the round core, the
-evaluation plan, checkpoints, the event log and what the status and metrics report. No sockets,
-no clock (`now` is an argument), no threads: the server owns those.
+"""The coordinator's composition root: from the checked configuration (and a checkpoint, when
+resuming) it builds the job, the model, the round core, the run core (evaluations, the target,
+the stop), the data plane and the credits, and it keeps what the server reports: events, the
+evaluation curve, metrics records, checkpoints, the welcome and task messages.
+
+No sockets: the server owns the socket, the loop and the threads (`evaluation()` hands it a
+callable to run in one). It does read clocks: the wall clock for event and metrics times and the
+run's instance name, and at start it times a few samples (the evaluation's and a gradient's
+cost, for `--eval-on auto`); `now`, the loop's monotonic time, is passed in.
 """
 
 from __future__ import annotations
@@ -16,23 +22,25 @@ from typing import Callable, Optional
 
 import torch
 
+from ..common import protocol as proto
 from ..common.errors import CheckpointError, ConfigError, JobError
 from ..common.job import (build, build_schedule, epoch_order, eval_size, evaluate,
                           evaluation_sums, load_job, make_optimizer, reference_gradient_norm,
                           resolve_factory, sums_evaluable)
 from ..common.permutation import ShardOrder, epoch_blocks
 from ..common.job import FlatModel
-from . import blobserve, checkpoint, outer, snapshots
+from . import checkpoint, dataplane, outer
 from .config import Checked, CoordinatorConfig, naming_job_args
 from .credits import Credits
 from .effects import Event
 from .eval_slots import EVAL_SLOT_BATCHES, EvalChoice, choose, plan_ranges
-from .evaluation import BAD_TARGET, CONTINUE, TARGET, EvaluationPlan
+from .evaluation import BAD_TARGET, TARGET
 from .locality import Locality, group_for
 from .model_state import ModelState
 from .rounds import RoundCore
+from .run import RunCore
 from .sampler import Sampler
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Assign, Scheduler, SchedulerConfig
 from .status import CURVE_POINTS
 from .target import Target
 from .trust import TrustPolicy
@@ -59,43 +67,32 @@ class Training:
             torch.set_num_threads(config.threads)
         # The data a job declares by manifest: the pack served here (--data DIR), whose
         # manifest's hash the job's factory is given as `data`, and so every worker too.
-        self.pack = blobserve.open_pack(config.data_dir) if config.data_dir else None
+        pack = dataplane.open_pack(config.data_dir) if config.data_dir else None
         self.job_args = dict(config.job_args)
         try:
-            if self.pack is not None:
-                self.job_args = blobserve.job_args_with_data(
-                    resolve_factory(config.job), self.job_args, self.pack[0])
+            if pack is not None:
+                self.job_args = dataplane.job_args_with_data(
+                    resolve_factory(config.job), self.job_args, pack[0])
             job = load_job(config.job, self.job_args)
-            if self.pack is None and job.data is None and job.pack is not None:
+            if pack is None and job.data is None and job.pack is not None:
                 pack_dir = job.pack()
                 log.info("serving job %s's own pack %s", job.name, pack_dir)
-                self.pack = blobserve.open_pack(pack_dir, "the job's pack")
-                self.job_args = blobserve.job_args_with_data(
-                    resolve_factory(config.job), self.job_args, self.pack[0], "the job's pack")
+                pack = dataplane.open_pack(pack_dir, "the job's pack")
+                self.job_args = dataplane.job_args_with_data(
+                    resolve_factory(config.job), self.job_args, pack[0], "the job's pack")
                 job = load_job(config.job, self.job_args)
-            if self.pack is not None and job.data != self.pack[0].sha256:
+            if pack is not None and job.data != pack[0].sha256:
                 raise ConfigError(
                     f"--data {config.data_dir}: job {job.name!r} does not train on it (it declares "
                     f"{'no data' if job.data is None else 'manifest ' + str(job.data)[:12]}; a "
                     "job takes its pack through a `data` argument, as the built-in packed does)")
-            self.built = build(job, seed=config.seed,
-                               store=self.pack[1] if self.pack is not None else None)
+            self.built = build(job, seed=config.seed, store=pack[1] if pack is not None else None)
         except JobError as exc:
             raise naming_job_args(exc, self.job_args) from None
         # A large model goes by name (snapshots.py): its snapshots are blobs served here too.
-        param_bytes = self.built.model.params.nbytes
-        min_mb = snapshots.min_mb_for(config.snapshot_min_mb, self.task_mode.local,
-                                     bool(config.blob_mirrors))
-        self.snapshots = (snapshots.SnapshotFolder(config.snapshot_dir)
-                          if snapshots.uses_snapshots(param_bytes, min_mb) else None)
-        if config.blob_mirrors and self.pack is None and self.snapshots is None:
-            raise ConfigError(
-                f"--blob-mirror: job {job.name!r} has no packed data to mirror (give --data DIR, "
-                f"the --out of idlegrad data pack), and its model goes inline, not as snapshots "
-                f"(its {param_bytes / 2**20:.3g} MB of parameters are under --snapshot-min-mb "
-                f"{min_mb:g})")
-        self.blobs = (blobserve.BlobService(self.pack[0] if self.pack is not None else None)
-                      if self.pack is not None or self.snapshots is not None else None)
+        self.data = dataplane.DataPlane.for_run(
+            pack, self.built.model.params.nbytes, config.snapshot_min_mb, self.task_mode.local,
+            config.blob_mirrors, config.snapshot_dir, job.name)
         if config.target is not None:
             self._check_target(config.target)
         module = self.built.model.module
@@ -147,7 +144,8 @@ class Training:
                               settle_on_workers=self.settle_on == "workers")
         # saved with the model, so that after a crash they are the checkpoint's, as the samples
         self.credits = Credits.from_state(state.get("credits") if state is not None else None)
-        self.plan = EvaluationPlan(config.eval_every, config.target)
+        self.run = RunCore(self.core, self.eval_on, self.eval_parts(), config.eval_every,
+                           config.target)
         self.bad_messages: Counter[str] = Counter()  # by reason
         self.events: deque[dict] = deque(maxlen=self.EVENTS_KEPT)
         self.event_id = 0
@@ -267,6 +265,45 @@ class Training:
     def record(self, event: Event) -> None:
         self.event(event.kind, event.text, event.worker, event.level)
 
+    # what workers are told ---------------------------------------------------------------------
+
+    def start_text(self, security_note: str) -> str:
+        config = self.config
+        return (f"job {self.job.name} at version {self.version}, listening on {config.bind} "
+                f"({security_note}); evaluations on the {self.eval_on} "
+                f"({self.eval_choice.reason}), disputes settled on the {self.settle_on}"
+                + (f"; the first slot once {config.min_workers} workers have joined"
+                   if config.min_workers > 1 else ""))
+
+    def welcome(self, holding: list[int]) -> proto.Welcome:
+        config = self.config
+        return proto.Welcome(
+            # the job's name, not the spec: no local paths to strangers
+            job=self.job.name, job_args=self.job_args, fingerprint=self.fingerprint,
+            seed=config.seed, heartbeat_s=config.heartbeat_s, liveness=config.liveness,
+            instance=self.instance, holding=holding, result_dtype=config.result_dtype,
+            blob_mirrors=list(config.blob_mirrors), shuffle_window=self.shuffle_window)
+
+    def task(self, action: Assign, acks: list[int]) -> tuple[proto.Task, bool]:
+        """The task message of `action`, and whether to track its send (the model's frames
+        are sent zero-copy and reused once sent)."""
+        model_state = self.model
+        model = model_state.blob(action.version) if action.send_model else None
+        # a large model goes by name: the worker fetches it once, from a mirror if it can
+        named = self.data.by_name(action.version, model_state) if model is not None else None
+        snapshot, snapshot_bytes = named or (None, 0)
+        if named is not None:
+            model = None
+        # A small model is copied into ZeroMQ at once: a tracker costs more than the copy
+        track = model is not None and model.numel > model_state.copy_numel
+        return proto.Task(
+            slot=action.slot, round=action.round, version=action.version, parts=action.parts,
+            coefficients=action.coefficients, deadline_s=min(action.deadline_s, 1e9), model=model,
+            acks=acks, kind=action.kind, steps=action.steps,
+            buffers=model_state.buffers_blob(action.version) if model is not None else None,
+            prefetch=list(action.prefetch), snapshot=snapshot,
+            snapshot_bytes=snapshot_bytes), track
+
     # evaluations --------------------------------------------------------------------------------
 
     def evaluation(self) -> Callable[[], tuple[int, int, dict, float]]:
@@ -281,24 +318,22 @@ class Training:
         return timed
 
     def evaluated(self, version: int, samples: int, metrics: dict, seconds: float,
-                  now: float, judge: bool = True) -> str:
-        """An evaluation is done: kept for the curve and, with `judge`, judged by the plan
-        (evaluation.py): what it means for the run."""
+                  now: float, judge: bool = True) -> list:
+        """An evaluation is done: kept for the curve and, with `judge`, judged by the run core
+        (run.py). Returns what the run core starts now (a confirming evaluation)."""
         self.metrics = metrics
         self.curve.append({"t": round(self.elapsed(now), 3), "version": version,
                            "samples": samples, "loss": self.core.train_loss,
                            "metrics": dict(metrics)})
-        outcome = self.plan.record(version, metrics, seconds, now, self.version)
-        target = self.config.target
-        if not judge:
-            return CONTINUE
+        outcome, start = self.run.evaluated(version, metrics, seconds, now, judge)
+        target = self.run.target
         if outcome == BAD_TARGET:
             log.error("target metric %r is not among the job's metrics %s", target.metric,
                       sorted(metrics))
         elif outcome == TARGET:
             self.event("target", f"{target} reached at version {version}: "
                                  f"{target.metric}={metrics[target.metric]:.4f}")
-        return outcome
+        return start
 
     def metrics_record(self, now: float, version: Optional[int] = None,
                        samples: Optional[int] = None, source: Optional[str] = None) -> dict:
@@ -312,8 +347,9 @@ class Training:
             "metrics": self.metrics, "workers": len(self.scheduler.workers),
             "samples_per_s": round(core.samples_per_s(now), 2),
             "bytes_per_sample": self.bytes_per_sample(), "task": str(self.task_mode),
-            **({"data": self.blobs.summary()} if self.blobs is not None else {}),
-            **({"snapshots": self.snapshots.summary()} if self.snapshots is not None else {}),
+            **({"data": self.data.summary()} if self.data.service is not None else {}),
+            **({"snapshots": self.data.snapshots_summary()}
+               if self.data.snapshots is not None else {}),
             **({"eval_on": source} if source is not None else {}),
         }
 
@@ -325,30 +361,8 @@ class Training:
         counters = self.core.counters
         return round((counters["bytes_sent"] + counters["bytes_received"]) / samples, 1)
 
-    # model snapshots as blobs (snapshots.py) ----------------------------------------------------
-
-    def publish_snapshot(self, version: int) -> tuple[str, int]:
-        """(sha256, size) of the snapshot blob of `version`, written and served from now on."""
-        params, buffers = self.model.blob(version), self.model.buffers_blob(version)
-        sha, size = self.snapshots.publish(version, params, buffers)
-        self.blobs.add(sha, size)
-        return sha, size
-
-    def prune_snapshots(self) -> None:
-        """After a step: the snapshots no open round names go (from the folder and the service)."""
-        if self.snapshots is not None:
-            for sha in self.snapshots.prune(self.scheduler.version_in_use, self.version):
-                self.blobs.remove(sha)
-
-    def folder_of(self, sha256: str):
-        """The folder a served blob is read from: the snapshots', or the pack's."""
-        if self.pack is None or (self.snapshots is not None and self.snapshots.holds(sha256)):
-            return self.snapshots.folder
-        return self.pack[1]
-
     def close(self) -> None:
-        if self.snapshots is not None:
-            self.snapshots.close()
+        self.data.close()
 
     # checkpoints ------------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Protocol, Sequence
 
+from ..common import atomic
 from ..common.blobs import blob_relpath, check_sha256, sha256_file
 from ..common.errors import ConfigError, IdlegradError
 
@@ -481,11 +482,9 @@ class BlobCache:
             pass
 
     def _save_allowance(self) -> None:
-        temp = self._allowance_path() + ".tmp"
         try:
-            with open(temp, "w", encoding="utf-8") as fh:
-                json.dump({"day": self.allowance.day, "bytes": self.allowance.used}, fh)
-            os.replace(temp, self._allowance_path())
+            atomic.write_text(self._allowance_path(),
+                              json.dumps({"day": self.allowance.day, "bytes": self.allowance.used}))
         except OSError:
             pass  # only the count is lost; the cap then errs on the owner's side next day
 

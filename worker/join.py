@@ -11,8 +11,8 @@ import os
 import re
 from typing import Optional
 
+from ..common import atomic, security
 from ..common import protocol as proto
-from ..common import security
 from ..common.errors import ConfigError, IdlegradError, ProtocolError
 from ..common.invitation import Token, enrol_address, parse
 
@@ -76,15 +76,13 @@ def join(text: str, config_path: str, timeout_s: float = 20.0) -> list[str]:
     name = enrol(token, security.ClientKeys(token.server_key, public, secret), timeout_s)
     coordinator_key = os.path.join(directory, COORDINATOR_KEY)
     try:
-        with open(coordinator_key + ".tmp", "wb") as f:
-            f.write(security.public_key_text(token.server_key, f"coordinator {token.coordinator}"))
-        os.replace(coordinator_key + ".tmp", coordinator_key)
+        atomic.write_bytes(coordinator_key, security.public_key_text(
+            token.server_key, f"coordinator {token.coordinator}"))
         settings = {"coordinator": token.coordinator, "coordinator_key": coordinator_key,
                     "secret_key": secret_path, "id": name}
         body = "".join(f"{k} = {_toml_value(v)}\n" for k, v in settings.items())
-        with open(config_path + ".tmp", "w") as f:
-            f.write(f"# written by `idlegrad worker join`: enrolled as {name}\n" + body)
-        os.replace(config_path + ".tmp", config_path)
+        atomic.write_text(config_path,
+                          f"# written by `idlegrad worker join`: enrolled as {name}\n" + body)
     except OSError as exc:
         raise ConfigError(f"enrolled as {name}, but cannot write {config_path}: "
                           f"{exc.strerror or exc}") from None

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 from xml.sax.saxutils import escape
 
+from ..common import atomic
 from ..common.errors import ConfigError, IdlegradError
 from .config import Settings, resolve_cores, usable_cores
 
@@ -129,10 +130,7 @@ def _manager(fmt: str, scope: str, *args: str) -> list[str]:
 def install(fmt: str, scope: str, text: str, path: str) -> list[str]:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
+        atomic.write_text(path, text)
     except OSError as exc:
         hint = " (a --system service needs root)" if scope == "system" else ""
         raise IdlegradError(f"cannot write {path}: {exc.strerror or exc}{hint}") from None

@@ -16,7 +16,8 @@ import pytest
 from idlegrad.common import protocol as proto
 from idlegrad.common.blobs import BlobFolder, pack_arrays, publish, sha256_file
 from idlegrad.common.errors import ProtocolError
-from idlegrad.coordinator.blobserve import BlobService, read_chunk
+from idlegrad.coordinator.blobserve import BlobService
+from idlegrad.coordinator.dataplane import read_chunk
 from idlegrad.worker.cache import BlobCache, CoordinatorSource, HttpSource
 
 from .blob_mirror import Mirror

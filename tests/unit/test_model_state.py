@@ -20,7 +20,8 @@ from idlegrad.common.job import (FlatModel, Job, accumulate_coded_gradient, auto
                                  build_schedule, gather, make_optimizer)
 from idlegrad.common.tensors import buffer_vector, to_blob
 from idlegrad.coordinator import checkpoint
-from idlegrad.coordinator.aggregator import StalenessRule, merge_buffers
+from idlegrad.coordinator.aggregator import merge_buffers
+from idlegrad.coordinator.staleness import StalenessRule
 from idlegrad.coordinator.config import CoordinatorConfig, check
 from idlegrad.coordinator.effects import Applied
 from idlegrad.coordinator.model_state import ModelState

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from idlegrad.coordinator.aggregator import StalenessRule
+from idlegrad.coordinator.staleness import StalenessRule
 from idlegrad.coordinator.effects import Applied, Ban, Used
 from idlegrad.coordinator.rounds import RoundCore
 from idlegrad.coordinator.sampler import Sampler

@@ -135,7 +135,7 @@ def test_target_samples_stops_the_clock():
 
 
 def test_real_gradients_train_and_follow_the_staleness_rule():
-    from idlegrad.coordinator.aggregator import StalenessRule
+    from idlegrad.coordinator.staleness import StalenessRule
     from idlegrad.coordinator.target import Target
 
     rule = StalenessRule("inverse", 32)
