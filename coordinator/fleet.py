@@ -4,7 +4,9 @@ A worker's record holds its credits and the slots it holds (with their deadlines
 last said it, and its speed (speed.py). The fleet keeps the hungry workers (free credits, in the
 order they became hungry: the dealer serves them in that order), the draining ones, whether the
 quorum of `min_workers` was ever reached, and the due times of silences and pause graces, so that
-a tick looks only at what is due, never at the whole fleet.
+a tick looks only at what is due, never at the whole fleet. A worker that has joined but not yet
+announced credits is starting up (its job, data and model built, on a machine that may be busy):
+it is given `join_grace_s` of silence rather than the usual few heartbeats.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class WorkerRecord:
     late_check: Optional[int] = None  # its current entry in the speculation queue
     side_last: bool = False  # its last slot was a side slot: the next is a round's, if any
     side_samples: int = 0  # samples of the side slots it answered first (evaluated)
+    settled: bool = False  # it has announced credits: its start-up (job, data, model) is over
 
     @property
     def free(self) -> int:
@@ -72,8 +75,12 @@ class WorkerRecord:
 
 
 class Fleet:
-    def __init__(self, silence_s: float, pause_grace_s: float, min_workers: int = 1):
+    def __init__(self, silence_s: float, pause_grace_s: float, min_workers: int = 1,
+                 join_grace_s: float = 0.0):
         self.silence_s = silence_s  # silent this long: evicted
+        # ... or this long before its first credits: a worker starting up on a busy machine
+        # (importing torch, building its job and data) may not be heard for a while
+        self.join_grace_s = max(silence_s, join_grace_s)
         self.pause_grace_s = pause_grace_s  # paused this long: its slots are withdrawn
         self.min_workers = min_workers
         self.workers: dict[str, WorkerRecord] = {}
@@ -118,6 +125,12 @@ class Fleet:
             worker.paused_since = None
         worker.state = state
         self.update_hunger(worker)
+
+    def settle(self, worker: WorkerRecord) -> None:
+        """`worker` announced credits: its start-up is over, and so is its join grace."""
+        if not worker.settled:
+            worker.settled = True
+            self._watch_silence(worker)
 
     def update_hunger(self, worker: WorkerRecord) -> None:
         if worker.free > 0 and not worker.draining:
@@ -189,7 +202,7 @@ class Fleet:
             worker = self.workers.get(worker_id)
             if worker is None or worker.session != session:
                 continue
-            if now - worker.last_seen > self.silence_s:
+            if now - worker.last_seen > self._silence_for(worker):
                 yield worker
             else:
                 self._watch_silence(worker, after=now)
@@ -210,5 +223,8 @@ class Fleet:
 
     def _watch_silence(self, worker: WorkerRecord, after: float = -math.inf) -> None:
         """Queue the moment `worker` would have been silent too long, unless heard from again."""
-        due = max(worker.last_seen + self.silence_s, math.nextafter(after, math.inf))
+        due = max(worker.last_seen + self._silence_for(worker), math.nextafter(after, math.inf))
         heapq.heappush(self._silence_due, (due, next(self._seq), worker.id, worker.session))
+
+    def _silence_for(self, worker: WorkerRecord) -> float:
+        return self.silence_s if worker.settled else self.join_grace_s

@@ -97,6 +97,9 @@ class SchedulerConfig:
     # no slot is handed out before this many workers have joined (once; churn after is free): a
     # run's first rounds spread over the fleet instead of going to whoever joined first
     min_workers: int = 1
+    # a worker that has joined but not yet announced credits may be silent this long (it is
+    # starting up: job, data, model), rather than `liveness` heartbeats
+    join_grace_s: float = 30.0
 
     def __post_init__(self):
         # The rules between these options live here and nowhere else: whoever drives a
@@ -143,7 +146,7 @@ class Scheduler:
             spec_floor_s=config.spec_floor_s, min_results=config.spec_min_results)
         self.stats: Counter[str] = Counter()
         self.fleet = Fleet(config.heartbeat_s * config.liveness, config.pause_grace_s,
-                           config.min_workers)
+                           config.min_workers, config.join_grace_s)
         self.leases = LeaseTable(self.stats, next_id)
         self.book = RoundBook(config, sampler, self.speed, self.leases, self.fleet,
                               self.task_mode, self.locality, self.stats, version)
@@ -256,6 +259,7 @@ class Scheduler:
         worker = self.fleet.workers[worker_id]
         worker.capacity = credits
         worker.last_seen = now
+        self.fleet.settle(worker)
         self.fleet.update_hunger(worker)
         return []
 

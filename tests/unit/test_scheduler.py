@@ -226,6 +226,21 @@ def test_eviction_on_silence_requeues_to_another_worker():
     assert ok and of(Decoded, actions)[0].weights == {x.slot: 1.0}
 
 
+def test_a_worker_starting_up_has_a_join_grace_then_the_usual_liveness():
+    """Between its hello and its first credits a worker builds its job, data and model, on a
+    machine that may be busy: its silence then is not yet a failure."""
+    s = make(heartbeat_s=1.0, liveness=3, join_grace_s=20.0)
+    s.join("slow", {}, 0.0)
+    s.join("gone", {}, 0.0)
+    assert s.tick(10.0) == []  # silent 10 s while starting up: still there
+    assert set(s.workers) == {"slow", "gone"}
+    s.ready("slow", 1, 12.0)  # started: from now on, three beats of silence evict it
+    evicted = of(Evicted, s.tick(15.5))
+    assert [e.worker for e in evicted] == ["slow"] and "silent for 3.5s" in evicted[0].reason
+    evicted = of(Evicted, s.tick(20.5))  # the one that never started, after its grace
+    assert [e.worker for e in evicted] == ["gone"]
+
+
 def test_heartbeats_keep_a_worker_alive():
     s = make(heartbeat_s=1.0, liveness=3, min_deadline_s=1000.0)
     start(s, "a", 1)
