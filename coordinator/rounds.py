@@ -452,7 +452,7 @@ class _Court:
         return self._core._interpret(actions, now)
 
     def put_back(self, worker: str, slot: int, now: float) -> list:
-        return self._interpreted(self._core.scheduler.failed(worker, slot, now), now)
+        return self._interpreted(self._core.scheduler.put_back(worker, slot, now), now)
 
     def agreed(self, first: int, second: int, now: float) -> list:
         return self._interpreted(self._core.scheduler.copies_agreed(first, second, now), now)

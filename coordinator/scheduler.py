@@ -353,28 +353,29 @@ class Scheduler:
         return self.book.compare_next(round_, row)
 
     def failed(self, worker_id: str, slot_id: int, now: float) -> list[Action]:
-        """A worker's answer that could not be used (bad gradient): the slot goes back."""
+        """A worker's answer that could not be used (bad gradient): the slot goes back, and it
+        counts as the worker's failure."""
         worker = self.fleet.get(worker_id)
-        if worker is None or slot_id not in worker.assigned:
-            return []
-        del worker.assigned[slot_id]
-        worker.failed += 1
-        self._freed(worker, now)
-        self.leases.let_go(slot_id, worker_id)  # (another holder may still answer)
+        if worker is not None and self._take_back(worker, slot_id, now):
+            worker.failed += 1
+        return []
+
+    def put_back(self, worker_id: str, slot_id: int, now: float) -> list[Action]:
+        """A result set aside through no fault of its sender (a suspect that cannot be settled
+        now): the slot goes to whoever takes it next; nobody's failure."""
+        worker = self.fleet.get(worker_id)
+        if worker is not None and self._take_back(worker, slot_id, now):
+            self.stats["slots_put_back"] += 1
         return []
 
     def handback(self, worker_id: str, slot_ids: list[int], now: float) -> list[Action]:
         """The worker cannot compute these slots now, through no fault of its own (their data
         is not in its cache and its transfer cap is spent): they go to others, uncounted."""
         worker = self.fleet.get(worker_id)
-        if worker is None:
-            return []
-        for slot_id in slot_ids:
-            if worker.assigned.pop(slot_id, None) is None:
-                continue
-            self.stats["slots_handed_back"] += 1
-            self.leases.let_go(slot_id, worker_id)
-        self._freed(worker, now)
+        if worker is not None:
+            for slot_id in slot_ids:
+                if self._take_back(worker, slot_id, now):
+                    self.stats["slots_handed_back"] += 1
         return []
 
     def leave(self, worker_id: str, now: float, reason: str = "left") -> list[Action]:
@@ -487,6 +488,15 @@ class Scheduler:
         """`worker` holds one lease fewer: it may be hungry, and its next late check moves."""
         self.fleet.update_hunger(worker)
         self.book.watch_late(worker, now)
+
+    def _take_back(self, worker: WorkerRecord, slot_id: int, now: float) -> bool:
+        """`worker` no longer holds `slot_id`; it is requeued unless another holder may still
+        answer. Whether it held it."""
+        if worker.assigned.pop(slot_id, None) is None:
+            return False
+        self._freed(worker, now)
+        self.leases.let_go(slot_id, worker.id)
+        return True
 
     def _withdraw(self, worker: WorkerRecord) -> list[Action]:
         """Take every slot back from a (paused) worker: cancelled there, requeued for others."""

@@ -16,6 +16,13 @@ badly fit samples honestly has a gradient many times the median. The server sett
 computation (it computes the slot itself): a match is accepted (`accept`, and the median learns
 from it), a mismatch is an offence (`offence`). `ban_after` offences within `offence_window_s`
 seconds ban the identity for the rest of the run.
+
+The screen adapts to the run's spread: a converged run's honest gradients spread far wider around
+their median than an early one's, and a fixed factor then suspects honest results by the hundred
+(each a computation here). A suspect computed again and found honest is proof of how far honest
+results reach, so the limit grows to `HONEST_HEADROOM` times the largest recent honest outlier
+(never below `norm_factor`, never above `MAX_ADAPTED` times it). Only results the coordinator
+verified itself move it: a worker's own word never does.
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ class TrustPolicy:
         self._scales = RollingMedian(config.window)
         if reference is not None and math.isfinite(reference) and reference > 0:
             self._norms.add(reference)
+        self._honest_outliers: deque[float] = deque(maxlen=16)  # their ratio to the median
         self.offenders: dict[str, Offender] = {}
         self.accepted = 0
         self.refused = 0
@@ -94,6 +102,17 @@ class TrustPolicy:
 
     def median(self) -> Optional[float]:
         return self._norms.median()
+
+    HONEST_HEADROOM = 1.5  # the limit: this many times the largest recent honest outlier
+    MAX_ADAPTED = 100.0  # ... but at most this many times `norm_factor`
+
+    def factor(self) -> float:
+        """How many times the median a norm may be before it is suspected, now."""
+        factor = self.config.norm_factor
+        if self._honest_outliers:
+            factor = max(factor, min(self.HONEST_HEADROOM * max(self._honest_outliers),
+                                     self.MAX_ADAPTED * factor))
+        return factor
 
     def is_banned(self, identity: str) -> bool:
         offender = self.offenders.get(identity)
@@ -113,7 +132,7 @@ class TrustPolicy:
         median = self.median()
         if median is not None and median > 0:
             typical = self._scales.median() or scale
-            limit = self.config.norm_factor * median * math.sqrt(max(1.0, typical / scale))
+            limit = self.factor() * median * math.sqrt(max(1.0, typical / scale))
             if per_unit > limit:
                 self.suspected += 1
                 return Verdict(False, "norm", f"gradient norm {per_unit:.3g} per sample is "
@@ -122,9 +141,13 @@ class TrustPolicy:
         self.accept(norm, scale)
         return Verdict(True)
 
-    def accept(self, norm: float, scale: float) -> None:
-        """A gradient found honest (by the median, or by a third computation)."""
+    def accept(self, norm: float, scale: float, verified: bool = False) -> None:
+        """A gradient found honest: by the median, or (`verified`) a suspect that the
+        coordinator's own computation matched, which widens the screen to the spread it shows."""
         if math.isfinite(norm) and scale > 0:
+            median = self.median()
+            if verified and median:
+                self._honest_outliers.append(norm / scale / median)
             self._norms.add(norm / scale)
             self._scales.add(scale)
         self.accepted += 1
@@ -177,6 +200,7 @@ class TrustPolicy:
         banned = self.banned()
         return {
             "norm_factor": self.config.norm_factor, "ban_after": self.config.ban_after,
+            "norm_factor_now": float(f"{self.factor():.4g}"),
             "median_norm": None if median is None else float(f"{median:.4g}"),
             "accepted": self.accepted, "refused": self.refused, "suspected": self.suspected,
             # bans are for good: a snapshot names a hundred of them and counts them all

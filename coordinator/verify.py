@@ -93,6 +93,8 @@ class Settlement:
         self.on_workers = False  # --settle-on workers: a third worker computes it
         self.side_slot: Optional[int] = None  # the side slot computing it, on workers
         self._excluded: frozenset = frozenset()  # the identities it must not come from
+        self._honest = 0  # honest outliers since the last summary event
+        self._summary_at = -math.inf
 
     def suspect(self, slot: int, stored: Stored, scale: float, detail: str, now: float) -> list:
         core = self.core
@@ -100,10 +102,10 @@ class Settlement:
         if self.busy is not None:
             core.counters["suspects_requeued"] += 1
             return core.put_back(stored.worker, slot, now)
-        self.busy = ("suspect", slot, stored, scale)
-        where = "on another worker" if self.on_workers else "here"
-        return [Event("suspected", f"{detail} from {stored.worker} for slot {slot}: computing it "
-                                   f"{where} to settle it", stored.worker)] + self._compute(slot, now)
+        # No event yet: most suspects late in a run are honest outliers, and the event log
+        # would fill with them; a refusal says what was suspected, honest ones are summed up.
+        self.busy = ("suspect", slot, stored, scale, detail)
+        return self._compute(slot, now)
 
     def compare(self, action: CompareCopies, now: float) -> list:
         """Two copies of a row: used if they agree; if not, settled by a computation here."""
@@ -244,7 +246,7 @@ class Settlement:
     def _settle_suspect(self, busy: tuple, reference: Any, error: Optional[str],
                         now: float) -> list:
         core = self.core
-        _, slot, stored, scale = busy
+        _, slot, stored, scale, detail = busy
         if error is not None:  # nobody is blamed: the slot goes to someone else
             log.warning("could not compute slot %d to settle it: %s", slot, error)
             return core.put_back(stored.worker, slot, now)
@@ -252,15 +254,26 @@ class Settlement:
         size = core.size(reference)
         if matches(off, size):
             core.counters["suspects_honest"] += 1
-            core.trust.accept(float(size), scale)
-            return [Event("verified", f"slot {slot} from {stored.worker}: computed again, it "
-                                      "matches (an honest outlier); used", stored.worker)
-                    ] + core.use(slot, stored, now)
+            core.trust.accept(float(size), scale, verified=True)
+            return self._honest_summary(now) + core.use(slot, stored, now)
         core.counters["suspects_wrong"] += 1
         banned = core.trust.confirmed(stored.identity, now)
         return core.refuse(stored.worker, slot, "norm",
-                           f"gradient {off / max(size, 1e-12):.3g}x off the slot's true one "
-                           "(computed here)", banned, now, stored.identity)
+                           f"{detail}; computed again, it is {off / max(size, 1e-12):.3g}x off "
+                           "the slot's true gradient", banned, now, stored.identity)
+
+    SUMMARY_EVERY_S = 60.0  # honest outliers are summed up in one event at most this often
+
+    def _honest_summary(self, now: float) -> list:
+        """One event for the honest outliers since the last: computed again, they matched."""
+        self._honest += 1
+        if now - self._summary_at < self.SUMMARY_EVERY_S:
+            return []
+        count, self._honest, self._summary_at = self._honest, 0, now
+        factor = self.core.trust.factor()
+        return [Event("verified", f"{count} suspected outlier{'s' if count > 1 else ''} computed "
+                                  f"again matched: honest, used (the screen now allows "
+                                  f"{factor:.3g}x the median norm)")]
 
     def _settle_copies(self, busy: tuple, reference: Any, error: Optional[str],
                        now: float) -> list:

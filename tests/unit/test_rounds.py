@@ -67,3 +67,35 @@ def test_an_operators_ban_sends_each_worker_of_the_identity_home_and_requeues_it
     again = [a.slot for a in c.ready("b", 4, 2.0) if isinstance(a, Assign)]
     assert set(held) <= set(again)
     assert c.expel("key:nobody", "x", 3.0) == []
+
+
+def test_honest_outliers_are_nobodys_failure_and_are_summed_up_not_logged_one_by_one():
+    from idlegrad.coordinator.effects import Compute, Event
+
+    c = RoundCore(Scheduler(SchedulerConfig(batch_size=8, partitions=2, min_deadline_s=1e6,
+                                            heartbeat_s=1e6), Sampler(100_000, None)),
+                  CostlessGradients(100_000, 8, StalenessRule()),
+                  TrustPolicy(TrustConfig(ban_after=2), reference=1.0))
+    for w in ("a", "b"):
+        c.join(w, {}, w, 0.0)
+    tasks = {a.worker: a for w in ("a", "b") for a in c.ready(w, 1, 0.0) if isinstance(a, Assign)}
+    for _ in range(200):
+        c.trust.accept(4.0, 4.0)  # the run so far: a median of 1 per sample
+    events: list = []
+    t = 1.0
+    for i in range(6):  # each time: a's result is suspected while b's waits for the settle
+        norm = 1e3 * 2 ** i  # (each past what the widened screen allows after the last)
+        out = c.result("a", tasks["a"].slot, None, norm, 0.1, t, samples=4)
+        assert [e for e in out if isinstance(e, Compute)]  # a is computed again here
+        out += c.result("b", tasks["b"].slot, None, norm, 0.1, t, samples=4)  # busy: put back
+        out += c.computed(None, None, t + 0.1)  # it matches: honest
+        events += [e for e in out if isinstance(e, Event)]
+        for e in out + c.resend("a", t) + c.resend("b", t):
+            if isinstance(e, Assign):
+                tasks[e.worker] = e
+        t += 1.0
+    assert c.counters["suspects_honest"] >= 6 and c.counters["suspects_requeued"] >= 6
+    assert c.scheduler.workers["a"].failed == c.scheduler.workers["b"].failed == 0
+    assert not [e for e in events if e.kind in ("suspected", "rejected")]
+    (summary,) = [e for e in events if e.kind == "verified"]  # one, within the minute
+    assert "computed again matched" in summary.text

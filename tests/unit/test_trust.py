@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -152,3 +153,36 @@ def test_records_of_offenders_without_a_ban_stay_bounded_and_bans_hold():
     # a recent offender that was kept still gets banned by its next offence
     kept = max(i for i in policy.offenders if i != "banned")
     assert policy.offence(kept, "malformed", 1001.0)
+
+
+def honest_run(policy: TrustPolicy, n: int, sigma: float, seed: int = 0) -> list[int]:
+    """Honest norms of a converged run (spread wide, lognormal), every suspect computed again
+    and found honest, as the settlement does: the indices of the suspects."""
+    rng = np.random.default_rng(seed)
+    suspects = []
+    for i in range(n):
+        norm = float(rng.lognormal(0.0, sigma))
+        if policy.judge("w", norm, 1.0, float(i)).reason == "norm":
+            suspects.append(i)
+            policy.accept(norm, 1.0, verified=True)
+    return suspects
+
+
+def test_the_screen_widens_to_the_spread_of_verified_honest_outliers():
+    policy = TrustPolicy(TrustConfig(norm_factor=10.0, ban_after=0), reference=1.0)
+    late = [i for i in honest_run(policy, 3000, sigma=1.5) if i >= 1500]
+    # a fixed 10x limit suspects about 6% of such a run's results (some 90 of these 1500)
+    assert len(late) <= 15, len(late)
+    assert policy.factor() > 10.0
+    # poison far beyond any honest result is still suspected, and a result that was never
+    # verified does not move the limit
+    factor = policy.factor()
+    assert policy.judge("w", 1e4 * policy.median(), 1.0, 4000.0).reason == "norm"
+    policy.accept(1e6 * policy.median(), 1.0)  # judged by the median alone: not proof
+    assert policy.factor() == factor
+
+
+def test_the_widened_screen_is_bounded():
+    policy = TrustPolicy(TrustConfig(norm_factor=10.0, ban_after=0), reference=1.0)
+    policy.accept(1e9, 1.0, verified=True)  # one wild (but verified) outlier
+    assert policy.factor() == 10.0 * TrustPolicy.MAX_ADAPTED
