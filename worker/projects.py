@@ -24,7 +24,9 @@ import zmq.asyncio
 from ..common.aio import on_stop_signals
 from ..common.errors import ConfigError
 from ..common.security import ClientKeys
-from .daemon import Guest, Worker, WorkerConfig, pick_device
+from .building import pick_device
+from .daemon import Worker, WorkerConfig
+from .guest import Guest
 from .idle import Readings
 from .shares import ShareScheduler
 
