@@ -224,7 +224,9 @@ class Session:
             if msg.code != "hello_first":
                 return [Leave(f"the coordinator refused this worker ({msg.code}): {msg.reason}",
                               refused=True)]
-            return [] if self.state == HELLO else self._end(Rehello(forget=False))
+            if self.state in (HELLO, DISCONNECTED):  # we just said hello, or are about to
+                return []
+            return self._end(Rehello(forget=False))
         if isinstance(msg, proto.Shutdown):
             log.info("the coordinator says: %s", msg.reason)
             prefix = "coordinator said" if self.state == HELLO else "shutdown"
