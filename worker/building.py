@@ -1,20 +1,26 @@
 """The job a welcome names, built on this machine from its own code: the device, the job's spec,
-the owner's memory limits (checked before and after building), and the engine that computes it.
+the owner's memory limits (checked before and after building), the engine that computes it, and
+the models its tasks carry; and what this machine says of itself in its hello.
 Nothing executable crosses the network: a welcome names a built-in job or the one this worker
 was started with (`--job SPEC`)."""
 
 from __future__ import annotations
 
+import platform
+import socket
 from typing import Optional
 
 import psutil
 import torch
 
+from .. import __version__
 from ..common import protocol as proto
-from ..common.errors import ConfigError, Refused
+from ..common.errors import ConfigError, ProtocolError, Refused
+from ..common.tensors import blob_chunks, buffer_vector
 from ..common.job import BuiltJob, Job, build, epoch_order, model_bytes
 from ..common.job_loading import builtin_job_names, load_job
 from .engine import Engine
+from .config import usable_cores
 from .idle import memory_left_mb
 
 # Copies of the model a worker holds at once: flat parameters and gradients, a model received
@@ -88,3 +94,23 @@ def check_memory(job: Job, config, built: Optional[BuiltJob] = None) -> None:
             f"more ({copies} copies of a {per_copy / 2**20:,.1f} MiB model), and this worker "
             f"may take {max(0.0, left_mb):,.0f} MiB more (the owner's --memory-max and the "
             "memory the machine has free): refused")
+
+
+def hello_of(worker_id: str, threads: int, device: torch.device, job: Optional[str]) -> proto.Hello:
+    return proto.Hello(
+        worker_id=worker_id, host=socket.gethostname(), cores=usable_cores(), threads=threads,
+        device=str(device), memory_mb=psutil.virtual_memory().total // 2**20,
+        versions={"idlegrad": __version__, "torch": torch.__version__,
+                  "python": platform.python_version(), "protocol": str(proto.PROTOCOL_VERSION)},
+        job=job)
+
+
+def task_model(task: proto.Task, model) -> tuple:
+    """(parameters as views of the task's frames, buffers or None) of the model a task carries,
+    checked against the built `model` (a FlatModel); ProtocolError when it is not that model."""
+    params = blob_chunks(task.model, model.numel, model.dtype)
+    if not (model.buffers or task.buffers is not None):
+        return params, None
+    if task.buffers is None:
+        raise ProtocolError("tensor", "no buffers with the model")
+    return params, buffer_vector(task.buffers, model.buffer_numel, model.counter_mask)

@@ -1,20 +1,12 @@
 """The worker's I/O shell: one DEALER socket, one asyncio loop, compute in a thread.
 
 Every protocol decision is the session's (`session.py`, sans-IO): this loop feeds it what happened
-(messages, computations finished, the guest's pauses, the time) and performs the effects it
-returns. Handshake: HELLO -> WELCOME (job name, arguments, fingerprint; never code) -> the worker
-builds the job locally (`building.py`) -> READY (credits, fingerprint). Then it computes the
-TASKs it is given, one at a time, keeping `credits` slots outstanding so it never waits between
-tasks; heart-beats while it computes; and reconnects with exponential backoff when the
-coordinator goes silent (the ZeroMQ guide's Paranoid Pirate). SHUTDOWN or a signal ends it
-cleanly, handing unfinished slots back.
-
-Being a good guest (`guest.py`): the probes are read every `sample_every` seconds in a thread and
-the idle policy decides; a pause clears the engine's gate and the session tells the coordinator at
-once (HEARTBEAT "paused", READY 0). Blobs (model snapshots, the shards of a job's data) come through
-the data plane (`dataplane.py`): fetched in the compute thread, under the pause gate, before the
-job's code runs; while the owner's daily transfer cap is spent, a slot whose data is not cached
-goes back (HANDBACK) before it starts.
+(messages, computations ended, the guest's pauses, the time) and performs the effects it returns:
+HELLO -> WELCOME -> the job built here (`building.py`) -> READY; TASKs computed one at a time with
+`credits` slots outstanding; heartbeats; reconnects with backoff when the coordinator goes silent
+(the ZeroMQ guide's Paranoid Pirate); SHUTDOWN or a signal ends it, handing unfinished slots back.
+The guest (`guest.py`) pauses the engine's gate; blobs come through the data plane
+(`dataplane.py`), in the compute thread under that gate, before the job's code runs.
 """
 
 from __future__ import annotations
@@ -24,7 +16,6 @@ import dataclasses
 import logging
 import math
 import os
-import platform
 import random
 import signal
 import socket as pysocket
@@ -33,28 +24,24 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-import psutil
 import torch
 import zmq
 import zmq.asyncio
 
-from .. import __version__
 from ..common import protocol as proto
 from ..common.aio import on_stop_signals
 from ..common.blobs import BlobError
 from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
 from ..common.security import KEYS_HINT, ClientKeys
-from ..common.tensors import blob_chunks, buffer_vector, to_blob
-from ..common.throttle import Throttle
 from . import session as S
-from .building import build_engine, job_key, load_welcomed, pick_device
-from .cache import CacheError, CacheTooSmall, DiskFull, TransferCapReached
-from .compress import ErrorFeedback
+from .building import build_engine, hello_of, job_key, load_welcomed, pick_device, task_model
+from .cache import CacheError, CacheTooSmall
+from .compress import ErrorFeedback, eval_message, result_message
 from .config import usable_cores
 from .dataplane import DataPlane
 from .engine import Cancelled, Outcome, SnapshotRef, Work
-from .guest import Guest
-from .idle import PolicyConfig, Readings
+from .guest import Guest, watch
+from .idle import PolicyConfig
 from .link import ShapedSocket
 
 log = logging.getLogger("idlegrad.worker")
@@ -112,12 +99,6 @@ class _Ended(Exception):
     """This connection is over: the coordinator is silent, or we said bye."""
 
 
-def _wire_sum(value: float) -> float:
-    """The wire takes finite sums only: a diverged model's (inf, nan) reads as a huge one."""
-    value = float(value)
-    return value if math.isfinite(value) else (-1e300 if value == -math.inf else 1e300)
-
-
 class Worker:
     def __init__(self, config: WorkerConfig, guest: Optional[Guest] = None,
                  compute_slot: Optional["ComputeSlot"] = None, project: Optional[str] = None):
@@ -138,21 +119,18 @@ class Worker:
         self._model: Optional[tuple] = None
         self._computing: Optional[_Computing] = None
         self._wire = ErrorFeedback()  # results as the coordinator wants them (welcome)
-        self._samples = guest is None  # alone: this worker reads the probes and decides
         if guest is None:
             uses_gpu = self.device.type == "cuda"
             guest = Guest(config, uses_gpu, (self.device.index or 0) if uses_gpu else None)
         self.guest, self._running = guest, guest.running
         self.project = project or config.coordinator
         self.compute_slot = compute_slot
-        self._nudged: Optional[asyncio.Event] = None  # set by MultiWorker when the guest changed
+        self._nudged = asyncio.Event()  # the guest paused or resumed
         self.data = DataPlane(config, self._running)
-        self.session = S.Session(config.credits, self._hello(), held_shards=self.data.held_shards,
-                                 cache_counters=self.data.counters)
-        self._cache_logged = Throttle()
+        self.session = S.Session(config.credits,
+                                 hello_of(self.worker_id, self.threads, self.device, config.job),
+                                 held_shards=self.data.held_shards, cache_counters=self.data.counters)
 
-    policy = property(lambda self: self.guest.policy)
-    probes = property(lambda self: self.guest.probes)
     pauses = property(lambda self: self.guest.pauses)
     paused = property(lambda self: not self._running.is_set())
     results_sent = property(lambda self: self.session.results_sent)
@@ -160,9 +138,8 @@ class Worker:
     _stop = property(lambda self: self.session.stopped)
 
     def nudge(self) -> None:
-        """The shared guest paused or resumed: tell this session's coordinator."""
-        if self._nudged is not None:
-            self._nudged.set()
+        """The guest paused or resumed: tell this session's coordinator."""
+        self._nudged.set()
 
     # lifecycle ------------------------------------------------------------------------------
 
@@ -171,11 +148,13 @@ class Worker:
 
     async def _main(self) -> str:
         on_stop_signals(self._on_signal)
-        log.info("idle policy: %s", self.probes.describe())
+        log.info("idle policy: %s", self.guest.probes.describe())
         ctx = zmq.asyncio.Context()
+        watching = asyncio.ensure_future(watch(self.guest, self.config.sample_every, self.nudge))
         try:
             await self.connect_loop(ctx)
         finally:
+            watching.cancel()
             ctx.term()
             self.guest.close()
         return self._stop or "stopped"
@@ -224,15 +203,6 @@ class Worker:
         sock.connect(self.config.coordinator)
         return ShapedSocket(sock, self.config.link_mbps) if self.config.link_mbps else sock
 
-    def _hello(self) -> proto.Hello:
-        return proto.Hello(
-            worker_id=self.worker_id, host=pysocket.gethostname(), cores=usable_cores(),
-            threads=self.threads, device=str(self.device),
-            memory_mb=psutil.virtual_memory().total // 2**20,
-            versions={"idlegrad": __version__, "torch": torch.__version__,
-                      "python": platform.python_version(), "protocol": str(proto.PROTOCOL_VERSION)},
-            job=self.config.job)
-
     async def _send(self, sock, msg: proto.Message) -> None:
         await sock.send_multipart(proto.encode(msg), copy=False)
 
@@ -278,11 +248,9 @@ class Worker:
                 if effect.forget:
                     self._model = None
                 raise _Rehello()
-            elif isinstance(effect, S.Leave):
-                if effect.refused:
+            elif isinstance(effect, (S.Leave, S.Reconnect)):
+                if getattr(effect, "refused", False):
                     raise Refused(effect.reason)
-                raise _Ended()
-            elif isinstance(effect, S.Reconnect):
                 raise _Ended()
             else:
                 self._cancel([effect])
@@ -296,15 +264,7 @@ class Worker:
     # a session ------------------------------------------------------------------------------
 
     async def _session(self, sock, welcome: proto.Welcome) -> None:
-        loop = asyncio.get_running_loop()
-
-        def send(msg: proto.Message) -> None:  # from the cache's thread
-            try:
-                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._send(sock, msg)))
-            except RuntimeError:  # the loop is closing
-                raise ConnectionError("the worker is stopping") from None
-
-        self.data.attach(send)
+        self.data.attach(asyncio.get_running_loop(), lambda msg: self._send(sock, msg))
         try:
             while welcome is not None:
                 try:
@@ -312,8 +272,7 @@ class Worker:
                     await self._serve(sock)
                     return
                 except _Rehello:
-                    log.info("the coordinator does not know this session (restarted?); "
-                             "saying hello again")
+                    log.info("the coordinator does not know this session: hello again")
                     welcome = await self._handshake(
                         sock, timeout=self.session.heartbeat_s * self.session.liveness)
         finally:
@@ -321,23 +280,16 @@ class Worker:
             self.session.lost(time.monotonic())
 
     async def _join(self, sock, welcome: proto.Welcome) -> None:
+        """Build the welcome's job (loaded once; its manifest fetched once), then resume."""
         self.data.welcomed(welcome.blob_mirrors)
         try:
-            try:
-                fresh = self._built_for != job_key(welcome) or self.built is None
-                job = load_welcomed(self.config.job, welcome) if fresh else self.built.job
-                store = None
-                if job.data is not None:
-                    if fresh or self.data.manifest is None:
-                        await self._while_fetching(
-                            sock, asyncio.to_thread(self.data.fetch_manifest, job))
-                    store = self.data.cache
-                self._prepare(welcome, store, job)
-            except (Refused, ConfigError) as exc:  # this worker cannot run that job
-                await self._send(sock, proto.Bye(reason=str(exc)[:500]))
-                raise
-        except BaseException:
-            self.session.lost(time.monotonic())
+            fresh = self._built_for != job_key(welcome) or self.built is None
+            job = load_welcomed(self.config.job, welcome) if fresh else self.built.job
+            if job.data is not None and (fresh or self.data.manifest is None):
+                await self._while_fetching(sock, asyncio.to_thread(self.data.fetch_manifest, job))
+            self._prepare(welcome, self.data.cache if job.data is not None else None, job)
+        except (Refused, ConfigError) as exc:  # this worker cannot run that job
+            await self._send(sock, proto.Bye(reason=str(exc)[:500]))
             raise
         self.session.pause(time.monotonic(), self.paused)  # (the shared guest's, as it is now)
         await self._perform(sock, self.session.welcomed(time.monotonic(), welcome,
@@ -387,36 +339,19 @@ class Worker:
                           "at the coordinator: refused to compute for another version of the job")
 
     async def _serve(self, sock) -> None:
-        next_sample = time.monotonic() + self.config.sample_every
-        if self._samples:  # (shared probes are MultiWorker's, read by its own task)
-            self.probes.restart()  # the first reading covers one sample, not the start-up
         recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
-        # the probes' reading under way; the process's one compute slot, when shared with other
-        # projects, asked for then lent; MultiWorker's nudge when the shared guest changed
-        sampling = granted = nudge = None
-        if not self._samples:
-            self._nudged = asyncio.Event()
-            nudge = asyncio.ensure_future(self._nudged.wait())
+        nudge = asyncio.ensure_future(self._nudged.wait())  # the guest paused or resumed
+        granted = None  # the process's one compute slot, shared with other projects: asked, lent
         try:
             if self.compute_slot is not None:
                 self.compute_slot.up(self.project)
             while True:
                 await self._perform(sock, self.session.tick(time.monotonic()))
-                if self._samples and sampling is None and time.monotonic() >= next_sample:
-                    sampling = asyncio.ensure_future(asyncio.to_thread(self.probes.read))
-                    next_sample = time.monotonic() + self.config.sample_every
                 computing = self._computing.future if self._computing is not None else None
-                waiting = {f for f in (recv, computing, sampling, granted, nudge) if f is not None}
-                wake = min(self.session.wake_at(),
-                           next_sample if self._samples and sampling is None else math.inf)
-                await asyncio.wait(waiting, timeout=max(0.0, wake - time.monotonic()),
-                                   return_when=asyncio.FIRST_COMPLETED)
-                if sampling is not None and sampling.done():
-                    readings = sampling.result() if sampling.exception() is None else Readings()
-                    sampling = None
-                    if self.guest.apply(readings, time.monotonic()) is not None:
-                        await self._perform(sock, self.session.pause(time.monotonic(), self.paused))
-                if nudge is not None and nudge.done():
+                waiting = {f for f in (recv, computing, granted, nudge) if f is not None}
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED,
+                                   timeout=max(0.0, self.session.wake_at() - time.monotonic()))
+                if nudge.done():
                     self._nudged.clear()
                     nudge = asyncio.ensure_future(self._nudged.wait())
                     await self._perform(sock, self.session.pause(time.monotonic(), self.paused))
@@ -435,7 +370,10 @@ class Worker:
                         granted = self.compute_slot.request(self.project)
                     if granted is not None and not granted.done():
                         continue  # another project's task runs first
-                    await self._start(sock)
+                    now = time.monotonic()  # (what the cache lacks goes back while capped)
+                    self.session.cap(now, self.data.capped_until(now))
+                    await self._perform(sock, self.session.start(
+                        now, lambda work: self.data.has_data(self.engine, work)))
                 if granted is not None and granted.done() and self._computing is None:
                     self.compute_slot.leave(self.project, 0.0)  # lent, but nothing to run now
                     granted = None
@@ -443,11 +381,7 @@ class Worker:
             return
         finally:
             recv.cancel()
-            if nudge is not None:
-                nudge.cancel()
-                self._nudged = None
-            if sampling is not None:
-                await asyncio.wait({sampling})
+            nudge.cancel()
             self._cancel(self.session.lost(time.monotonic()))
             compute_s = 0.0
             if self._computing is not None:  # kept for the next session, or computed again
@@ -459,16 +393,6 @@ class Worker:
             if self.compute_slot is not None:  # asked for, or lent and not used: the others' now
                 self.compute_slot.down(self.project)
 
-    async def _start(self, sock) -> None:
-        """The next slot that can run here; while the transfer cap is spent, what the cache
-        lacks goes back first."""
-        now = time.monotonic()
-        if self.data.cache is not None:
-            until = self.data.cache.capped_until(time.time())
-            self.session.cap(now, None if until is None else now + until - time.time())
-        await self._perform(sock, self.session.start(
-            now, lambda work: self.data.has_data(self.engine, work)))
-
     def _finish(self) -> tuple[S.Outcome, float]:
         """What the computation that ended came to, for the session; its compute seconds."""
         c, self._computing = self._computing, None
@@ -476,31 +400,16 @@ class Worker:
             outcome: Outcome = c.future.result()
         except Cancelled:
             return S.NotComputed(), 0.0
-        except TransferCapReached as exc:
-            log.warning("slot %d: %s", c.slot, exc)
-            left = self.data.cache.capped_until(time.time())
-            return S.Capped(time.monotonic() + (left - time.time() if left else 60.0)), 0.0
-        except (CacheTooSmall, DiskFull) as exc:  # no slot can be computed here until fixed
-            return S.Fatal(str(exc)), 0.0
-        except (CacheError, BlobError) as exc:  # no source has the blob now: the slot goes on
-            if self._cache_logged.ready(time.monotonic()):
-                log.warning("slot %d: %s", c.slot, exc)
-            return S.NotComputed(), 0.0
+        except (CacheError, CacheTooSmall, BlobError) as exc:  # the data plane: cap, sources, disk
+            return self.data.failed(c.slot, exc, time.monotonic()), 0.0
         except Exception as exc:  # noqa: BLE001 - the job's own code failed on this slot
             log.exception("slot %d failed: %s", c.slot, exc)
             return S.NotComputed(), 0.0
         waited = max(0.0, c.began - c.work.arrived) if c.work.arrived is not None else 0.0
         o = dataclasses.replace(outcome, waited_s=waited)
         if o.sums is not None:
-            return S.EvalAnswer(proto.EvalResult(
-                slot=o.slot, version=o.version, compute_s=o.compute_s,
-                sums={name[:proto.MAX_METRIC_NAME]: [_wire_sum(total), _wire_sum(n)]
-                      for name, (total, n) in list(o.sums.items())[:proto.MAX_EVAL_METRICS]})), o.compute_s
-        message = proto.Result(
-            slot=o.slot, version=o.version, samples=o.samples, loss=o.loss, compute_s=o.compute_s,
-            gradient=to_blob(self._wire.encode(o.gradient)), waited_s=o.waited_s,
-            buffers=None if o.buffers is None else to_blob(o.buffers))
-        return S.ResultReady(_Kept(message, o.gradient)), o.compute_s
+            return S.EvalAnswer(eval_message(o)), o.compute_s
+        return S.ResultReady(_Kept(result_message(o, self._wire), o.gradient)), o.compute_s
 
     async def _dispatch(self, sock, frames) -> None:
         now = time.monotonic()
@@ -520,14 +429,8 @@ class Worker:
             self.engine.store = self.data.ensure_cache()
             self._model = (task.version, None, None, SnapshotRef(task.snapshot, task.snapshot_bytes))
         elif task.model is not None:
-            model = self.built.model
             try:
-                params = blob_chunks(task.model, model.numel, model.dtype)
-                buffers = None
-                if model.buffers or task.buffers is not None:
-                    if task.buffers is None:
-                        raise ProtocolError("tensor", "no buffers with the model")
-                    buffers = buffer_vector(task.buffers, model.buffer_numel, model.counter_mask)
+                params, buffers = task_model(task, self.built.model)
             except ProtocolError as exc:
                 return self.session.task(now, task.slot, None, refused=f"bad model: {exc}",
                                          acks=task.acks)

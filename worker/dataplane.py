@@ -23,8 +23,9 @@ from ..common.blobs import MAX_MANIFEST_BYTES, BlobError, Manifest
 from ..common.errors import Refused
 from ..common.permutation import part_indices
 from ..common.throttle import Throttle
-from .cache import (BlobCache, CacheError, CacheTooSmall, CoordinatorSource, HttpSource,
-                    cache_from_settings)
+from .cache import (BlobCache, CacheError, CacheTooSmall, CoordinatorSource, DiskFull, HttpSource,
+                    TransferCapReached, cache_from_settings)
+from .session import Capped, Fatal, NotComputed
 
 log = logging.getLogger("idlegrad.worker")
 
@@ -72,9 +73,16 @@ class DataPlane:
 
     # the coordinator as a source, over the session's socket
 
-    def attach(self, send: Callable) -> None:
-        """`send(message)`, callable from the cache's thread: chunks are asked for with it."""
-        self.coordinator_source.attach(send)
+    def attach(self, loop, send: Callable) -> None:
+        """Chunks are asked for with `send(message)` (a coroutine function) on `loop`, from the
+        cache's thread."""
+        def send_threadsafe(msg) -> None:
+            try:
+                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(send(msg)))
+            except RuntimeError:  # the loop is closing
+                raise ConnectionError("the worker is stopping") from None
+
+        self.coordinator_source.attach(send_threadsafe)
 
     def detach(self) -> None:
         self.coordinator_source.detach()  # fetches under way fail, and resume later
@@ -82,7 +90,22 @@ class DataPlane:
     def deliver(self, chunk) -> None:
         self.coordinator_source.deliver(chunk)
 
-    # readings for the session's heartbeats
+    def failed(self, slot: int, exc: Exception, now: float):
+        """What a slot that met `exc` (CacheError, BlobError) comes to, for the session."""
+        if isinstance(exc, (CacheTooSmall, DiskFull)):  # no slot can be computed here until fixed
+            return Fatal(str(exc))
+        if self._logged.ready(now):
+            log.warning("slot %d: %s", slot, exc)
+        if isinstance(exc, TransferCapReached):  # handed back
+            return Capped(self.capped_until(now) or now + 60.0)
+        return NotComputed()  # no source has the blob now: the slot goes on elsewhere
+
+    # readings for the session
+
+    def capped_until(self, now: float) -> Optional[float]:
+        """When the spent transfer allowance returns, on the clock of `now` (None: not spent)."""
+        until = self.cache.capped_until(time.time()) if self.cache is not None else None
+        return None if until is None else now + until - time.time()
 
     def counters(self) -> Optional[dict]:
         return self.cache.counters() if self.cache is not None else None

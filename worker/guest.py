@@ -1,8 +1,8 @@
 """Being a good guest, for the whole process: the idle policy (`idle.py`), the probes
 (`probes.py`), and the gate that lets the engines compute.
 
-The probes are read every `sample_every` seconds, in a thread, by the daemon (or, with several
-projects, by `MultiWorker`); `apply` decides on a reading. A pause clears the gate: the engines
+The probes are read every `sample_every` seconds, in a thread (`watch`, one task per process
+however many projects it serves); `apply` decides on a reading. A pause clears the gate: the engines
 stop at their next micro-batch boundary (well within a second) and sleep, and downloads under the
 gate stop between two blocks. Every change of state is logged, and written as a JSON line to
 `state_log` when one is configured.
@@ -10,13 +10,14 @@ gate stop between two blocks. Every change of state is logged, and written as a 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 import os
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from .idle import Decision, IdlePolicy, Readings
 from .probes import Probes
@@ -69,3 +70,16 @@ class Guest:
     def close(self) -> None:
         if self._state_log is not None:
             self._state_log.close()
+
+
+async def watch(guest: Guest, sample_every: float, changed: Callable[[], None]) -> None:
+    """Read the machine every `sample_every` seconds; a pause or resume calls `changed`."""
+    guest.probes.restart()  # the first reading covers one sample, not the start-up
+    while True:
+        await asyncio.sleep(sample_every)
+        try:
+            readings = await asyncio.to_thread(guest.probes.read)
+        except Exception:  # noqa: BLE001 - an unreadable machine: unknown readings
+            readings = Readings()
+        if guest.apply(readings, time.monotonic()) is not None:
+            changed()
