@@ -84,6 +84,12 @@ class ShardedDataset(Dataset):
         """The manifest's shard holding sample `index` of this data set."""
         return int(np.searchsorted(self._starts, self.first + index, side="right")) - 1
 
+    def shards_of(self, indices) -> list[int]:
+        """The manifest's shards holding samples `indices` of this data set, each once."""
+        found = np.searchsorted(self._starts, self.first + np.asarray(indices, dtype=np.int64),
+                                side="right") - 1
+        return [int(k) for k in np.unique(found)]
+
     def opened_shards(self) -> list[int]:
         return sorted(self._maps)
 

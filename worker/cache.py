@@ -3,8 +3,11 @@ under the owner's cap.
 
 - Layout: ROOT/blobs/<sha[:2]>/<sha> (whole, checked blobs; the same as a mirror's), and
   ROOT/partial/<sha> (a download under way, resumed with an HTTP Range request).
-- A blob's sha256 is checked when its download ends and again each time it is handed out
-  (`path_of`): a cached blob corrupted on disk is dropped and fetched again.
+- A blob's sha256 is checked when its download ends, and on its first hit in this process (a
+  blob cached by an earlier run): a cached blob found corrupt then is dropped and fetched again.
+  Later hits trust the file this process checked (`_verified`: its inode and size), so a hit
+  costs no hashing; a file corrupted in place after its check is read as it is (a separate
+  issue: the verification is at download and first use).
 - Least recently used blobs go first when room is needed; a blob's last use is its file's
   modification time, so the order survives restarts without an index to keep consistent.
 - At most one download per blob at a time (a lock per name); sources are tried in order (mirrors
@@ -401,6 +404,7 @@ class BlobCache:
         self.bytes_from: dict[str, int] = {}  # source name -> bytes it delivered
         self.interrupted = 0  # downloads stopped by their gate, and resumed after
         self._gates = threading.local()  # the gate of the thread fetching, if any
+        self._verified: dict[str, tuple[int, int]] = {}  # sha256 -> (inode, size) checked here
         os.makedirs(os.path.join(root, "blobs"), exist_ok=True)
         os.makedirs(os.path.join(root, "partial"), exist_ok=True)
         os.makedirs(os.path.join(root, "locks"), exist_ok=True)
@@ -518,17 +522,22 @@ class BlobCache:
         return os.path.isfile(self._path(check_sha256(sha256)))
 
     def path_of(self, sha256: str, size: Optional[int] = None) -> str:
-        """The path of blob `sha256` (of `size` bytes, when known), checked just now."""
+        """The path of blob `sha256` (of `size` bytes, when known), checked by this process."""
         check_sha256(sha256)
         with self._blob_lock(sha256):
             path = self._path(sha256)
             if os.path.isfile(path):
-                if (size is None or os.path.getsize(path) == size) and sha256_file(path) == sha256:
+                st = os.stat(path)
+                mark = (st.st_ino, st.st_size)
+                if (size is None or st.st_size == size) and (
+                        self._verified.get(sha256) == mark or sha256_file(path) == sha256):
+                    self._verified[sha256] = mark
                     now = self.clock()
                     os.utime(path, (now, now))  # its last use, for LRU
                     self.hits += 1
                     return path
                 log.warning("cache: blob %s is corrupt on disk: fetching it again", sha256[:12])
+                self._verified.pop(sha256, None)
                 os.unlink(path)
             if self.capped_until(self.clock()) is not None:  # before any eviction or request
                 raise TransferCapReached(
@@ -621,6 +630,8 @@ class BlobCache:
         os.replace(partial, path)
         now = self.clock()
         os.utime(path, (now, now))
+        st = os.stat(path)
+        self._verified[sha256] = (st.st_ino, st.st_size)  # hashed just now: no more on a hit
         return path
 
     def _copy(self, stream, out, sha256: str, start: int, expected: Optional[int],

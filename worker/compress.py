@@ -1,4 +1,5 @@
-"""Smaller results on the wire: bfloat16 with error feedback (the coordinator's --result-dtype).
+"""Results on the wire: an outcome as its message, and smaller results: bfloat16 with error
+feedback (the coordinator's --result-dtype).
 
 Rounding a change to bfloat16 keeps 8 bits of mantissa: each value is off by up to 0.4%. Error
 feedback (Seide et al. 2014; Karimireddy et al. 2019) keeps what the rounding dropped and adds it
@@ -8,11 +9,13 @@ coordinator receives tracks the sum of the true changes to within one rounding.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
-from ..common.tensors import TORCH_DTYPES
+from ..common import protocol as proto
+from ..common.tensors import TORCH_DTYPES, to_blob
 
 RESULT_DTYPES = ("float32", "bfloat16")
 
@@ -38,3 +41,26 @@ class ErrorFeedback:
 
     def reset(self) -> None:
         self.residual = None
+
+
+def result_message(outcome, feedback: ErrorFeedback) -> proto.Result:
+    """A gradient or local outcome (engine.Outcome) as the coordinator wants it."""
+    return proto.Result(
+        slot=outcome.slot, version=outcome.version, samples=outcome.samples, loss=outcome.loss,
+        compute_s=outcome.compute_s, gradient=to_blob(feedback.encode(outcome.gradient)),
+        waited_s=outcome.waited_s,
+        buffers=None if outcome.buffers is None else to_blob(outcome.buffers))
+
+
+def eval_message(outcome) -> proto.EvalResult:
+    """An evaluation's outcome: its sums, bounded as the wire wants them."""
+    return proto.EvalResult(
+        slot=outcome.slot, version=outcome.version, compute_s=outcome.compute_s,
+        sums={name[:proto.MAX_METRIC_NAME]: [_wire_sum(total), _wire_sum(count)]
+              for name, (total, count) in list(outcome.sums.items())[:proto.MAX_EVAL_METRICS]})
+
+
+def _wire_sum(value: float) -> float:
+    """The wire takes finite sums only: a diverged model's (inf, nan) reads as a huge one."""
+    value = float(value)
+    return value if math.isfinite(value) else (-1e300 if value == -math.inf else 1e300)

@@ -103,6 +103,8 @@ class Engine:
         # the blob cache (worker/cache.py): where snapshots come from, and whose downloads the
         # pause gate interrupts; None until the worker makes one
         self.store = None
+        # what a slot reads, fetched before the job's code runs (the daemon's data plane), or None
+        self.fetch = None
         self._snapshot: Optional[tuple[str, torch.Tensor, Optional[torch.Tensor]]] = None
         # the snapshots used lately, least recent first: one pushed out of these goes from the
         # cache. By use, not by first load: an evaluation's slots at one version interleave
@@ -136,11 +138,18 @@ class Engine:
         gated = self.store.gated(gate) if self.store is not None else contextlib.nullcontext()
         with gated:
             work = self._with_model(work)
+            if self.fetch is not None:
+                self.fetch(work)
             if work.kind == "eval":
                 return self.compute_eval(work, cancel, running)
             if work.kind == "local":
                 return self._compute_local(work, gate, start)
             return self._compute_gradient(work, gate, start)
+
+    @property
+    def loaded_snapshot(self) -> Optional[str]:
+        """The sha256 of the snapshot whose model is loaded, if any."""
+        return self._snapshot[0] if self._snapshot is not None else None
 
     def _with_model(self, work: Work) -> Work:
         """`work` with the model it names by snapshot loaded (fetched, checked by hash; the

@@ -24,8 +24,9 @@ import zmq.asyncio
 from ..common.aio import on_stop_signals
 from ..common.errors import ConfigError
 from ..common.security import ClientKeys
-from .daemon import Guest, Worker, WorkerConfig, pick_device
-from .idle import Readings
+from .building import pick_device
+from .daemon import Worker, WorkerConfig
+from .guest import Guest, watch
 from .shares import ShareScheduler
 
 log = logging.getLogger("idlegrad.worker")
@@ -161,7 +162,7 @@ class MultiWorker:
                                            f"{self.compute_slot.scheduler.shares[s.project]:g})"
                                            for s in self.sessions))
         ctx = zmq.asyncio.Context()
-        watching = asyncio.ensure_future(self._watch())
+        watching = asyncio.ensure_future(watch(self.guest, self.base.sample_every, self._nudge))
         try:
             ended = await asyncio.gather(*(self._serve(s, ctx) for s in self.sessions))
         finally:
@@ -173,6 +174,10 @@ class MultiWorker:
             raise failures[0]  # every project refused this worker: say why, in one line
         return self._stop or next((s._stop for s in self.sessions if s._stop), "stopped")
 
+    def _nudge(self) -> None:
+        for session in self.sessions:
+            session.nudge()
+
     async def _serve(self, session: Worker, ctx) -> Optional[Exception]:
         """One project's session until stopped; a project that refuses this worker ends, and
         the others go on."""
@@ -183,16 +188,3 @@ class MultiWorker:
             log.error("project %s stopped: %s", session.project, exc)
             self.compute_slot.down(session.project)
             return exc
-
-    async def _watch(self) -> None:
-        """Read the machine every sample_every seconds; a pause or resume tells every session."""
-        self.guest.probes.restart()
-        while True:
-            await asyncio.sleep(self.base.sample_every)
-            try:
-                readings = await asyncio.to_thread(self.guest.probes.read)
-            except Exception:  # noqa: BLE001 - an unreadable machine: unknown readings
-                readings = Readings()
-            if self.guest.apply(readings, time.monotonic()) is not None:
-                for session in self.sessions:
-                    session.nudge()

@@ -18,6 +18,8 @@ from idlegrad.worker.cache import (BlobCache, CacheError, CacheTooSmall, DailyAl
                                    HttpSource, RateLimiter, SourceHealth, TransferCapReached,
                                    choose_evictions)
 
+from idlegrad.worker import cache as cache_module
+
 from .blob_mirror import Mirror
 
 SHARD = 1000  # bytes of one shard below: 125 samples of float32[1] + int32[1]
@@ -91,20 +93,36 @@ def test_a_cap_below_one_blob_is_one_line_and_no_download(tmp_path, published):
         assert mirror.requests == []
 
 
-def test_a_blob_corrupted_on_disk_is_detected_and_fetched_again(tmp_path, published):
+def test_a_blob_corrupted_on_disk_is_detected_by_the_next_process_and_fetched_again(tmp_path,
+                                                                                    published):
     manifest, folder = published
     sha = manifest.shards[2].sha256
     with Mirror(folder) as mirror:
-        cache = cache_for(tmp_path, [mirror])
-        path = cache.path_of(sha, SHARD)
+        path = cache_for(tmp_path, [mirror]).path_of(sha, SHARD)
         with open(path, "r+b") as fh:  # same size, one byte flipped: only the hash can tell
             fh.seek(500)
             byte = fh.read(1)
             fh.seek(500)
             fh.write(bytes([byte[0] ^ 1]))
-        path = cache.path_of(sha, SHARD)
+        restarted = cache_for(tmp_path, [mirror])  # its first hit checks the blob
+        path = restarted.path_of(sha, SHARD)
         assert hashlib.sha256(open(path, "rb").read()).hexdigest() == sha
         assert len(mirror.gets_of(sha)) == 2
+
+
+def test_a_blob_is_hashed_at_download_and_not_again_on_each_hit(tmp_path, published, monkeypatch):
+    manifest, folder = published
+    sha = manifest.shards[1].sha256
+    hashed = []
+    real = cache_module.sha256_file
+    monkeypatch.setattr(cache_module, "sha256_file", lambda p: hashed.append(p) or real(p))
+    with Mirror(folder) as mirror:
+        cache = cache_for(tmp_path, [mirror])
+        for _ in range(3):
+            cache.path_of(sha, SHARD)
+        assert len(hashed) == 1 and cache.hits == 2  # the download's check, then none
+        cache_for(tmp_path, [mirror]).path_of(sha, SHARD)  # another process checks it once
+        assert len(hashed) == 2 and len(mirror.gets_of(sha)) == 1
 
 
 def test_a_download_killed_half_way_resumes_with_a_range_request(tmp_path, published):

@@ -91,7 +91,7 @@ def test_one_guest_pauses_every_project(tmp_path):
     assert (a.config.credits, b.config.credits) == (2, 4)
     assert a.config.connect_timeout == b.config.connect_timeout == 0  # wait for a project back
     assert worker.guest.apply(Readings(cpu_others_pct=90.0), 1.0) is not None
-    assert a.paused and b.paused and a._credits() == b._credits() == 0
+    assert a.paused and b.paused
     worker.guest.apply(Readings(cpu_others_pct=0.0), 2.0)
     assert not a.paused and not b.paused
     worker.guest.close()
