@@ -30,7 +30,8 @@ SETTING_FLAGS: list[tuple[str, str, str, str]] = [
     ("--device", "device", "DEVICE", "auto, cpu or cuda[:N] (default: auto)"),
     ("--credits", "credits", "N", "tasks held at once, so the next one is ready (default: 2)"),
     ("--connect-timeout", "connect_timeout", "SECONDS",
-     "give up when the coordinator cannot be reached this long; 0: never (default: 60)"),
+     "give up when the coordinator cannot be reached this long (default 0: wait forever, "
+     "saying so in the log every so often)"),
     ("--id", "id", "NAME", "this worker's name (default: HOST-PID)"),
     ("--state-log", "state_log", "FILE", "append every pause and resume, with readings, as JSON lines"),
     ("--coordinator-key", "coordinator_key", "FILE",

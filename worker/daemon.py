@@ -63,6 +63,7 @@ from .idle import Decision, IdlePolicy, PolicyConfig, Readings, memory_left_mb
 from .compress import ErrorFeedback
 from .link import ShapedSocket
 from .probes import Probes
+from .waiting import Waiting
 
 log = logging.getLogger("idlegrad.worker")
 
@@ -74,7 +75,7 @@ class WorkerConfig:
     threads: Optional[int] = None
     device: str = "auto"
     credits: int = 2
-    connect_timeout: float = 60.0  # 0: keep trying forever
+    connect_timeout: float = 0.0  # 0: keep trying forever (saying so every so often)
     worker_id: Optional[str] = None
     max_backoff: float = 8.0
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
@@ -310,6 +311,7 @@ class Worker:
         reached within connect_timeout: PeerGone)."""
         backoff = 0.25
         give_up_at = self._deadline()
+        waiting = Waiting(self.config.coordinator, self.config.keys is not None, time.monotonic())
         timeout = self.config.connect_timeout
         # one line, so that a worker waiting for its coordinator is not taken for a hung one
         log.info("connecting to the coordinator at %s (%s)", self.config.coordinator,
@@ -325,11 +327,15 @@ class Worker:
                             f"cannot reach the coordinator at {self.config.coordinator} within "
                             f"{self.config.connect_timeout:g}s (is it running? see "
                             f"--connect-timeout{KEYS_HINT if self.config.keys else ''})")
+                    if (line := waiting.report(time.monotonic())) is not None:
+                        log.warning("%s", line)
                     backoff = min(self.config.max_backoff, backoff * 2) * random.uniform(0.8, 1.2)
                     continue
                 backoff = 0.25
                 await self._session(sock, welcome)
                 give_up_at = self._deadline()
+                waiting = Waiting(self.config.coordinator, self.config.keys is not None,
+                                  time.monotonic())
                 if self._stop is None:
                     log.warning("lost the coordinator at %s; reconnecting", self.config.coordinator)
             finally:
