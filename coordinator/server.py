@@ -349,7 +349,9 @@ class Coordinator:
             seed=self.config.seed, heartbeat_s=self.config.heartbeat_s,
             liveness=self.config.liveness, instance=training.instance, holding=holding,
             result_dtype=self.config.result_dtype, blob_mirrors=list(self.config.blob_mirrors),
-            shuffle_window=training.shuffle_window))
+            shuffle_window=training.shuffle_window,
+            job_identity=proto.job_identity_or_none(training.built.identity)
+            if msg.versions.get("job_identity") == proto.JOB_IDENTITY_FORMAT else None))
         if resumed:  # tasks sent down its old connection may be lost: it ignores the ones it has
             await self.perform(self.core.resend(msg.worker_id, now))
 
@@ -357,9 +359,18 @@ class Coordinator:
         worker_id = self._worker_of(route)
         training = self.training
         if msg.fingerprint != training.fingerprint:
+            from ..common.job import job_differences
+
+            differs = "; ".join(job_differences(training.built.identity, msg.job_identity,
+                                                "here", "on the worker")
+                                if msg.job_identity is not None else [])
             reason = (f"this coordinator trains job {training.job.name!r} with fingerprint "
-                      f"{training.fingerprint}; the worker built fingerprint {msg.fingerprint}: "
-                      "start it with the same job and version")
+                      f"{training.fingerprint}; the worker built fingerprint {msg.fingerprint}"
+                      f"{f' ({differs})' if differs else ''}: "
+                      "start it with the same job and version")[:proto.MAX_STR]
+            self._event("refused", f"{worker_id} built another job than this one: "
+                                   f"{differs or f'fingerprint {msg.fingerprint}'}"[:500],
+                        worker_id, logging.WARNING)
             await self._send(route, proto.Reject(code="job", reason=reason))
             await self.perform(self.core.leave(worker_id, "wrong job", time.monotonic()))
             return

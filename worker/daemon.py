@@ -50,7 +50,7 @@ from .. import __version__
 from ..common import protocol as proto
 from ..common.aio import on_stop_signals
 from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
-from ..common.job import BuiltJob, Job, build, epoch_order, model_bytes
+from ..common.job import BuiltJob, Job, build, epoch_order, job_differences, model_bytes
 from ..common.job_loading import builtin_job_names, load_job
 from ..common.security import KEYS_HINT, ClientKeys
 from ..common.tensors import blob_chunks, buffer_vector, to_blob
@@ -159,6 +159,10 @@ def _wire_sum(value: float) -> float:
     """The wire takes finite sums only: a diverged model's (inf, nan) reads as a huge one."""
     value = float(value)
     return value if math.isfinite(value) else (-1e300 if value == -math.inf else 1e300)
+
+
+class _OtherJob(Refused):
+    """The job built here is not the coordinator's (another fingerprint)."""
 
 
 class _Rehello(Exception):
@@ -368,7 +372,8 @@ class Worker:
             threads=self.threads, device=str(self.device),
             memory_mb=psutil.virtual_memory().total // 2**20,
             versions={"idlegrad": __version__, "torch": torch.__version__,
-                      "python": platform.python_version(), "protocol": str(proto.PROTOCOL_VERSION)},
+                      "python": platform.python_version(), "protocol": str(proto.PROTOCOL_VERSION),
+                      "job_identity": proto.JOB_IDENTITY_FORMAT},
             job=self.config.job, instance=self._instance)
 
     async def _send(self, sock, msg: proto.Message) -> None:
@@ -516,9 +521,16 @@ class Worker:
         self._wire = ErrorFeedback(welcome.result_dtype)
         if self.built.fingerprint != welcome.fingerprint:
             # Another model under the job's name (another version of its code, or of idlegrad):
-            # its gradients would be of no use, so say so and leave instead of joining.
-            raise Refused(f"job fingerprint {self.built.fingerprint} here, {welcome.fingerprint} "
-                          "at the coordinator: refused to compute for another version of the job")
+            # its gradients would be of no use, so say what differs and leave instead of joining.
+            if welcome.job_identity is None:  # a coordinator that does not say
+                raise _OtherJob(f"job fingerprint {self.built.fingerprint} here, "
+                                f"{welcome.fingerprint} at the coordinator: refused to compute "
+                                "for another version of the job")
+            differs = job_differences(self.built.identity, welcome.job_identity,
+                                      "here", "at the coordinator")
+            raise _OtherJob(f"job {self.built.job.name!r} here is not the coordinator's "
+                            f"({'; '.join(differs) or 'fingerprints differ'}): start this worker "
+                            "with the coordinator's job and version")
 
     def _check_memory(self, job: Job, built: Optional[BuiltJob] = None) -> None:
         """Refuse a job the owner's memory limits have no room for. The coordinator chooses the
@@ -576,7 +588,14 @@ class Worker:
                     store = await self._data_store(sock, welcome)
                     self._prepare(welcome, store)
                 except (Refused, ConfigError) as exc:  # this worker cannot run that job
-                    await self._send(sock, proto.Bye(reason=str(exc)[:500]))
+                    if isinstance(exc, _OtherJob) and welcome.job_identity is not None:
+                        # the coordinator says what differs; its answer shows the ready arrived
+                        await self._send(sock, proto.Ready(
+                            credits=0, fingerprint=self.built.fingerprint,
+                            job_identity=proto.job_identity_or_none(self.built.identity)))
+                        await self._recv(sock, 2.0)
+                    else:
+                        await self._send(sock, proto.Bye(reason=str(exc)[:500]))
                     raise
                 await self._resume(sock, welcome)
                 self._shards_said, self._prefetch_told = None, []  # a new session hears anew
