@@ -514,6 +514,40 @@ def reference_gradient_norm(job: Job, model: FlatModel, train: Dataset, seed: Ep
     return norm / count
 
 
+SUMMED_LOSS_RATIO = 1.5  # a mean over a batch and its half: about 1; a sum: about 2
+
+
+def summed_loss_warning(job: Job, module: nn.Module, train: Dataset, order: EpochOrder
+                        ) -> Optional[str]:
+    """One line when the job's loss looks like a sum over the batch rather than the mean that
+    idlegrad expects (gradients are scaled as means, and `loss<=` targets read means): the loss
+    of the first batch against the loss of its first half. None when it looks like a mean, or
+    when the check cannot tell (a tiny batch, a loss near zero or not finite, a loss that fails:
+    its failure is reported where the loss is first computed)."""
+    count = min(job.batch_size, len(train))
+    if count < 4:
+        return None
+    was_training = module.training
+    module.eval()  # no dropout draws, no BatchNorm statistics updated
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            whole, half = (float(job.loss(module, part_batch(train, order, 0, 0, n, job.collate)))
+                           for n in (count, count // 2))
+    except Exception:
+        return None
+    finally:
+        module.train(was_training)
+    if not (math.isfinite(whole) and math.isfinite(half)) or abs(half) < 1e-8:
+        return None
+    ratio = whole / half
+    if ratio < SUMMED_LOSS_RATIO:
+        return None
+    return (f"job {job.name!r}: its loss looks like a sum over the batch, not the mean idlegrad "
+            f"expects: {whole:.4g} on the first {count} training samples, {half:.4g} on "
+            f"{count // 2} ({ratio:.2f} times); its gradients and loss<= targets then scale with "
+            "the batch (divide the loss by the batch's size, e.g. reduction='mean')")
+
+
 @dataclass
 class LossTally:
     loss_sum: float  # the per-sample losses of every part, summed (zero-coefficient parts too)

@@ -92,7 +92,9 @@ class Coordinator:
                              f"on the {self.training.eval_on} ({self.training.eval_choice.reason}), "
                              f"disputes settled on the {self.training.settle_on}"
                              + (f"; the first slot once {self.config.min_workers} workers have "
-                                "joined" if self.config.min_workers > 1 else ""))
+                                "joined" if self.config.min_workers > 1 else "")
+                             + (f"; WARNING: {self.training.loss_warning}"
+                                if self.training.loss_warning else ""))
         try:
             await self._loop(transport)
             await self._finish()

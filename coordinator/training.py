@@ -19,7 +19,7 @@ import torch
 from ..common.errors import CheckpointError, ConfigError, JobError
 from ..common.job import (build, build_schedule, epoch_order, eval_size, evaluate,
                           evaluation_sums, load_job, make_optimizer, reference_gradient_norm,
-                          resolve_factory, sums_evaluable)
+                          resolve_factory, summed_loss_warning, sums_evaluable)
 from ..common.permutation import ShardOrder, epoch_blocks
 from ..common.job import FlatModel
 from . import blobserve, checkpoint, outer, snapshots
@@ -116,6 +116,10 @@ class Training:
             window = self._resume_order(state, window)
         # The order every side reads the training set in (the welcome's shuffle_window)
         self.order = epoch_order(self.built.train, config.seed, window)
+        self.loss_warning = summed_loss_warning(job, self.built.model.module, self.built.train,
+                                                self.order)
+        if self.loss_warning:
+            log.warning("%s", self.loss_warning)
         sharded = isinstance(self.order, ShardOrder)
         self.sampler = Sampler(len(self.built.train), config.epochs,
                                blocks=partial(epoch_blocks, self.order) if sharded else None)
