@@ -595,6 +595,7 @@ class Coordinator:
             elif isinstance(effect, Event):
                 self.training.record(effect)
             elif isinstance(effect, Applied):
+                self.training.applied(effect, time.monotonic())
                 self.records.write("applied", round=effect.round, version=effect.version,
                                    parts=[list(p) for p in effect.parts], t=time.time())
                 self.training.prune_snapshots()

@@ -23,6 +23,8 @@ from ..common.job import (build, build_schedule, epoch_order, eval_size, evaluat
 from ..common.permutation import ShardOrder, epoch_blocks
 from ..common.job import FlatModel
 from . import blobserve, checkpoint, outer, snapshots
+from .effects import Applied
+from .rates import AppliedRates
 from .config import Checked, CoordinatorConfig, naming_job_args
 from .credits import Credits
 from .effects import Event
@@ -158,6 +160,13 @@ class Training:
         self.curve: deque[dict] = deque(maxlen=CURVE_POINTS)  # recent evaluations, for monitors
         self.instance = f"{pysocket.gethostname()}-{os.getpid()}-{time.time():.3f}"
         self.started = 0.0  # scheduler time the serving began
+        self.rates = AppliedRates()  # the status's samples/s, in all and per worker
+
+    def applied(self, effect: Applied, now: float) -> None:
+        """An applied round's used results, for the rates (by worker id, as status rows are)."""
+        names = self.core.identity_names
+        self.rates.applied(now, ((names.get(c.identity, c.identity), c.samples)
+                                 for c in effect.credits))
 
     @property
     def shuffle_window(self) -> int:

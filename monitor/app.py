@@ -204,7 +204,7 @@ class MonitorApp(App):
             header = self.query_one("#header", Static)
         except NoMatches:  # a fetch that ends while the app closes finds its widgets gone
             return
-        header.update(view.header(snap))
+        header.update(view.header(snap, lost=self.lost_at is not None))
         sort_note = f"sort: {self.sort}" + (
             f"  filter: {view.shown(repr(self.filter_text))}" if self.filter_text else "")
         self.query_one("#connection", Static).update(

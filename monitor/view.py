@@ -94,6 +94,18 @@ def number(value: Any, digits: int = 3) -> str:
     return shown(value)
 
 
+def epochs_done(value: Any) -> str:
+    """Epochs as people read them: 12.3, 0.44, 0.0044 (the snapshot rounds to 4 decimals), never
+    4.4e-03."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return "-"
+    if value >= 10:
+        return f"{value:,.1f}"
+    if value >= 0.1 or value == 0:
+        return f"{value:.2f}"
+    return f"{value:.4f}"
+
+
 # header and ETA --------------------------------------------------------------------------------
 
 
@@ -147,21 +159,23 @@ def eta(snap: dict, window: int = 10) -> tuple[Optional[float], str]:
     return best
 
 
-def header(snap: Optional[dict], connection: Union[str, Text] = "") -> Text:
-    """The top two lines."""
+def header(snap: Optional[dict], connection: Union[str, Text] = "", lost: bool = False) -> Text:
+    """The top two lines. `lost`: `snap` is the last one of a coordinator that no longer answers
+    (its state and ETA are not said as if they held)."""
     title = ("idlegrad top", "bold")
     if snap is None:
         return Text.assemble(title, "  ", connection or "waiting for the coordinator")
-    state = snap.get("state", "?")
-    style = {"training": "green", "paused": "magenta", "stopping": "yellow"}.get(str(state), "white")
+    state = "coordinator lost" if lost else snap.get("state", "?")
+    style = {"training": "green", "paused": "magenta", "stopping": "yellow",
+             "coordinator lost": "red"}.get(str(state), "white")
     metrics = snap.get("metrics") or {}
     metric = target_metric(snap)
-    seconds, why = eta(snap)
+    seconds, why = eta(snap) if not lost else (None, "")
     gap = "  "
     line1 = Text.assemble(
         title, gap, "job ", (shown(snap.get("job", "?")), "cyan"), gap, (shown(state), style), gap,
         "version ", (number(snap.get("version")), "bold"), gap,
-        f"samples {number(snap.get('samples'))} ({number(snap.get('epoch'), 2)} epochs)", gap,
+        f"samples {number(snap.get('samples'))} ({epochs_done(snap.get('epoch'))} epochs)", gap,
         (number(snap.get("samples_per_s"), 1), "bold"), " samples/s")
     line2 = [f"loss {number(snap.get('loss'))}"]
     if metric and metric in metrics:
@@ -402,7 +416,7 @@ def summary_rows(snap: dict) -> list[tuple[str, str]]:
     rows = [
         ("job", shown(snap.get("job", "?"))), ("state", shown(snap.get("state", "?"))),
         ("version", number(snap.get("version"))),
-        ("samples", f"{number(snap.get('samples'))} ({number(snap.get('epoch'), 2)} epochs)"),
+        ("samples", f"{number(snap.get('samples'))} ({epochs_done(snap.get('epoch'))} epochs)"),
         ("samples/s", number(snap.get("samples_per_s"), 1)),
         ("train loss", number(snap.get("loss"))),
         ("metrics", shown(", ".join(f"{shown(k)} {number(v, 4)}" for k, v in metrics.items()))

@@ -196,6 +196,8 @@ def test_lost_and_restarted_coordinator_is_said_on_screen():
             await settle(pilot, app, fetches=2)
             assert "lost the coordinator" in app.connection
             assert app.worker_ids() == ["w1", "w2", "w3"]  # the last known state stays
+            head = str(app.query_one("#header").render())
+            assert "coordinator lost" in head and "training" not in head and "ETA" not in head
             app.poll()
             await settle(pilot, app, fetches=3)
             app.poll()

@@ -232,3 +232,11 @@ def test_credit_rows_follow_the_columns():
     assert fast["first_seen"].startswith("2023-11-1")
     assert rows[2][-1] == "-"  # no time given
     assert view.credit_rows(None) == [] and view.credit_rows({"workers": []}) == []
+
+
+def test_epochs_read_as_fractions_not_in_scientific_notation():
+    snap = dict(snapshot(), epoch=0.0044)
+    assert "(0.0044 epochs)" in view.header(snap).plain
+    assert dict(view.summary_rows(snap))["samples"].endswith("(0.0044 epochs)")
+    assert [view.epochs_done(e) for e in (0, 0.44, 3.25, 12.34, None)] == \
+        ["0.00", "0.44", "3.25", "12.3", "-"]
