@@ -121,6 +121,17 @@ def _service_scope(p: argparse.ArgumentParser) -> None:
     p.set_defaults(scope="user")
 
 
+class _CoordinatorsJobArg(argparse.Action):
+    """`worker --job-arg`: one line saying where job arguments come from, not "unrecognized"."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error("--job-arg is the coordinator's: a worker gets the job's arguments from its "
+                     "coordinator (give them to `idlegrad coordinator --job-arg K=V`)")
+
+
 def add_worker_parser(sub, add_common: Callable, positive: Callable, non_negative: Callable,
                       parser_class) -> argparse.ArgumentParser:
     w = sub.add_parser("worker", help="compute gradient tasks for a coordinator",
@@ -130,6 +141,7 @@ def add_worker_parser(sub, add_common: Callable, positive: Callable, non_negativ
     _add_settings(w, positive, non_negative)
     w.add_argument("--print-config", action="store_true",
                    help="print the effective settings (TOML) and exit")
+    w.add_argument("--job-arg", action=_CoordinatorsJobArg, help=argparse.SUPPRESS)
     add_common(w)
     w.set_defaults(func=run_worker)
 
