@@ -59,7 +59,8 @@ from ..common.blobs import BlobError, Manifest, MAX_MANIFEST_BYTES
 from .cache import (BlobCache, CacheError, CacheTooSmall, CoordinatorSource, DiskFull, HttpSource,
                     TransferCapReached, cache_from_settings)
 from .engine import Cancelled, Engine, Outcome, SnapshotRef, Work
-from .idle import Decision, IdlePolicy, PolicyConfig, Readings, memory_left_mb
+from .idle import (Decision, IdlePolicy, PolicyConfig, Readings, describe_policy,
+                   memory_left_mb)
 from .compress import ErrorFeedback
 from .link import ShapedSocket
 from .probes import Probes
@@ -301,7 +302,8 @@ class Worker:
 
     async def _main(self) -> str:
         on_stop_signals(self._on_signal)
-        log.info("idle policy: %s", self.probes.describe())
+        log.info("idle policy: %s (readings: %s)", describe_policy(self.guest.policy.config),
+                 self.probes.describe())
         ctx = zmq.asyncio.Context()
         try:
             await self.connect_loop(ctx)

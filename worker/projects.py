@@ -25,7 +25,7 @@ from ..common.aio import on_stop_signals
 from ..common.errors import ConfigError
 from ..common.security import ClientKeys
 from .daemon import Guest, Worker, WorkerConfig, pick_device
-from .idle import Readings
+from .idle import Readings, describe_policy
 from .shares import ShareScheduler
 
 log = logging.getLogger("idlegrad.worker")
@@ -156,7 +156,8 @@ class MultiWorker:
 
     async def _main(self) -> str:
         on_stop_signals(self._on_signal)
-        log.info("idle policy: %s", self.guest.probes.describe())
+        log.info("idle policy: %s (readings: %s)", describe_policy(self.guest.policy.config),
+                 self.guest.probes.describe())
         log.info("projects: %s", ", ".join(f"{s.project} ({s.config.coordinator}, share "
                                            f"{self.compute_slot.scheduler.shares[s.project]:g})"
                                            for s in self.sessions))

@@ -202,3 +202,14 @@ def test_paths_the_coordinator_cannot_write_are_one_line(run_cli, tmp_path, flag
     result = run_cli(["coordinator", "--job", "digits", flag, str(make(tmp_path))])
     assert result.code == EXIT_USAGE
     assert f"{flag} " in result.one_line_error() and "cannot write there" in result.err
+
+
+def test_coordinator_help_lists_every_builtin_job(run_cli):
+    from idlegrad.common.job_loading import builtin_job_names
+
+    code, out, _ = run_cli(["coordinator", "--help"])
+    assert code == 0
+    flat = " ".join(out.split())  # argparse wraps the help
+    for name in builtin_job_names():
+        assert name in flat, name
+    assert "packed, resnet" in flat or "lm, packed" in flat

@@ -178,3 +178,21 @@ def test_a_waiting_worker_says_so_every_so_often_and_names_the_keys_only_with_ke
     assert "keys" not in plain.report(31.0)
     assert plain.report(5000.0).endswith("for 1h23m; still trying (is it running?)")
     assert plain.report(5001.0) is None  # one report for a long sleep, not one per missed one
+
+
+def test_the_worker_log_confirms_no_idle_policy_and_the_limits_that_still_hold(run_cli, caplog):
+    from idlegrad.cli.processes import free_port
+
+    caplog.set_level("INFO", logger="idlegrad")
+    code, _, _ = run_cli(["worker", "--no-idle-policy", "--hours", "09:00-17:00",
+                            "--coordinator", f"tcp://127.0.0.1:{free_port()}",
+                            "--connect-timeout", "0.3", "--device", "cpu", "--threads", "1",
+                            "--no-low-priority"])
+    assert code != 0  # nobody answers
+    assert ("idle policy: off (--no-idle-policy): computing whatever the machine does; the "
+            "owner's limits still hold: hours 09:00-17:00") in caplog.text, caplog.text
+    s, _ = settings_of(build_parser().parse_args(["worker"]))
+    from idlegrad.worker.idle import describe_policy
+
+    assert describe_policy(s.policy()).startswith("pausing when others use over 25% CPU, user "
+                                                  "input within 180s, on battery")
