@@ -348,6 +348,14 @@ def _setup_logging(level: str) -> None:
 def _run_coordinator(args) -> int:
     import os
 
+    from .processes import check_bindable
+
+    # a port in use: one line now, not after the job is built
+    check_bindable(args.bind, "")
+    if args.enrolled:
+        from ..common.invitation import enrol_address
+
+        check_bindable(enrol_address(args.bind), "the enrolment endpoint ")
     from ..common.coding import parse_redundancy
     from ..common.job_loading import parse_job_args
     from ..coordinator.aggregator import StalenessRule

@@ -213,3 +213,21 @@ def test_coordinator_help_lists_every_builtin_job(run_cli):
     for name in builtin_job_names():
         assert name in flat, name
     assert "packed, resnet" in flat or "lm, packed" in flat
+
+
+def test_a_port_in_use_is_one_line_before_anything_is_built(run_cli, monkeypatch):
+    import socket
+
+    from idlegrad.coordinator import server
+
+    def built(self, config):
+        raise AssertionError("the coordinator was built before its port was found taken")
+
+    monkeypatch.setattr(server.Coordinator, "__init__", built)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        code, out, err = run_cli(["coordinator", "--job", "digits", "--bind", address])
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"idlegrad coordinator: error: cannot bind {address}: Address already in use")
