@@ -121,7 +121,9 @@ def target_metric(snap: dict) -> Optional[str]:
     return others[0] if others else ("loss" if "loss" in metrics else None)
 
 
-def _slope(points: Sequence[tuple[float, float]]) -> Optional[float]:
+def _line_fit(points: Sequence[tuple[float, float]]) -> Optional[tuple[float, float]]:
+    """(intercept, slope) of the least-squares line through `points`; None for fewer than two
+    distinct times."""
     n = len(points)
     if n < 2:
         return None
@@ -130,12 +132,15 @@ def _slope(points: Sequence[tuple[float, float]]) -> Optional[float]:
     den = sum((t - mt) ** 2 for t, _ in points)
     if den <= 0:
         return None
-    return sum((t - mt) * (v - mv) for t, v in points) / den
+    slope = sum((t - mt) * (v - mv) for t, v in points) / den
+    return mv - slope * mt, slope
 
 
 def eta(snap: dict, window: int = 10) -> tuple[Optional[float], str]:
-    """(seconds until training ends, why): the sooner of the target, extrapolated linearly from
-    the last `window` evaluations, and the epoch limit at the current samples/s."""
+    """(seconds until training ends, why): the sooner of the target and the epoch limit at the
+    current samples/s. The target's: where a line fit to the last `window` evaluations meets it,
+    less the time elapsed since (so it counts down between evaluations); none when the curve is
+    not approaching the target, or the fit says it is past it while the last evaluation is not."""
     best: tuple[Optional[float], str] = (None, "")
     metric, goal = snap.get("target_metric"), snap.get("target_value")
     higher = snap.get("target_higher")
@@ -147,9 +152,13 @@ def eta(snap: dict, window: int = 10) -> tuple[Optional[float], str]:
             current = points[-1][1]
             if (current >= goal) if higher else (current <= goal):
                 return 0.0, "target"
-            slope = _slope(points)
-            if slope and ((slope > 0) if higher else (slope < 0)):
-                best = ((goal - current) / slope, "target")
+            fit = _line_fit(points)
+            if fit and ((fit[1] > 0) if higher else (fit[1] < 0)):
+                now = snap.get("elapsed_s")
+                now = now if isinstance(now, (int, float)) else points[-1][0]
+                left = (goal - fit[0]) / fit[1] - now
+                if left > 0:
+                    best = (left, "target")
     epochs, size = snap.get("epochs"), snap.get("train_samples")
     rate, epoch = snap.get("samples_per_s") or 0, snap.get("epoch") or 0
     if epochs and size and rate > 0:
