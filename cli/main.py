@@ -61,8 +61,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _add_job(p: argparse.ArgumentParser, required: bool) -> None:
+    from ..common.job_loading import builtin_job_names
+
     p.add_argument("--job", required=required, metavar="SPEC",
-                   help="built-in name (digits, synthetic), module:attr or path/to/file.py:attr")
+                   help=f"a built-in job ({', '.join(builtin_job_names())}), module:attr or "
+                        "path/to/file.py:attr")
     p.add_argument("--job-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="keyword argument for the job's factory (repeatable)")
 
@@ -345,6 +348,14 @@ def _setup_logging(level: str) -> None:
 def _run_coordinator(args) -> int:
     import os
 
+    from .processes import check_bindable
+
+    # a port in use: one line now, not after the job is built
+    check_bindable(args.bind, "")
+    if args.enrolled:
+        from ..common.invitation import enrol_address
+
+        check_bindable(enrol_address(args.bind), "the enrolment endpoint ")
     from ..common.coding import parse_redundancy
     from ..common.job_loading import parse_job_args
     from ..coordinator.local import OuterConfig

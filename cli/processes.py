@@ -5,6 +5,7 @@ Used by the demo and by the integration tests, so both clean up the same way.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
@@ -95,3 +96,31 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def check_bindable(address: str, what: str) -> None:
+    """ConfigError (one line) when a tcp:// `address` is already taken, before a process builds
+    anything: a coordinator otherwise found out only when it bound, after building its job.
+    Anything else (another transport, a name that does not resolve) is left to the bind."""
+    from ..common.errors import ConfigError
+
+    if not address.startswith("tcp://"):
+        return
+    host, _, port = address[len("tcp://"):].rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return
+    host = "" if host in ("*", "") else host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except OSError:
+        return
+    family, kind, proto, _, sockaddr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(f"cannot bind {what}{address}: {exc.strerror} (is another "
+                                  "coordinator running there? choose another port)") from None

@@ -229,17 +229,16 @@ def run_simulate(args) -> int:
               f"{args.train_samples} samples of --train-samples", file=sys.stderr)
     print(f"{len(fleet)} workers, {args.duration:g} virtual s, modes {', '.join(modes)}",
           file=sys.stderr, flush=True)
-    def progress(r):
-        print(f"  {r.mode}: {r.wall_s:.1f} s wall", file=sys.stderr, flush=True)
-
-    results = sim.compare(fleet, config, modes, make_gradients,
-                          target.reached if target else None, progress=progress)
+    runs = [(mode, config) for mode in modes]
     if args.locality == "compare" and args.shards:
-        without = sim.compare(fleet, dataclasses.replace(config, locality=False), modes,
-                              make_gradients, target.reached if target else None,
-                              progress=progress)
-        for mode, r in without.items():
-            r.mode = f"{mode}/no-locality"
+        runs += [(mode, dataclasses.replace(config, locality=False)) for mode in modes]
+    results = {}
+    with _progress(len(runs)) as advance:
+        for mode, run_config in runs:
+            (r,) = sim.compare(fleet, run_config, [mode], make_gradients,
+                               target.reached if target else None, progress=advance).values()
+            if not run_config.locality and config.locality:
+                r.mode = f"{mode}/no-locality"
             results[r.mode] = r
     print_table(results, target)
     if args.plot:
@@ -251,6 +250,37 @@ def run_simulate(args) -> int:
                                                              for r in results.values()), 2),
                           "workers": len(fleet)}))
     return EXIT_OK
+
+
+class _progress:
+    """A bar over the modes on a terminal (stderr), else one line per mode as it ends."""
+
+    def __init__(self, runs: int):
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.runs = runs
+        console = Console(stderr=True)
+        self.bar = (Progress(TextColumn("{task.description}"), BarColumn(),
+                             TextColumn("{task.completed}/{task.total} modes"),
+                             TimeElapsedColumn(), console=console, transient=True)
+                    if console.is_terminal else None)
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.start()
+            self.task = self.bar.add_task("simulating", total=self.runs)
+        return self.advance
+
+    def advance(self, r) -> None:
+        if self.bar is None:
+            print(f"  {r.mode}: {r.wall_s:.1f} s wall", file=sys.stderr, flush=True)
+        else:
+            self.bar.update(self.task, advance=1, description=f"simulated {r.mode}")
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
 
 
 def _fmt(v, spec=".1f") -> str:
@@ -289,10 +319,42 @@ def print_table(results, target=None) -> None:
             print(f"  {mode}: workers downloaded {sum(r.downloaded.values()) / 2**20:,.0f} MB "
                   f"of shards ({r.data_bytes / 2**20:,.0f} MB of data); the most any one did is "
                   f"{r.download_ratio:.2f} x its share")
-    print("samples/s: applied samples over the virtual time (to the target when reached); "
-          "wasted: worker compute not in an applied step; tau: staleness of applied rounds; "
-          "coord: coordinator busy; us/slot: scheduler time per slot handed out, all of it (us/dec: "
-          "without its ticks, ms/tick: per tick)")
+    for mode, r in results.items():
+        if r.wasted_fraction >= 0.05:
+            print(f"  {mode}: wasted {100 * r.wasted_fraction:.0f}%: {_waste_causes(r)}")
+    for line in LEGEND:
+        print(line)
+
+
+LEGEND = (
+    "mode       the redundancy code: none, replicate:R (R copies of each slot), cyclic:S (any S "
+    "slots of a round may straggle), sync",
+    "samples/s  training samples applied per virtual second (to the target, when one was reached)",
+    "rounds     optimizer steps taken; replan: rounds dropped as too stale (older than "
+    "--max-staleness) and planned again",
+    "wasted     worker compute that went into no applied step: spare copies, replanned rounds, "
+    "work lost with workers that left",
+    "tau        mean staleness of the applied rounds (versions behind the model); tau90: its 90th "
+    "percentile",
+    "coord      share of the time the coordinator was busy (near 100%: it is the bottleneck)",
+    "t_target   virtual seconds to --target or --target-samples (-: not reached)",
+    "us/slot    the scheduler's CPU per slot handed out, ticks included (us/dec: without them; "
+    "ms/tick: per tick)",
+    "wall_s     real seconds this mode took to simulate",
+)
+
+
+def _waste_causes(r) -> str:
+    """Where the wasted compute went, in the counts the simulation keeps."""
+    causes = []
+    if r.slots_cancelled:
+        causes.append(f"{r.slots_cancelled:,} of {r.slots_assigned:,} slots cancelled (copies not "
+                      "needed once their row was in: replicas, coded spares, speculative "
+                      "duplicates; or their worker left)")
+    if r.rounds_replanned:
+        causes.append(f"{r.rounds_replanned:,} rounds replanned as too stale (many rounds open "
+                      "at once: cap --open-rounds, or raise --batch)")
+    return "; ".join(causes) or "results lost with workers that left or missed their deadline"
 
 
 def plot(results, path: str, title: str) -> None:

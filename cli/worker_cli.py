@@ -30,7 +30,8 @@ SETTING_FLAGS: list[tuple[str, str, str, str]] = [
     ("--device", "device", "DEVICE", "auto, cpu or cuda[:N] (default: auto)"),
     ("--credits", "credits", "N", "tasks held at once, so the next one is ready (default: 2)"),
     ("--connect-timeout", "connect_timeout", "SECONDS",
-     "give up when the coordinator cannot be reached this long; 0: never (default: 60)"),
+     "give up when the coordinator cannot be reached this long (default 0: wait forever, "
+     "saying so in the log every so often)"),
     ("--id", "id", "NAME", "this worker's name (default: HOST-PID)"),
     ("--state-log", "state_log", "FILE", "append every pause and resume, with readings, as JSON lines"),
     ("--coordinator-key", "coordinator_key", "FILE",
@@ -120,6 +121,17 @@ def _service_scope(p: argparse.ArgumentParser) -> None:
     p.set_defaults(scope="user")
 
 
+class _CoordinatorsJobArg(argparse.Action):
+    """`worker --job-arg`: one line saying where job arguments come from, not "unrecognized"."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error("--job-arg is the coordinator's: a worker gets the job's arguments from its "
+                     "coordinator (give them to `idlegrad coordinator --job-arg K=V`)")
+
+
 def add_worker_parser(sub, add_common: Callable, positive: Callable, non_negative: Callable,
                       parser_class) -> argparse.ArgumentParser:
     w = sub.add_parser("worker", help="compute gradient tasks for a coordinator",
@@ -129,6 +141,7 @@ def add_worker_parser(sub, add_common: Callable, positive: Callable, non_negativ
     _add_settings(w, positive, non_negative)
     w.add_argument("--print-config", action="store_true",
                    help="print the effective settings (TOML) and exit")
+    w.add_argument("--job-arg", action=_CoordinatorsJobArg, help=argparse.SUPPRESS)
     add_common(w)
     w.set_defaults(func=run_worker)
 

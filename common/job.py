@@ -14,7 +14,7 @@ import hashlib
 import inspect
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -201,6 +201,9 @@ class BuiltJob:
     train: Dataset
     test: Dataset
     fingerprint: str
+    # what the fingerprint is a hash of: name, parameter and buffer layouts, data set sizes and
+    # manifests; peers compare them to say what differs (job_differences)
+    identity: dict = field(default_factory=dict)
 
 
 def build(job: Job, device: torch.device | str = "cpu", seed: int = 0,
@@ -240,7 +243,47 @@ def build(job: Job, device: torch.device | str = "cpu", seed: int = 0,
     if any(data.values()):
         identity["data"] = data
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    return BuiltJob(job, model, train, test, digest)
+    return BuiltJob(job, model, train, test, digest, identity)
+
+
+def job_differences(here: dict, there: dict, here_is: str = "here",
+                    there_is: str = "there", most: int = 3) -> list[str]:
+    """What differs between two jobs' identities (BuiltJob.identity), one phrase each, at
+    most `most` per kind; a peer's identity is untrusted, so only its expected keys are read."""
+    out: list[str] = []
+
+    def pair(a, b) -> str:
+        return f"{a} {here_is}, {b} {there_is}"
+
+    def layout(entry) -> str:  # [shape, dtype], or None where the tensor is missing
+        return "none" if entry is None else f"{entry[0]} {entry[1]}"
+
+    if here.get("name") != there.get("name"):
+        out.append(f"job name {pair(repr(here.get('name')), repr(there.get('name')))}")
+    for key, kind in (("params", "parameter"), ("buffers", "buffer")):
+        ours = {e[0]: e[1:] for e in here.get(key) or []}
+        theirs = {e[0]: e[1:] for e in there.get(key) or []}
+        found = []
+        for name in [*ours, *(n for n in theirs if n not in ours)]:
+            a, b = ours.get(name), theirs.get(name)
+            if a == b:
+                continue
+            found.append(f"{kind} {name}: {pair(layout(a), layout(b))}")
+        if not found and list(ours) != list(theirs):
+            found.append(f"{kind} order differs")
+        out.extend(found[:most])
+        if len(found) > most:
+            out.append(f"and {len(found) - most} more {kind}s")
+    for key, label in (("train", "training set"), ("test", "test set")):
+        if here.get(key) != there.get(key):
+            out.append(f"{label}: {pair(f'{here.get(key)} samples', f'{there.get(key)} samples')}")
+    ours, theirs = here.get("data") or {}, there.get("data") or {}
+    for key in ("train", "test"):
+        a, b = ours.get(key), theirs.get(key)
+        if a != b:
+            a, b = (str(v)[:12] if v else "none" for v in (a, b))
+            out.append(f"{key} data manifest {pair(a, b)}")
+    return out
 
 
 def _check_recipe(job: Job) -> None:
@@ -469,6 +512,40 @@ def reference_gradient_norm(job: Job, model: FlatModel, train: Dataset, seed: Ep
     norm = float(torch.linalg.vector_norm(model.grads, dtype=torch.float64))
     model.grads.zero_()
     return norm / count
+
+
+SUMMED_LOSS_RATIO = 1.5  # a mean over a batch and its half: about 1; a sum: about 2
+
+
+def summed_loss_warning(job: Job, module: nn.Module, train: Dataset, order: EpochOrder
+                        ) -> Optional[str]:
+    """One line when the job's loss looks like a sum over the batch rather than the mean that
+    idlegrad expects (gradients are scaled as means, and `loss<=` targets read means): the loss
+    of the first batch against the loss of its first half. None when it looks like a mean, or
+    when the check cannot tell (a tiny batch, a loss near zero or not finite, a loss that fails:
+    its failure is reported where the loss is first computed)."""
+    count = min(job.batch_size, len(train))
+    if count < 4:
+        return None
+    was_training = module.training
+    module.eval()  # no dropout draws, no BatchNorm statistics updated
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            whole, half = (float(job.loss(module, part_batch(train, order, 0, 0, n, job.collate)))
+                           for n in (count, count // 2))
+    except Exception:
+        return None
+    finally:
+        module.train(was_training)
+    if not (math.isfinite(whole) and math.isfinite(half)) or abs(half) < 1e-8:
+        return None
+    ratio = whole / half
+    if ratio < SUMMED_LOSS_RATIO:
+        return None
+    return (f"job {job.name!r}: its loss looks like a sum over the batch, not the mean idlegrad "
+            f"expects: {whole:.4g} on the first {count} training samples, {half:.4g} on "
+            f"{count // 2} ({ratio:.2f} times); its gradients and loss<= targets then scale with "
+            "the batch (divide the loss by the batch's size, e.g. reduction='mean')")
 
 
 @dataclass

@@ -55,6 +55,13 @@ MAX_REPORTED_S = 1e6
 HEARTBEAT_S_RANGE = (0.01, 86400.0)
 LIVENESS_RANGE = (1, 1000)
 # Locality's bounds (shards held, a prefetch hint, the shuffle window): common/locality_bounds.py
+# A job's identity (what its fingerprint hashes: common/job.py, BuiltJob.identity) travels only
+# between peers that both read it, so that each can say what differs when fingerprints do: a
+# worker that reads it says so in hello.versions ("job_identity": JOB_IDENTITY_FORMAT), and only
+# then does the welcome carry the coordinator's and may its ready carry its own.
+JOB_IDENTITY_FORMAT = "1"
+MAX_IDENTITY_TENSORS = 4096  # parameters and buffers each; a larger model sends none
+MAX_TENSOR_DIMS = 16
 # ZMQ_MAXMSGSIZE for every socket: the peer is disconnected by ZeroMQ itself past this.
 SOCKET_MAX_MSG_BYTES = max(MAX_FRAME_BYTES, MAX_HEADER_BYTES) + 4096
 
@@ -120,6 +127,9 @@ class Ready(Message):
     TYPE: ClassVar[str] = "ready"
     credits: int
     fingerprint: str
+    # the identity of the job it built, sent when its fingerprint is not the welcome's and the
+    # welcome carried job_identity (the coordinator then says what differs)
+    job_identity: Optional[dict[str, Any]] = None
 
 
 @dataclass(frozen=True)
@@ -221,6 +231,8 @@ class Welcome(Message):
     # 0: each epoch is a full shuffle of the seed; W: the shard-aware order, samples shuffled
     # within blocks of W shards of the (sharded) training set (common/permutation.py)
     shuffle_window: int = 0
+    # the identity of the coordinator's job, to a worker whose hello said it reads one
+    job_identity: Optional[dict[str, Any]] = None
 
     RESULT_DTYPES: ClassVar[frozenset] = frozenset({"float32", "bfloat16"})
 
@@ -559,6 +571,12 @@ def _fields(schema) -> list[tuple[str, bool, Optional[str], bool, Optional[Calla
 
 
 _FIELDS = {kind: _fields(schema) for kind, schema in _SCHEMAS.items()}
+# header fields whose default is None: left out of the header at None, so that a field added
+# this way reaches no peer that would refuse it as unknown until it is used
+_LEFT_OUT_WHEN_NONE = {
+    kind: frozenset(f.name for f in dataclasses.fields(MESSAGE_TYPES[kind]) if f.default is None)
+    - {name for name, _, blob, _, _ in _FIELDS[kind] if blob}
+    for kind in _FIELDS}
 _FIELD_NAMES = {kind: frozenset(name for name, _, _ in schema) | {"v", "type"}
                 for kind, schema in _SCHEMAS.items()}
 
@@ -580,6 +598,8 @@ def encode(msg: Message) -> list:
     frames: list = []
     for name, _, blob, _, _ in _FIELDS[msg.TYPE]:
         value = getattr(msg, name)
+        if value is None and name in _LEFT_OUT_WHEN_NONE[msg.TYPE]:
+            continue  # as good as absent to every decoder, also those that predate the field
         if blob == TENSOR and value is not None:
             header[name] = {"dtype": value.dtype, "numel": value.numel, "frames": len(value.frames)}
             frames.extend(value.frames)
@@ -729,6 +749,47 @@ def is_sha256(name: Any) -> bool:
             and all(c in "0123456789abcdef" for c in name))
 
 
+def check_job_identity(identity: dict, where: str) -> None:
+    """ProtocolError unless `identity` is a job's identity as common/job.py makes it: `name`,
+    `params` and `buffers` ([name, shape, dtype] each, at most MAX_IDENTITY_TENSORS), `train`
+    and `test` (sample counts), `data` (manifest hashes of `train` and `test`, or None)."""
+    def fail(what: str):
+        raise ProtocolError("schema", f"{where}: {what}")
+
+    def short(v) -> bool:
+        return isinstance(v, str) and len(v) <= MAX_NAME and v.isprintable()
+
+    if not set(identity) <= {"name", "params", "buffers", "train", "test", "data"}:
+        fail("keys among name, params, buffers, train, test, data")
+    if not short(identity.get("name", "")):
+        fail(f"name: a printable string of at most {MAX_NAME} characters")
+    for key in ("params", "buffers"):
+        entries = identity.get(key, [])
+        if not isinstance(entries, list) or len(entries) > MAX_IDENTITY_TENSORS:
+            fail(f"{key}: a list of at most {MAX_IDENTITY_TENSORS}")
+        for e in entries:
+            if not (isinstance(e, list) and len(e) == 3 and short(e[0]) and short(e[2])
+                    and isinstance(e[1], list) and len(e[1]) <= MAX_TENSOR_DIMS
+                    and all(type(d) is int and 0 <= d < 2**62 for d in e[1])):
+                fail(f"{key}: entries [name, shape, dtype]")
+    for key in ("train", "test"):
+        if not (type(identity.get(key, 0)) is int and 0 <= identity.get(key, 0) < 2**62):
+            fail(f"{key}: a sample count")
+    data = identity.get("data", {})
+    if not (isinstance(data, dict) and set(data) <= {"train", "test"}
+            and all(v is None or short(v) for v in data.values())):
+        fail("data: manifest hashes of train and test")
+
+
+def job_identity_or_none(identity: dict) -> Optional[dict]:
+    """`identity` if it fits the wire (a model of more tensors than the bound does not)."""
+    try:
+        check_job_identity(identity, "job_identity")
+    except ProtocolError:
+        return None
+    return identity
+
+
 def check_job_args(args: dict, where: str) -> None:
     """ProtocolError unless `args` are at most MAX_JOB_ARGS short ASCII identifiers, each naming
     a bool, a 64-bit int, a finite float or a string of at most MAX_JOB_ARG_STR characters."""
@@ -817,6 +878,8 @@ def _semantic_checks(msg: Message) -> None:
         if not 0 <= msg.shuffle_window <= MAX_SHUFFLE_WINDOW:
             raise ProtocolError("schema", f"welcome.shuffle_window must be 0 to "
                                           f"{MAX_SHUFFLE_WINDOW}")
+        if msg.job_identity is not None:
+            check_job_identity(msg.job_identity, "welcome.job_identity")
         if msg.result_dtype not in Welcome.RESULT_DTYPES:
             raise ProtocolError("schema", f"welcome.result_dtype {msg.result_dtype[:20]!r} unknown")
         if not (HEARTBEAT_S_RANGE[0] <= msg.heartbeat_s <= HEARTBEAT_S_RANGE[1]
@@ -825,6 +888,8 @@ def _semantic_checks(msg: Message) -> None:
                                           f"and welcome.liveness in {LIVENESS_RANGE}")
     elif isinstance(msg, Ready):
         non_negative("credits")
+        if msg.job_identity is not None:
+            check_job_identity(msg.job_identity, "ready.job_identity")
         if msg.credits > 1024:
             raise ProtocolError("schema", "ready.credits over 1024")
     elif isinstance(msg, Result):

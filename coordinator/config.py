@@ -194,6 +194,22 @@ def load_key_lists(config: CoordinatorConfig) -> KeyLists:
                    if config.operator_keys else frozenset()))
 
 
+def _make_key_folder(flag: str, folder: Optional[str]) -> None:
+    """The workers' key folder, made (empty) when it does not exist yet, and said so: the README's
+    first commands name it before any key is in it. Only at start (a folder gone at SIGHUP
+    admits nobody until it is back), and not the monitors' or operators' (named on purpose, a
+    missing one is a mistyped path)."""
+    if folder is None or os.path.lexists(folder):
+        return
+    try:
+        os.makedirs(folder)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {folder}: cannot make it: {exc.strerror or exc}") from None
+    log.warning("%s %s did not exist: made it, empty; copy each key's public NAME%s file there, "
+                "then send this coordinator SIGHUP (kill -HUP %d) to read it", flag, folder,
+                security.PUBLIC_SUFFIX, os.getpid())
+
+
 def _check_security(config: CoordinatorConfig):
     """The CURVE key pair and key folders, or (None, None) for a plain loopback coordinator."""
     security.check_address(config.bind, "--bind", bind=True)
@@ -211,7 +227,9 @@ def _check_security(config: CoordinatorConfig):
         raise ConfigError(f"{flag} needs --secret-key and --allow-keys: roles belong to CURVE "
                           "keys (without keys anyone on this machine may do anything)")
     if config.secret_key is not None:
-        return security.load_keypair(config.secret_key), load_key_lists(config)
+        keypair = security.load_keypair(config.secret_key)
+        _make_key_folder("--allow-keys", config.allow_keys)
+        return keypair, load_key_lists(config)
     if not security.is_loopback(config.bind):
         if not config.insecure:
             raise ConfigError(

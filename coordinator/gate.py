@@ -160,7 +160,11 @@ class Gate:
                 return Refusal("hello_banned", "banned", why)
         if key is not None and self.is_banned(self.identity("", key)):
             # A banned key still listed: a monitor's commands (pause, drain) need no hello, and
-            # a ban is of the key, whatever it says next or whichever roles it holds.
+            # a ban is of the key, whatever it says next or whichever roles it holds. Asking
+            # what it earned (`worker status`), it is told why it earns nothing, as its hello is.
+            if isinstance(msg, proto.CreditRequest):
+                return Refusal("messages_banned_key", "banned",
+                               self.ban_reason(self.identity("", key)) or "")
             return Refusal("messages_banned_key")
         need = NEEDS.get(type(msg))
         if need is not None and not self.may(key, need):

@@ -332,7 +332,8 @@ class Coordinator:
         self._event("join", f"{msg.worker_id} {'came back' if resumed else 'joined'} from "
                             f"{msg.host} ({msg.device}, {msg.threads} threads)", msg.worker_id)
         holding = sorted(self.scheduler.workers[msg.worker_id].assigned) if resumed else []
-        await self._send(route, training.welcome(holding))
+        await self._send(route, training.welcome(
+            holding, msg.versions.get("job_identity") == proto.JOB_IDENTITY_FORMAT))
         if resumed:  # tasks sent down its old connection may be lost: it ignores the ones it has
             await self.perform(self.core.resend(msg.worker_id, now))
 
@@ -340,9 +341,18 @@ class Coordinator:
         worker_id = self._worker_of(route)
         training = self.training
         if msg.fingerprint != training.fingerprint:
+            from ..common.job import job_differences
+
+            differs = "; ".join(job_differences(training.built.identity, msg.job_identity,
+                                                "here", "on the worker")
+                                if msg.job_identity is not None else [])
             reason = (f"this coordinator trains job {training.job.name!r} with fingerprint "
-                      f"{training.fingerprint}; the worker built fingerprint {msg.fingerprint}: "
-                      "start it with the same job and version")
+                      f"{training.fingerprint}; the worker built fingerprint {msg.fingerprint}"
+                      f"{f' ({differs})' if differs else ''}: "
+                      "start it with the same job and version")[:proto.MAX_STR]
+            self._event("refused", f"{worker_id} built another job than this one: "
+                                   f"{differs or f'fingerprint {msg.fingerprint}'}"[:500],
+                        worker_id, logging.WARNING)
             await self._send(route, proto.Reject(code="job", reason=reason))
             await self.perform(self.core.leave(worker_id, "wrong job", time.monotonic()))
             return
@@ -461,6 +471,7 @@ class Coordinator:
             elif isinstance(effect, Event):
                 self.training.record(effect)
             elif isinstance(effect, Applied):
+                self.training.applied(effect, time.monotonic())
                 self.records.write("applied", round=effect.round, version=effect.version,
                                    parts=[list(p) for p in effect.parts], t=time.time())
                 self.training.data.stepped(self.scheduler.version_in_use, self.version)

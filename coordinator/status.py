@@ -35,15 +35,20 @@ def worker_state(w: WorkerRecord) -> str:
     return w.state
 
 
-def worker_row(w: WorkerRecord, now: float) -> dict:
+def worker_row(w: WorkerRecord, now: float, samples_per_s: Optional[float] = None) -> dict:
+    """`samples_per_s`: of its results used in applied rounds (rates.py); None: its compute
+    speed, where no record of applied rounds is kept (the simulator)."""
     info = w.info
+    speed = round(1.0 / w.s_per_sample, 2) if w.s_per_sample else 0.0
     return {
         "id": w.id, "host": str(info.get("host", ""))[:NAME_CHARS],
         "device": str(info.get("device", ""))[:NAME_CHARS],
         "cores": info.get("cores", 0), "threads": info.get("threads", 0), "state": worker_state(w),
         "credits": w.capacity, "assigned": len(w.assigned), "done": w.done, "samples": w.samples,
         "cancelled": w.cancelled, "missed": w.missed, "failed": w.failed,
-        "samples_per_s": round(1.0 / w.s_per_sample, 2) if w.s_per_sample else 0.0,
+        "samples_per_s": round(samples_per_s, 2) if samples_per_s is not None else speed,
+        # what it computes per second while it computes (its speed), not what it contributes
+        "compute_samples_per_s": speed,
         "staleness": round(w.staleness / w.done, 3) if w.done else 0.0,
         "compute_s": round(w.compute_s, 3),
         # link seconds per slot sent with a model (down and up); local:auto sizes H from it
@@ -90,7 +95,8 @@ def rounds_summary(scheduler: Scheduler) -> dict:
 def build_snapshot(scheduler: Scheduler, now: float, base: dict[str, Any],
                    curve: Iterable[dict] = (), events: Sequence[dict] = (), cursor: int = 0,
                    last_event: int = 0, redundancy: Optional[dict] = None,
-                   events_limit: int = EVENTS_PER_STATUS) -> dict:
+                   events_limit: int = EVENTS_PER_STATUS,
+                   worker_rates: Optional[dict[str, float]] = None) -> dict:
     """The snapshot: `base` (job, version, samples, metrics... from the coordinator) plus the
     workers, rounds, redundancy, curve and the events after `cursor`."""
     snap = dict(base)
@@ -100,7 +106,8 @@ def build_snapshot(scheduler: Scheduler, now: float, base: dict[str, Any],
     if not scheduler.quorum and snap.get("state") == "training":
         snap["state"] = (f"waiting for workers ({len(scheduler.workers)} of "
                          f"{scheduler.config.min_workers})")
-    snap["workers"] = [worker_row(w, now) for w in
+    snap["workers"] = [worker_row(w, now, None if worker_rates is None
+                                  else worker_rates.get(w.id, 0.0)) for w in
                        itertools.islice(scheduler.workers.values(), WORKERS_PER_STATUS)]
     snap["workers_total"] = len(scheduler.workers)
     snap["rounds"] = rounds_summary(scheduler)
@@ -127,6 +134,7 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
     config, core, scheduler = training.config, training.core, training.scheduler
     target = training.run.target
     counters = core.counters
+    total_rate, worker_rates = training.rates.rates(now, training.started)
     base = {
         "job": training.job.name, "fingerprint": training.fingerprint,
         "instance": training.instance,
@@ -134,7 +142,7 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
         "version": training.version, "samples": core.samples_applied,
         "epoch": round(training.sampler.progress, 4), "epochs": config.epochs,
         "train_samples": len(training.built.train), "elapsed_s": round(training.elapsed(now), 3),
-        "samples_per_s": round(core.samples_per_s(now), 2), "loss": core.train_loss,
+        "samples_per_s": round(total_rate, 2), "loss": core.train_loss,
         "metrics": training.metrics, "target": str(target) if target else None,
         "target_metric": target.metric if target else None,
         "target_value": target.value if target else None,
@@ -172,7 +180,7 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
     }
     return build_snapshot(scheduler, now, base, curve=training.curve, events=training.events,
                           cursor=cursor, last_event=training.event_id, redundancy=redundancy,
-                          events_limit=events_limit)
+                          events_limit=events_limit, worker_rates=worker_rates)
 
 
 _HOST = socket.gethostname()

@@ -26,10 +26,12 @@ from ..common import protocol as proto
 from ..common.errors import CheckpointError, ConfigError, JobError
 from ..common.job import (build, build_schedule, epoch_order, eval_size, evaluate,
                           evaluation_sums, load_job, make_optimizer, reference_gradient_norm,
-                          resolve_factory, sums_evaluable)
+                          resolve_factory, summed_loss_warning, sums_evaluable)
 from ..common.permutation import ShardOrder, epoch_blocks
 from ..common.job import FlatModel
 from . import checkpoint, dataplane, outer
+from .effects import Applied
+from .rates import AppliedRates
 from .config import Checked, CoordinatorConfig, naming_job_args
 from .credits import Credits
 from .effects import Event
@@ -113,6 +115,10 @@ class Training:
             window = self._resume_order(state, window)
         # The order every side reads the training set in (the welcome's shuffle_window)
         self.order = epoch_order(self.built.train, config.seed, window)
+        self.loss_warning = summed_loss_warning(job, self.built.model.module, self.built.train,
+                                                self.order)
+        if self.loss_warning:
+            log.warning("%s", self.loss_warning)
         sharded = isinstance(self.order, ShardOrder)
         self.sampler = Sampler(len(self.built.train), config.epochs,
                                blocks=partial(epoch_blocks, self.order) if sharded else None)
@@ -152,6 +158,13 @@ class Training:
         self.curve: deque[dict] = deque(maxlen=CURVE_POINTS)  # recent evaluations, for monitors
         self.instance = f"{pysocket.gethostname()}-{os.getpid()}-{time.time():.3f}"
         self.started = 0.0  # scheduler time the serving began
+        self.rates = AppliedRates()  # the status's samples/s, in all and per worker
+
+    def applied(self, effect: Applied, now: float) -> None:
+        """An applied round's used results, for the rates (by worker id, as status rows are)."""
+        names = self.core.identity_names
+        self.rates.applied(now, ((names.get(c.identity, c.identity), c.samples)
+                                 for c in effect.credits))
 
     @property
     def shuffle_window(self) -> int:
@@ -273,16 +286,20 @@ class Training:
                 f"({security_note}); evaluations on the {self.eval_on} "
                 f"({self.eval_choice.reason}), disputes settled on the {self.settle_on}"
                 + (f"; the first slot once {config.min_workers} workers have joined"
-                   if config.min_workers > 1 else ""))
+                   if config.min_workers > 1 else "")
+                + (f"; WARNING: {self.loss_warning}" if self.loss_warning else ""))
 
-    def welcome(self, holding: list[int]) -> proto.Welcome:
+    def welcome(self, holding: list[int], job_identity: bool = False) -> proto.Welcome:
+        """`job_identity`: the worker reads one (it says so in its hello), so the welcome
+        carries ours, and a worker that built another job can say what differs."""
         config = self.config
         return proto.Welcome(
             # the job's name, not the spec: no local paths to strangers
             job=self.job.name, job_args=self.job_args, fingerprint=self.fingerprint,
             seed=config.seed, heartbeat_s=config.heartbeat_s, liveness=config.liveness,
             instance=self.instance, holding=holding, result_dtype=config.result_dtype,
-            blob_mirrors=list(config.blob_mirrors), shuffle_window=self.shuffle_window)
+            blob_mirrors=list(config.blob_mirrors), shuffle_window=self.shuffle_window,
+            job_identity=proto.job_identity_or_none(self.built.identity) if job_identity else None)
 
     def task(self, action: Assign, acks: list[int]) -> tuple[proto.Task, bool]:
         """The task message of `action`, and whether to track its send (the model's frames

@@ -31,8 +31,9 @@ class Confirm(ModalScreen[bool]):
     BINDINGS = [Binding("y", "answer(True)", "yes"), Binding("n,escape", "answer(False)", "no")]
     DEFAULT_CSS = """
     Confirm { align: center middle; }
-    Confirm > Vertical { width: 64; height: auto; border: thick $warning; background: $surface;
-                         padding: 1 2; }
+    Confirm > Vertical { width: 64; max-width: 100%; height: auto; border: thick $warning;
+                         background: $surface; padding: 1 2; }
+    Confirm #question { width: 100%; }
     Confirm Horizontal { height: auto; margin-top: 1; }
     Confirm Button { margin-right: 2; }
     """
@@ -204,14 +205,18 @@ class MonitorApp(App):
             header = self.query_one("#header", Static)
         except NoMatches:  # a fetch that ends while the app closes finds its widgets gone
             return
-        header.update(view.header(snap))
+        header.update(view.header(snap, lost=self.lost_at is not None))
         sort_note = f"sort: {self.sort}" + (
             f"  filter: {view.shown(repr(self.filter_text))}" if self.filter_text else "")
         self.query_one("#connection", Static).update(
             Text.assemble(self.connection, "   ", (sort_note, "dim")))
         self.query_one("#chart", Chart).show(snap)
+        lines = view.rounds_lines(snap)
+        data = snap.get("data") if snap else None
+        if isinstance(data, dict):  # the data plane, as `idlegrad status` shows it
+            lines = [*lines, f"data: {view.data_line(data)}"]
         self.query_one("#rounds", Static).update(Text.assemble(
-            ("rounds and redundancy", "bold"), *(f"\n{line}" for line in view.rounds_lines(snap))))
+            ("rounds and redundancy", "bold"), *(f"\n{line}" for line in lines)))
         self.query_one("#leaderboard", Static).update(Text.assemble(
             ("credits: samples, verified", "bold"),
             *(f"\n{line}" for line in view.leaderboard_lines(snap))))

@@ -94,6 +94,18 @@ def number(value: Any, digits: int = 3) -> str:
     return shown(value)
 
 
+def epochs_done(value: Any) -> str:
+    """Epochs as people read them: 12.3, 0.44, 0.0044 (the snapshot rounds to 4 decimals), never
+    4.4e-03."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return "-"
+    if value >= 10:
+        return f"{value:,.1f}"
+    if value >= 0.1 or value == 0:
+        return f"{value:.2f}"
+    return f"{value:.4f}"
+
+
 # header and ETA --------------------------------------------------------------------------------
 
 
@@ -109,7 +121,9 @@ def target_metric(snap: dict) -> Optional[str]:
     return others[0] if others else ("loss" if "loss" in metrics else None)
 
 
-def _slope(points: Sequence[tuple[float, float]]) -> Optional[float]:
+def _line_fit(points: Sequence[tuple[float, float]]) -> Optional[tuple[float, float]]:
+    """(intercept, slope) of the least-squares line through `points`; None for fewer than two
+    distinct times."""
     n = len(points)
     if n < 2:
         return None
@@ -118,12 +132,15 @@ def _slope(points: Sequence[tuple[float, float]]) -> Optional[float]:
     den = sum((t - mt) ** 2 for t, _ in points)
     if den <= 0:
         return None
-    return sum((t - mt) * (v - mv) for t, v in points) / den
+    slope = sum((t - mt) * (v - mv) for t, v in points) / den
+    return mv - slope * mt, slope
 
 
 def eta(snap: dict, window: int = 10) -> tuple[Optional[float], str]:
-    """(seconds until training ends, why): the sooner of the target, extrapolated linearly from
-    the last `window` evaluations, and the epoch limit at the current samples/s."""
+    """(seconds until training ends, why): the sooner of the target and the epoch limit at the
+    current samples/s. The target's: where a line fit to the last `window` evaluations meets it,
+    less the time elapsed since (so it counts down between evaluations); none when the curve is
+    not approaching the target, or the fit says it is past it while the last evaluation is not."""
     best: tuple[Optional[float], str] = (None, "")
     metric, goal = snap.get("target_metric"), snap.get("target_value")
     higher = snap.get("target_higher")
@@ -135,9 +152,13 @@ def eta(snap: dict, window: int = 10) -> tuple[Optional[float], str]:
             current = points[-1][1]
             if (current >= goal) if higher else (current <= goal):
                 return 0.0, "target"
-            slope = _slope(points)
-            if slope and ((slope > 0) if higher else (slope < 0)):
-                best = ((goal - current) / slope, "target")
+            fit = _line_fit(points)
+            if fit and ((fit[1] > 0) if higher else (fit[1] < 0)):
+                now = snap.get("elapsed_s")
+                now = now if isinstance(now, (int, float)) else points[-1][0]
+                left = (goal - fit[0]) / fit[1] - now
+                if left > 0:
+                    best = (left, "target")
     epochs, size = snap.get("epochs"), snap.get("train_samples")
     rate, epoch = snap.get("samples_per_s") or 0, snap.get("epoch") or 0
     if epochs and size and rate > 0:
@@ -147,21 +168,23 @@ def eta(snap: dict, window: int = 10) -> tuple[Optional[float], str]:
     return best
 
 
-def header(snap: Optional[dict], connection: Union[str, Text] = "") -> Text:
-    """The top two lines."""
+def header(snap: Optional[dict], connection: Union[str, Text] = "", lost: bool = False) -> Text:
+    """The top two lines. `lost`: `snap` is the last one of a coordinator that no longer answers
+    (its state and ETA are not said as if they held)."""
     title = ("idlegrad top", "bold")
     if snap is None:
         return Text.assemble(title, "  ", connection or "waiting for the coordinator")
-    state = snap.get("state", "?")
-    style = {"training": "green", "paused": "magenta", "stopping": "yellow"}.get(str(state), "white")
+    state = "coordinator lost" if lost else snap.get("state", "?")
+    style = {"training": "green", "paused": "magenta", "stopping": "yellow",
+             "coordinator lost": "red"}.get(str(state), "white")
     metrics = snap.get("metrics") or {}
     metric = target_metric(snap)
-    seconds, why = eta(snap)
+    seconds, why = eta(snap) if not lost else (None, "")
     gap = "  "
     line1 = Text.assemble(
         title, gap, "job ", (shown(snap.get("job", "?")), "cyan"), gap, (shown(state), style), gap,
         "version ", (number(snap.get("version")), "bold"), gap,
-        f"samples {number(snap.get('samples'))} ({number(snap.get('epoch'), 2)} epochs)", gap,
+        f"samples {number(snap.get('samples'))} ({epochs_done(snap.get('epoch'))} epochs)", gap,
         (number(snap.get("samples_per_s"), 1), "bold"), " samples/s")
     line2 = [f"loss {number(snap.get('loss'))}"]
     if metric and metric in metrics:
@@ -402,7 +425,7 @@ def summary_rows(snap: dict) -> list[tuple[str, str]]:
     rows = [
         ("job", shown(snap.get("job", "?"))), ("state", shown(snap.get("state", "?"))),
         ("version", number(snap.get("version"))),
-        ("samples", f"{number(snap.get('samples'))} ({number(snap.get('epoch'), 2)} epochs)"),
+        ("samples", f"{number(snap.get('samples'))} ({epochs_done(snap.get('epoch'))} epochs)"),
         ("samples/s", number(snap.get("samples_per_s"), 1)),
         ("train loss", number(snap.get("loss"))),
         ("metrics", shown(", ".join(f"{shown(k)} {number(v, 4)}" for k, v in metrics.items()))

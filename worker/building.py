@@ -101,7 +101,9 @@ def hello_of(worker_id: str, threads: int, device: torch.device, job: Optional[s
         worker_id=worker_id, host=socket.gethostname(), cores=usable_cores(), threads=threads,
         device=str(device), memory_mb=psutil.virtual_memory().total // 2**20,
         versions={"idlegrad": __version__, "torch": torch.__version__,
-                  "python": platform.python_version(), "protocol": str(proto.PROTOCOL_VERSION)},
+                  "python": platform.python_version(), "protocol": str(proto.PROTOCOL_VERSION),
+                  # it reads a job's identity: told one, it can say what differs
+                  "job_identity": proto.JOB_IDENTITY_FORMAT},
         job=job)
 
 

@@ -56,7 +56,7 @@ class Settings:
     job: Optional[str] = None
     device: str = "auto"
     credits: int = 2
-    connect_timeout: float = 60.0
+    connect_timeout: float = 0.0  # 0: wait for the coordinator forever
     id: Optional[str] = None
     state_log: Optional[str] = None
     coordinator_key: Optional[str] = None  # CURVE: the coordinator's NAME.key

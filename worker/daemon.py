@@ -32,6 +32,7 @@ from ..common import protocol as proto
 from ..common.aio import on_stop_signals
 from ..common.blobs import BlobError
 from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
+from ..common.job import job_differences
 from ..common.security import KEYS_HINT, ClientKeys
 from . import session as S
 from .building import build_engine, hello_of, job_key, load_welcomed, pick_device, task_model
@@ -41,8 +42,9 @@ from .config import usable_cores
 from .dataplane import DataPlane
 from .engine import Cancelled, Outcome, SnapshotRef, Work
 from .guest import Guest, watch
-from .idle import PolicyConfig
+from .idle import PolicyConfig, describe_policy
 from .link import ShapedSocket
+from .waiting import Waiting
 
 log = logging.getLogger("idlegrad.worker")
 
@@ -54,7 +56,7 @@ class WorkerConfig:
     threads: Optional[int] = None
     device: str = "auto"
     credits: int = 2
-    connect_timeout: float = 60.0  # 0: keep trying forever
+    connect_timeout: float = 0.0  # 0: keep trying forever (saying so every so often)
     worker_id: Optional[str] = None
     max_backoff: float = 8.0
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
@@ -89,6 +91,10 @@ class _Computing:
     cancel: threading.Event
     began: float
     future: asyncio.Future
+
+
+class _OtherJob(Refused):
+    """The job built here is not the coordinator's (another fingerprint)."""
 
 
 class _Rehello(Exception):
@@ -148,7 +154,8 @@ class Worker:
 
     async def _main(self) -> str:
         on_stop_signals(self._on_signal)
-        log.info("idle policy: %s", self.guest.probes.describe())
+        log.info("idle policy: %s (readings: %s)", describe_policy(self.guest.policy.config),
+                 self.guest.probes.describe())
         ctx = zmq.asyncio.Context()
         watching = asyncio.ensure_future(watch(self.guest, self.config.sample_every, self.nudge))
         try:
@@ -163,6 +170,7 @@ class Worker:
         """Connect, serve, reconnect with backoff, until stopped (or the coordinator cannot be
         reached within connect_timeout: PeerGone)."""
         backoff = 0.25
+        waiting = Waiting(self.config.coordinator, self.config.keys is not None, time.monotonic())
         timeout = self.config.connect_timeout
         give_up_at = time.monotonic() + timeout if timeout > 0 else math.inf
         # one line, so that a worker waiting for its coordinator is not taken for a hung one
@@ -179,11 +187,15 @@ class Worker:
                             f"cannot reach the coordinator at {self.config.coordinator} within "
                             f"{timeout:g}s (is it running? see "
                             f"--connect-timeout{KEYS_HINT if self.config.keys else ''})")
+                    if (line := waiting.report(time.monotonic())) is not None:
+                        log.warning("%s", line)
                     backoff = min(self.config.max_backoff, backoff * 2) * random.uniform(0.8, 1.2)
                     continue
                 backoff = 0.25
                 await self._session(sock, welcome)
                 give_up_at = time.monotonic() + timeout if timeout > 0 else math.inf
+                waiting = Waiting(self.config.coordinator, self.config.keys is not None,
+                                  time.monotonic())
                 if self._stop is None:
                     log.warning("lost the coordinator at %s; reconnecting", self.config.coordinator)
             finally:
@@ -289,7 +301,17 @@ class Worker:
                 await self._while_fetching(sock, asyncio.to_thread(self.data.fetch_manifest, job))
             self._prepare(welcome, self.data.cache if job.data is not None else None, job)
         except (Refused, ConfigError) as exc:  # this worker cannot run that job
-            await self._send(sock, proto.Bye(reason=str(exc)[:500]))
+            if isinstance(exc, _OtherJob) and welcome.job_identity is not None:
+                # the coordinator says what differs
+                await self._send(sock, proto.Ready(
+                    credits=0, fingerprint=self.built.fingerprint,
+                    job_identity=proto.job_identity_or_none(self.built.identity)))
+                try:  # its answer (the Reject that names the differences) shows it arrived
+                    await asyncio.wait_for(sock.recv_multipart(copy=False), 2.0)
+                except asyncio.TimeoutError:
+                    pass
+            else:
+                await self._send(sock, proto.Bye(reason=str(exc)[:500]))
             raise
         self.session.pause(time.monotonic(), self.paused)  # (the shared guest's, as it is now)
         await self._perform(sock, self.session.welcomed(time.monotonic(), welcome,
@@ -334,9 +356,16 @@ class Worker:
         self._wire = ErrorFeedback(welcome.result_dtype)
         if self.built.fingerprint != welcome.fingerprint:
             # Another model under the job's name (another version of its code, or of idlegrad):
-            # its gradients would be of no use, so say so and leave instead of joining.
-            raise Refused(f"job fingerprint {self.built.fingerprint} here, {welcome.fingerprint} "
-                          "at the coordinator: refused to compute for another version of the job")
+            # its gradients would be of no use, so say what differs and leave instead of joining.
+            if welcome.job_identity is None:  # a coordinator that does not say
+                raise _OtherJob(f"job fingerprint {self.built.fingerprint} here, "
+                                f"{welcome.fingerprint} at the coordinator: refused to compute "
+                                "for another version of the job")
+            differs = job_differences(self.built.identity, welcome.job_identity,
+                                      "here", "at the coordinator")
+            raise _OtherJob(f"job {self.built.job.name!r} here is not the coordinator's "
+                            f"({'; '.join(differs) or 'fingerprints differ'}): start this worker "
+                            "with the coordinator's job and version")
 
     async def _serve(self, sock) -> None:
         recv = asyncio.ensure_future(sock.recv_multipart(copy=False))

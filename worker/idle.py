@@ -72,6 +72,33 @@ class PolicyConfig:
         check_policy(self)
 
 
+def describe_policy(config: PolicyConfig) -> str:
+    """One line for the log: the rules in force, so that an owner sees what was asked (an idle
+    policy switched off is said to be off, not left to be inferred)."""
+    rules = []
+    if config.cpu_others_max_pct is not None:
+        rules.append(f"others use over {config.cpu_others_max_pct:g}% CPU")
+    if config.user_idle_min_s is not None:
+        rules.append(f"user input within {config.user_idle_min_s:g}s")
+    if config.pause_on_battery:
+        rules.append("on battery")
+    if config.memory_available_min_mb is not None:
+        rules.append(f"under {config.memory_available_min_mb:g} MB available")
+    if config.gpu_others_max_pct is not None and config.uses_gpu:
+        rules.append(f"others use over {config.gpu_others_max_pct:g}% GPU")
+    limits = []
+    if config.hours:
+        limits.append("hours " + ", ".join(f"{a // 60:02d}:{a % 60:02d}-{b // 60:02d}:{b % 60:02d}"
+                                            for a, b in config.hours))
+    if config.worker_rss_max_mb is not None:
+        limits.append(f"memory ceiling {config.worker_rss_max_mb:g} MB")
+    owner = f"; the owner's limits still hold: {', '.join(limits)}" if limits else ""
+    if not rules:
+        return "off (--no-idle-policy): computing whatever the machine does" + owner
+    return (f"pausing when {', '.join(rules)}; resuming {config.resume_after:g}s after all are "
+            f"clear{owner}")
+
+
 @dataclass(frozen=True)
 class Decision:
     run: bool

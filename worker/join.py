@@ -7,6 +7,7 @@ that a bare `idlegrad worker` (or the service) runs with it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from typing import Optional
@@ -20,6 +21,10 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 KEY_NAME = "worker"
 COORDINATOR_KEY = "coordinator" + security.PUBLIC_SUFFIX
+
+
+class InvitationRefused(IdlegradError):
+    """The coordinator answered, and refused the invitation (used up, expired, revoked, forged)."""
 
 
 def enrol(token: Token, keys: security.ClientKeys, timeout_s: float) -> str:
@@ -48,7 +53,7 @@ def enrol(token: Token, keys: security.ClientKeys, timeout_s: float) -> str:
     if not isinstance(reply, proto.Enrolled):
         raise IdlegradError(f"the enrolment endpoint {address} answered {reply.TYPE}")
     if not reply.ok:
-        raise IdlegradError(f"the coordinator refused the invitation: {reply.reason}")
+        raise InvitationRefused(f"the coordinator refused the invitation: {reply.reason}")
     if not NAME_RE.match(reply.name):
         raise IdlegradError(f"the coordinator named this worker {reply.name[:40]!r}: not a name")
     return reply.name
@@ -73,7 +78,15 @@ def join(text: str, config_path: str, timeout_s: float = 20.0) -> list[str]:
         raise ConfigError(f"{config_path} exists: remove it, or give --config another file")
     directory = os.path.dirname(config_path)
     secret_path, public, secret, made = _keypair(directory)
-    name = enrol(token, security.ClientKeys(token.server_key, public, secret), timeout_s)
+    try:
+        name = enrol(token, security.ClientKeys(token.server_key, public, secret), timeout_s)
+    except InvitationRefused:
+        if made:  # a key pair no coordinator knows, that nothing will use: not left behind
+            for path in (secret_path, secret_path[:-len(security.SECRET_SUFFIX)]
+                         + security.PUBLIC_SUFFIX):
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+        raise
     coordinator_key = os.path.join(directory, COORDINATOR_KEY)
     try:
         atomic.write_bytes(coordinator_key, security.public_key_text(

@@ -27,6 +27,7 @@ from ..common.security import ClientKeys
 from .building import pick_device
 from .daemon import Worker, WorkerConfig
 from .guest import Guest, watch
+from .idle import describe_policy
 from .shares import ShareScheduler
 
 log = logging.getLogger("idlegrad.worker")
@@ -157,7 +158,8 @@ class MultiWorker:
 
     async def _main(self) -> str:
         on_stop_signals(self._on_signal)
-        log.info("idle policy: %s", self.guest.probes.describe())
+        log.info("idle policy: %s (readings: %s)", describe_policy(self.guest.policy.config),
+                 self.guest.probes.describe())
         log.info("projects: %s", ", ".join(f"{s.project} ({s.config.coordinator}, share "
                                            f"{self.compute_slot.scheduler.shares[s.project]:g})"
                                            for s in self.sessions))

@@ -70,6 +70,23 @@ def test_worker_gives_up_on_an_unreachable_coordinator(cluster):
     assert line.startswith("idlegrad worker: error:") and address in line
 
 
+def test_a_worker_started_before_its_coordinator_waits_for_it(cluster):
+    """No --connect-timeout: the worker says it waits until the coordinator answers, and joins
+    the coordinator started after it (as after a restart of any length)."""
+    worker = cluster.spawn("worker", "worker", "--coordinator", cluster.address, "--id", "early",
+                           "--threads", "1", "--device", "cpu", "--no-idle-policy")
+    deadline = time.monotonic() + 30
+    while "connecting to the coordinator" not in worker.output() and time.monotonic() < deadline:
+        assert worker.running(), worker.output()
+        time.sleep(0.1)
+    assert "until it answers" in worker.output(), worker.output()
+    time.sleep(2)
+    assert worker.running()
+    cluster.coordinator("--job", "digits")
+    cluster.status().wait_for(lambda s: [w["id"] for w in s["workers"]] == ["early"],
+                              "the early worker joins", timeout=60)
+
+
 def test_top_without_a_terminal_prints_one_snapshot_as_text(cluster):
     """Piped or under a service manager, `idlegrad top` has no terminal to draw on: it says so
     in one line and prints what `idlegrad status` prints, instead of escape codes or a

@@ -136,6 +136,10 @@ def test_a_fleet_joins_earns_sees_its_own_credit_and_is_governed_by_its_operator
     assert banned.returncode == 0 and "banned" in banned.stdout, banned.stdout + banned.stderr
     assert workers["a"].wait(timeout=60) != 0
     one_error_line(workers["a"], "banned", "operator")
+    # what it earned, asked with the banned key: it is told it is banned, not left to time out
+    asked = idlegrad(cluster.env, "worker", "status", "--config", configs["a"])
+    assert asked.returncode == 1
+    one_error_line(asked, "banned", "operator")
     version = status.wait_for(lambda s: name["a"] not in {w["id"] for w in s["workers"]},
                               "a gone", alive=[coordinator, workers["b"]])["version"]
     assert "key:" + (configs["a"].parent / "worker.key").read_text().split('"')[1] in \

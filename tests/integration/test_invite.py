@@ -17,6 +17,7 @@ import pytest
 import zmq
 
 from idlegrad.common import protocol as proto
+from idlegrad.common import security
 from idlegrad.common.invitation import parse
 from idlegrad.common.security import client_keys
 
@@ -108,8 +109,11 @@ def test_invite_join_train_refuse_replay_expiry_forgery_and_restart(cluster):
     assert snap["counters"].get("enrolled") == 1
     for why in ("used up", "expired", "wrong secret"):
         assert any(why in e["text"] for e in status.events_of("refused")), status.events
-    # The key the refused joins made is not enrolled: the training endpoint still refuses its
-    # handshake (it hears nothing, and the coordinator counts the refusal).
+    # The refused joins left no key files behind; a key that was never enrolled (one made
+    # there now) gets nothing from the training endpoint (it hears nothing, and the
+    # coordinator counts the refusal).
+    assert not list(other.parent.glob("worker.key*")), list(other.parent.iterdir())
+    security.generate("worker", str(other.parent))
     ctx = zmq.Context()
     try:
         rogue = ctx.socket(zmq.DEALER)

@@ -83,9 +83,11 @@ def test_file_job_trains_and_workers_without_it_are_refused(cluster):
 
     assert mismatched.wait(timeout=60) != 0
     out = mismatched.output()
-    assert "fingerprint" in out and "Traceback" not in out
-    assert mismatched.lines()[-1].startswith("idlegrad worker: error:")
-    assert "refused" in mismatched.lines()[-1]
+    assert "Traceback" not in out
+    line = mismatched.lines()[-1]
+    assert line.startswith("idlegrad worker: error:")
+    # what differs, in the worker's words: the first layer's shape, here and there
+    assert "parameter 0.weight: [48, 64] float32 here, [32, 64] float32 at the coordinator" in line
     assert "joined" not in out  # it leaves before announcing credits, not after
 
     good = cluster.worker("good", "--job", spec)
@@ -96,6 +98,9 @@ def test_file_job_trains_and_workers_without_it_are_refused(cluster):
     final = final_metrics(ckpt / "metrics.jsonl")
     assert final["reason"] == "target" and final["metrics"]["accuracy"] >= 0.9
     assert status.first["job"] == "my-digits"
-    leaves = {e["worker"]: e["text"] for e in status.events_of("leave")}
-    assert "fingerprint" in leaves.get("mismatched", ""), leaves  # it said why it left
+    refusals = {e["worker"]: e["text"] for e in status.events_of("refused")}
+    # the coordinator says what differs too, not that the worker left without a word
+    assert "parameter 0.weight: [32, 64] float32 here, [48, 64] float32 on the worker" in \
+        refusals.get("mismatched", ""), refusals
+    assert "parameter 0.weight" in coordinator.output()  # in its log
     assert "Traceback" not in coordinator.output() + good.output()

@@ -210,7 +210,7 @@ def test_no_keys_means_loopback_only(cluster):
             (["--secret-key", str(keys / "coord.key"), "--allow-keys", str(keys)],
              "holds no secret key"),
             (["--secret-key", str(keys / "coord.key_secret"), "--allow-keys",
-              str(cluster.dir / "nowhere")], "no such directory"),
+              str(keys / "coord.key")], "no such directory"),  # a file: refused, not made
             (["--operator-keys", str(keys)], "--operator-keys needs --secret-key"),
             (["--secret-key", str(keys / "coord.key_secret"), "--allow-keys", str(keys),
               "--monitor-keys", str(cluster.dir / "nowhere")],

@@ -202,3 +202,32 @@ def test_paths_the_coordinator_cannot_write_are_one_line(run_cli, tmp_path, flag
     result = run_cli(["coordinator", "--job", "digits", flag, str(make(tmp_path))])
     assert result.code == EXIT_USAGE
     assert f"{flag} " in result.one_line_error() and "cannot write there" in result.err
+
+
+def test_coordinator_help_lists_every_builtin_job(run_cli):
+    from idlegrad.common.job_loading import builtin_job_names
+
+    code, out, _ = run_cli(["coordinator", "--help"])
+    assert code == 0
+    flat = " ".join(out.split())  # argparse wraps the help
+    for name in builtin_job_names():
+        assert name in flat, name
+    assert "packed, resnet" in flat or "lm, packed" in flat
+
+
+def test_a_port_in_use_is_one_line_before_anything_is_built(run_cli, monkeypatch):
+    import socket
+
+    from idlegrad.coordinator import server
+
+    def built(self, config):
+        raise AssertionError("the coordinator was built before its port was found taken")
+
+    monkeypatch.setattr(server.Coordinator, "__init__", built)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        code, out, err = run_cli(["coordinator", "--job", "digits", "--bind", address])
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"idlegrad coordinator: error: cannot bind {address}: Address already in use")

@@ -135,6 +135,9 @@ def test_an_operators_ban_names_a_worker_its_name_or_its_key_and_holds_for_its_h
     assert refusal.counter == "hello_banned" and "operator" in refusal.reason
     assert g.admit(WORKER, proto.Heartbeat(state="idle"), b"one").counter == \
         "messages_banned_key"
+    # `worker status` from the banned key: told it is banned, not left to time out
+    reply = g.admit(WORKER, proto.CreditRequest(), b"three").reply(proto.CreditRequest())
+    assert not reply.ok and "banned" in reply.reason and "operator" in reply.reason
     assert g.ban("ban", "w1", identities, nobody)[1].endswith("already banned")
     # a worker gone, known by name to the credits; a key in Z85; an unknown name
     named = {"gone": "key:" + BOTH.decode()}.get

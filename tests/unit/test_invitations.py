@@ -9,6 +9,7 @@ import json
 import pytest
 
 from idlegrad.common import protocol as proto
+from idlegrad.common import security
 from idlegrad.common.errors import ConfigError, ProtocolError
 from idlegrad.common.invitation import PREFIX, Token, digest, enrol_address, parse
 from idlegrad.coordinator.enrolment import Store
@@ -260,3 +261,21 @@ def test_the_bans_are_kept_whole_and_a_damaged_list_is_one_line(tmp_path):
         (tmp_path / "ckpt" / bans.FILENAME).write_text(damaged)
         with pytest.raises(ConfigError, match="not a ban list"):
             bans.load(path)
+
+
+def test_a_refused_join_leaves_no_key_files_but_keeps_a_pair_it_found(tmp_path, monkeypatch):
+    from idlegrad.worker import join as join_mod
+
+    def refuse(token, keys, timeout_s):
+        raise join_mod.InvitationRefused("the coordinator refused the invitation: used up")
+
+    monkeypatch.setattr(join_mod, "enrol", refuse)
+    token = Token("tcp://127.0.0.1:9", KEY, INV.id, SECRET).encode()
+    config = tmp_path / "worker.toml"
+    with pytest.raises(join_mod.InvitationRefused):
+        join_mod.join(token, str(config))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no keys, no configuration
+    security.generate("worker", str(tmp_path))  # a pair of an earlier join: the owner's
+    with pytest.raises(join_mod.InvitationRefused):
+        join_mod.join(token, str(config))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["worker.key", "worker.key_secret"]

@@ -552,3 +552,38 @@ def test_the_coordinators_coded_gradient_is_the_workers_bit_for_bit(digits_built
                             coefficients, micro_batch)
     assert torch.equal(judged, worker.gradient)
     assert torch.count_nonzero(judged) > 0
+
+
+SUMMED_JOB = '''
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+from idlegrad.common.job import Job
+
+
+def make(reduction: str = "sum"):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(200, 8, generator=g), torch.randint(0, 3, (200,), generator=g)
+    return Job(name="summed", build_model=lambda: nn.Linear(8, 3),
+               build_datasets=lambda: (TensorDataset(x[:160], y[:160]), TensorDataset(x[160:], y[160:])),
+               loss=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1], reduction=reduction),
+               build_optimizer=lambda p: torch.optim.SGD(p, lr=0.1), batch_size=32)
+'''
+
+
+def test_a_loss_that_sums_over_the_batch_is_said_at_build_and_a_mean_is_not(tmp_path):
+    from idlegrad.coordinator.config import CoordinatorConfig, check
+    from idlegrad.coordinator.training import Training
+
+    path = tmp_path / "summed.py"
+    path.write_text(SUMMED_JOB)
+
+    def warning(**args):
+        config = CoordinatorConfig(job=f"{path}:make", job_args=args)
+        return Training(config, check(config)).loss_warning
+
+    said = warning()
+    assert said is not None and "sum over the batch" in said and "32" in said, said
+    assert warning(reduction="mean") is None
+    config = CoordinatorConfig(job="digits")
+    assert Training(config, check(config)).loss_warning is None

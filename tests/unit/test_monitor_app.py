@@ -196,6 +196,8 @@ def test_lost_and_restarted_coordinator_is_said_on_screen():
             await settle(pilot, app, fetches=2)
             assert "lost the coordinator" in app.connection
             assert app.worker_ids() == ["w1", "w2", "w3"]  # the last known state stays
+            head = str(app.query_one("#header").render())
+            assert "coordinator lost" in head and "training" not in head and "ETA" not in head
             app.poll()
             await settle(pilot, app, fetches=3)
             app.poll()
@@ -272,4 +274,34 @@ def test_a_snapshot_that_arrives_after_the_app_closed_is_dropped():
         app.apply(snap(FLEET))  # its widgets are gone now
         assert app.snapshot is not None
 
+    asyncio.run(go())
+
+
+def test_the_data_plane_is_shown_as_status_shows_it():
+    async def go():
+        data = {"bytes": 3 * 2**20, "shards": 4, "served_bytes": 2**20, "bytes_from_mirrors": 0,
+                "bytes_from_coordinator": 2**20, "cache_hits": 7, "downloads_in_flight": 1}
+        app = MonitorApp(FakeSource(dict(snap(FLEET), data=data)), interval=10)
+        async with app.run_test(size=(160, 40)) as pilot:
+            await settle(pilot, app)
+            panel = " ".join(str(app.query_one("#rounds").render()).split())
+            assert "data: 3" in panel and "4 shards" in panel and "7 cache hits" in panel, panel
+    asyncio.run(go())
+
+
+def test_a_confirmation_with_a_long_worker_name_fits_the_screen_and_says_it_all():
+    long_name = "w-" + "x" * 120  # a host name and a pid fit in MAX_WORKER_ID (128)
+
+    async def go():
+        app = MonitorApp(FakeSource(snap([worker(long_name)])), interval=10)
+        async with app.run_test(size=(160, 40)) as pilot:
+            await settle(pilot, app)
+            await pilot.press("d")
+            await pilot.pause()
+            assert isinstance(app.screen, Confirm)
+            label = app.screen.query_one("#question")
+            box = label.parent.region
+            assert box.x >= 0 and box.right <= 160 and label.region.right <= box.right
+            shown = "".join(str(label.render()).split())
+            assert long_name in shown and shown.endswith("andleaves."), shown
     asyncio.run(go())

@@ -19,7 +19,7 @@ def snapshot(**kw):
         "epochs": 10, "train_samples": 16000, "samples_per_s": 1000.0, "loss": 0.25,
         "metrics": {"accuracy": 0.9, "loss": 0.3}, "target": "accuracy>=0.95",
         "target_metric": "accuracy", "target_value": 0.95, "target_higher": True,
-        "elapsed_s": 75.0, "instance": "i1",
+        "elapsed_s": 10.0, "instance": "i1",  # the curve's last evaluation was just now
         "workers": [worker("b", "idle", 5.0, 3, host="beta"), worker("a", "working", 20.0, 1),
                     worker("c", "paused", 0.0, 7, device="cuda:0")],
         "curve": [{"t": float(t), "version": t, "samples": t * 100, "loss": 2.0 - 0.1 * t,
@@ -80,6 +80,10 @@ def test_eta_from_the_target_trend():
     # accuracy rises 0.04 per second; at t=10 it is 0.9: 0.05 more takes 1.25 s
     seconds, why = view.eta(snapshot(epochs=None))
     assert why == "target" and seconds == pytest.approx(1.25)
+    # it counts down between evaluations: a second later, from the same curve
+    assert view.eta(snapshot(epochs=None, elapsed_s=11.0)) == (pytest.approx(0.25), "target")
+    # past where the fit meets the target while the last evaluation is short of it: no guess
+    assert view.eta(snapshot(epochs=None, elapsed_s=20.0)) == (None, "")
 
 
 def test_eta_epochs_when_sooner_or_no_target():
@@ -96,7 +100,7 @@ def test_eta_epochs_when_sooner_or_no_target():
 def test_eta_reached_and_lower_is_better():
     assert view.eta(snapshot(target_value=0.8)) == (0.0, "target")
     snap = snapshot(target_metric="loss", target_value=0.5, target_higher=False, epochs=None,
-                    curve=[{"t": float(t), "metrics": {"loss": 1.0 - 0.1 * t}} for t in range(4)])
+                    elapsed_s=3.0, curve=[{"t": float(t), "metrics": {"loss": 1.0 - 0.1 * t}} for t in range(4)])
     seconds, why = view.eta(snap)
     assert why == "target" and seconds == pytest.approx(2.0)
 
@@ -232,3 +236,11 @@ def test_credit_rows_follow_the_columns():
     assert fast["first_seen"].startswith("2023-11-1")
     assert rows[2][-1] == "-"  # no time given
     assert view.credit_rows(None) == [] and view.credit_rows({"workers": []}) == []
+
+
+def test_epochs_read_as_fractions_not_in_scientific_notation():
+    snap = dict(snapshot(), epoch=0.0044)
+    assert "(0.0044 epochs)" in view.header(snap).plain
+    assert dict(view.summary_rows(snap))["samples"].endswith("(0.0044 epochs)")
+    assert [view.epochs_done(e) for e in (0, 0.44, 3.25, 12.34, None)] == \
+        ["0.00", "0.44", "3.25", "12.3", "-"]

@@ -1134,3 +1134,48 @@ def test_an_eval_task_has_one_part():
               "kind": "eval"}
     with pytest.raises(ProtocolError):
         decode([packb(header)])
+
+
+def test_a_job_identity_travels_checked_and_is_left_out_when_none():
+    import idlegrad.common.job as job_mod
+    from torch import nn
+    from torch.utils.data import TensorDataset
+
+    data = TensorDataset(torch.zeros(8, 4), torch.zeros(8, dtype=torch.long))
+    job = job_mod.Job(name="j", build_model=lambda: nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)),
+                      build_datasets=lambda: (data, data),
+                      loss=lambda m, b: m(b[0]).sum(), build_optimizer=lambda p: None, batch_size=4)
+    identity = job_mod.build(job).identity
+    welcome = proto.Welcome(job="j", job_args={}, fingerprint="f", seed=0, heartbeat_s=1.0,
+                            liveness=3, job_identity=identity)
+    assert proto.decode(proto.encode(welcome)).job_identity == identity
+    # absent at None: a peer that predates the field decodes the header without meeting it
+    plain = dataclasses.replace(welcome, job_identity=None)
+    assert "job_identity" not in msgpack.unpackb(proto.encode(plain)[0])
+    for bad in ({"name": "j", "params": [["w", [-1], "float32"]]}, {"name": "j", "extra": 1},
+                {"params": [["w", [2]] ]}, {"train": "many"}, {"data": {"train": 5}},
+                {"params": [["w", [1], "f"]] * (proto.MAX_IDENTITY_TENSORS + 1)}):
+        with pytest.raises(ProtocolError):
+            proto.decode(proto.encode(proto.Ready(credits=0, fingerprint="f", job_identity=bad)))
+    assert proto.job_identity_or_none({"params": [["w", [1], "f"]] * 5000}) is None
+
+
+def test_job_differences_say_what_differs_from_each_side():
+    from idlegrad.common.job import job_differences
+
+    here = {"name": "j", "params": [["0.weight", [32, 64], "float32"], ["0.bias", [32], "float32"]],
+            "train": 1600, "test": 400, "data": {"train": "a" * 64, "test": None}}
+    there = {"name": "k", "params": [["0.weight", [48, 64], "float32"]],
+             "buffers": [["1.running_mean", [48], "float32"]], "train": 1500, "test": 400,
+             "data": {"train": "b" * 64, "test": None}}
+    assert job_differences(here, there, "here", "at the coordinator") == [
+        "job name 'j' here, 'k' at the coordinator",
+        "parameter 0.weight: [32, 64] float32 here, [48, 64] float32 at the coordinator",
+        "parameter 0.bias: [32] float32 here, none at the coordinator",
+        "buffer 1.running_mean: none here, [48] float32 at the coordinator",
+        "training set: 1600 samples here, 1500 samples at the coordinator",
+        "train data manifest aaaaaaaaaaaa here, bbbbbbbbbbbb at the coordinator"]
+    assert job_differences(here, here) == []
+    many = {"params": [[f"p{i}", [i], "float32"] for i in range(10)]}
+    said = job_differences(many, {})
+    assert len(said) == 4 and said[-1] == "and 7 more parameters", said

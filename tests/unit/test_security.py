@@ -225,3 +225,24 @@ def test_addresses_refused_in_one_line(address, bind, needle):
     with pytest.raises(ConfigError, match=needle) as e:
         security.check_address(address, "--coordinator", bind=bind)
     assert str(e.value).startswith("--coordinator ") and "\n" not in str(e.value)
+
+
+def test_a_missing_allow_keys_folder_is_made_and_said(tmp_path, caplog):
+    """The README's first commands name --allow-keys allowed/ before any key is in it."""
+    security.generate("coord", str(tmp_path / "k"))
+    allowed = tmp_path / "allowed"
+    with caplog.at_level("WARNING"):
+        _, keys = _check(tmp_path, secret_key=str(tmp_path / "k" / "coord.key_secret"),
+                         allow_keys=str(allowed))
+    assert allowed.is_dir() and keys == frozenset()
+    assert "did not exist: made it" in caplog.text and "SIGHUP" in caplog.text
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="no such directory"):  # not a folder: not replaced
+        _check(tmp_path, secret_key=str(tmp_path / "k" / "coord.key_secret"),
+               allow_keys=str(tmp_path / "file"))
+
+
+def test_worker_job_arg_says_where_job_arguments_come_from(run_cli):
+    code, out, err = run_cli(["worker", "--job-arg", "hidden=128"])
+    assert code == 2 and err.count("\n") == 1, err
+    assert "a worker gets the job's arguments from its coordinator" in err

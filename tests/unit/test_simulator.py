@@ -220,3 +220,32 @@ def test_simulate_bad_input_is_one_line(run_cli, argv, needle):
     result = run_cli(["simulate", "--duration", "10", *argv])
     assert result.code != 0
     assert needle in result.one_line_error(), result.err
+
+
+def test_every_figure_simulate_prints_is_explained(run_cli):
+    """Each column of the table has a legend line, and a mode that wasted much says where."""
+    code, out, err = run_cli(["simulate", "--workers", "12", "--duration", "60",
+                              "--modes", "none,replicate:2"])
+    assert code == 0, err
+    lines = out.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("mode ")]
+    assert len(starts) == 2, out  # the table's header, and the legend's first line
+    columns = lines[starts[0]].split()
+    legend = lines[starts[1]:]
+    explained = {w.strip(":;,()") for line in legend for w in line.split()}
+    assert [c for c in columns if c not in explained] == [], legend
+    waste = [line for line in lines if line.startswith("  replicate:2: wasted")]
+    assert waste and "slots cancelled" in waste[0], out
+
+
+def test_the_readme_s_first_simulate_example_is_small():
+    """The README's first `idlegrad simulate` is what a new user runs first: a fleet and a span
+    that simulate in seconds (1000 workers for an hour took 259 s), not a benchmark."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    first = re.search(r"^idlegrad simulate (.*)$", readme, re.M).group(1)
+    workers = int(re.search(r"--workers (\d+)", first).group(1))
+    duration = float(re.search(r"--duration (\d+)", first).group(1))
+    assert workers * duration <= 100 * 600, first

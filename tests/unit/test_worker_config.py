@@ -148,3 +148,51 @@ def test_plain_worker_flags_still_parse():
 ])
 def test_resolve_cores(spec, usable, cores):
     assert resolve_cores(spec, usable) == cores
+
+
+def test_a_worker_waits_for_its_coordinator_forever_unless_told_otherwise(tmp_path):
+    """The README's "start it again ... the workers reconnect by themselves" holds for any
+    restart: no timeout by default, neither from flags nor from the file `worker join` writes."""
+    from idlegrad.worker.daemon import WorkerConfig
+
+    joined = tmp_path / "worker.toml"
+    joined.write_text('coordinator = "tcp://h:1"\nid = "alice-1"\n')  # what join writes, keys aside
+    for argv in (["worker"], ["worker", "--config", str(joined)]):
+        s, _ = settings_of(build_parser().parse_args(argv))
+        assert s.connect_timeout == 0, argv
+    assert WorkerConfig().connect_timeout == 0
+    s, _ = settings_of(build_parser().parse_args(["worker", "--connect-timeout", "30"]))
+    assert s.connect_timeout == 30  # opt-in
+
+
+def test_a_waiting_worker_says_so_every_so_often_and_names_the_keys_only_with_keys():
+    from idlegrad.worker.waiting import Waiting
+
+    waiting = Waiting("tcp://h:5555", keys=True, since=100.0)
+    said = {t: waiting.report(100.0 + t) for t in range(0, 2000, 5)}
+    lines = {t: line for t, line in said.items() if line}
+    assert list(lines) == [30, 120, 600, 1200, 1800], lines
+    assert lines[120] == ("no answer from tcp://h:5555 for 2m; still trying "
+                          "(is it running? do the keys match?)")
+    plain = Waiting("tcp://h:5555", keys=False, since=0.0)
+    assert "keys" not in plain.report(31.0)
+    assert plain.report(5000.0).endswith("for 1h23m; still trying (is it running?)")
+    assert plain.report(5001.0) is None  # one report for a long sleep, not one per missed one
+
+
+def test_the_worker_log_confirms_no_idle_policy_and_the_limits_that_still_hold(run_cli, caplog):
+    from idlegrad.cli.processes import free_port
+
+    caplog.set_level("INFO", logger="idlegrad")
+    code, _, _ = run_cli(["worker", "--no-idle-policy", "--hours", "09:00-17:00",
+                            "--coordinator", f"tcp://127.0.0.1:{free_port()}",
+                            "--connect-timeout", "0.3", "--device", "cpu", "--threads", "1",
+                            "--no-low-priority"])
+    assert code != 0  # nobody answers
+    assert ("idle policy: off (--no-idle-policy): computing whatever the machine does; the "
+            "owner's limits still hold: hours 09:00-17:00") in caplog.text, caplog.text
+    s, _ = settings_of(build_parser().parse_args(["worker"]))
+    from idlegrad.worker.idle import describe_policy
+
+    assert describe_policy(s.policy()).startswith("pausing when others use over 25% CPU, user "
+                                                  "input within 180s, on battery")
