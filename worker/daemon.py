@@ -22,7 +22,7 @@ import socket as pysocket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import zmq
@@ -43,6 +43,9 @@ from .engine import Cancelled, Outcome, SnapshotRef, Work
 from .guest import Guest, watch
 from .idle import PolicyConfig
 from .link import ShapedSocket
+
+if TYPE_CHECKING:  # projects imports this module
+    from .projects import ComputeSlot
 
 log = logging.getLogger("idlegrad.worker")
 
