@@ -331,7 +331,7 @@ def aggregate(runs: dict[str, list[dict]]) -> dict:
             "runs_time_to_target_s": [r["time_to_target_s"] for r in rs],
         }
     sync = out.get("sync", {}).get("time_to_target_s")
-    for mode, m in out.items():
+    for m in out.values():
         t = m["time_to_target_s"]
         m["ratio_to_sync"] = (t / sync) if (t and sync) else None
     return out

@@ -375,6 +375,8 @@ def _exact_cover(runs: Sequence[tuple[int, int]], slots: Sequence[int],
         return None
     cover, position = [], partitions
     while position:
-        position, s = reached[position]
+        step = reached[position]
+        assert step is not None  # only position 0 has no previous
+        position, s = step
         cover.append(s)
     return sorted(cover)

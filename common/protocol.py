@@ -555,10 +555,13 @@ def _base_validator(hint) -> Callable[[Any, str], None]:
 TENSOR, RAW = "tensor", "raw"  # fields that travel in frames: a Blob, or `bytes` (one frame)
 
 
-def _fields(schema) -> list[tuple[str, bool, Optional[str], bool, Optional[Callable]]]:
+_FieldSpec = tuple[str, bool, Optional[str], bool, Optional[Callable]]
+
+
+def _fields(schema) -> list[_FieldSpec]:
     """(name, required, TENSOR/RAW/None for a header value, may be None, checker) for each field
-    of a message."""
-    out = []
+    of a message; a header value has a checker."""
+    out: list[_FieldSpec] = []
     for name, hint, required in schema:
         optional, base = _is_optional(hint)
         if base is Blob:
@@ -643,9 +646,9 @@ def decode(frames: Sequence) -> Message:
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError("version", f"protocol {version!r}, expected {PROTOCOL_VERSION}")
     kind = header.get("type")
-    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
-    if cls is None:
+    if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
         raise ProtocolError("type", f"unknown message type {str(kind)[:40]!r}")
+    cls = MESSAGE_TYPES[kind]
     unknown = header.keys() - _FIELD_NAMES[kind]
     if unknown:
         raise ProtocolError("schema", f"{kind}: unknown fields {sorted(map(str, unknown))[:5]}")
@@ -667,6 +670,7 @@ def decode(frames: Sequence) -> Message:
             take = _take_blob if blob == TENSOR else _take_raw
             values[name], next_frame = take(value, frames, next_frame, f"{kind}.{name}")
             continue
+        assert check is not None  # a header value has one (_fields)
         check(value, f"{kind}.{name}")
         values[name] = value
     if next_frame != len(frames):

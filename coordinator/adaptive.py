@@ -114,7 +114,7 @@ def choose(records: Sequence[Sequence[float]], partitions: int, samples_per_part
         rng = np.random.default_rng(seed)  # common random numbers: candidates compared fairly
         costs[str(policy)] = predict(policy, workers, partitions, samples_per_partition, trials,
                                      rng, open_rounds, speculation)
-    best = min(costs, key=costs.get)
+    best = min(costs, key=costs.__getitem__)
     if best != "none" and costs[best] > (1 - margin) * costs["none"]:
         best = "none"
     chosen = next(p for p in candidates(partitions, max_level) if str(p) == best)

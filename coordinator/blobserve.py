@@ -102,6 +102,7 @@ class BlobService:
             self.counters["refused_" + refuse] += 1
             return proto.Chunk(request=fetch.request, sha256=fetch.sha256, offset=fetch.offset,
                                total=total or 0, error=reason)
+        assert total is not None  # an unknown blob is refused above
         length = min(fetch.length, total - fetch.offset)
         self._queues.setdefault(worker, deque()).append(
             Serve(worker, fetch.request, fetch.sha256, fetch.offset, length, total))
@@ -111,7 +112,8 @@ class BlobService:
     def take(self) -> list[Serve]:
         """The chunks of one pass: workers in turn, one chunk each per turn, until `pass_bytes`
         are taken (at least one chunk, so a pass always makes progress)."""
-        out, taken = [], 0
+        out: list[Serve] = []
+        taken = 0
         while self._queues and (not out or taken < self.pass_bytes):
             worker, queue = next(iter(self._queues.items()))
             serve = queue.popleft()
@@ -160,7 +162,7 @@ class BlobService:
     def summary(self) -> dict:
         """For the status snapshot and the metrics log: what was served here, and what the
         workers say of their caches (summed over the workers present)."""
-        workers = Counter()
+        workers: Counter[str] = Counter()
         for cache in self.caches.values():
             workers.update(cache)
         pack = {} if self.manifest is None else {

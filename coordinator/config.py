@@ -137,7 +137,8 @@ def check(config: CoordinatorConfig) -> Checked:
 def _check_paths(config: CoordinatorConfig) -> None:
     """Where the coordinator writes, made ready before anything starts: a path it cannot write
     is one line now, not a traceback after binding (or checkpoints that never save)."""
-    flag, path = "", ""
+    flag = ""
+    path: Optional[str] = ""  # the one that failed, for the message
     try:
         if config.checkpoint_dir:
             flag, path = "--checkpoint-dir", config.checkpoint_dir
@@ -180,7 +181,8 @@ def _check_data(config: CoordinatorConfig) -> None:
 
 def load_key_lists(config: CoordinatorConfig) -> KeyLists:
     """The key folders, read now (at start and on SIGHUP); ConfigError with one line."""
-    enrolled = frozenset()
+    assert config.allow_keys is not None  # keys come with --allow-keys (_check_security)
+    enrolled: frozenset[bytes] = frozenset()
     if config.enrolled:
         from .enrolment import Store
 

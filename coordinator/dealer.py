@@ -138,6 +138,7 @@ class Dealer:
 
     def _local_for(self, worker: WorkerRecord, lease: Lease) -> bool:
         """Whether the locality pass may give `lease` to `worker`."""
+        assert self.locality is not None  # the locality pass runs only with locality
         round_ = self.rounds.rounds[lease.round]
         # A round's age in versions over the rounds open: about the slot times it has waited
         # (each open round steps the version once per slot time, roughly).
@@ -147,7 +148,7 @@ class Dealer:
 
     def _hand_out(self, worker: WorkerRecord, lease: Lease, now: float) -> Assign:
         deadline = now + self.speed.deadline_s(worker.speed, lease.samples, worker.capacity)
-        prefetch = ()
+        prefetch: tuple[int, ...] = ()
         if self.locality is not None and not lease.side:
             prefetch = self.locality.hint(worker.id, self.sampler.epoch, self.sampler.open_blocks,
                                           self.sampler.block_left)

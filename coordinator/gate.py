@@ -108,9 +108,9 @@ class Gate:
         self.peers: dict[bytes, str] = {}  # routing id -> the worker id it said hello as
 
     @staticmethod
-    def _every(keys: Optional[KeyLists]) -> Optional[frozenset[bytes]]:
-        # asked of every message: one set, not three
-        return None if keys is None else keys.workers | keys.monitors | keys.operators
+    def _every(keys: Optional[KeyLists]) -> frozenset[bytes]:
+        # asked of every message: one set, not three (empty without keys)
+        return frozenset() if keys is None else keys.workers | keys.monitors | keys.operators
 
     @property
     def secure(self) -> bool:
@@ -125,7 +125,7 @@ class Gate:
         return self.keys.describe() if self.keys is not None else "no keys"
 
     def handshake(self, key: bytes) -> bool:
-        return self._listed is not None and key in self._listed
+        return key in self._listed
 
     def listed(self, key: Optional[bytes]) -> bool:
         """Whether a message under `key` may be read at all."""
@@ -236,6 +236,7 @@ class Gate:
                 return None, Refusal("credits_refused", "role", "without keys a worker is its "
                                                                 "id: name the worker")
             return worker, None
+        assert key is not None  # with keys, a message without one is not read (`listed`)
         own = "key:" + key.decode("ascii")
         if worker is None:
             return own, None
@@ -279,6 +280,6 @@ class Gate:
     def reload(self, keys: KeyLists) -> tuple[list[str], int]:
         """New key folders: the worker ids whose key may no longer work (each is to be evicted),
         and how many keys lost every role."""
-        revoked = (self._listed or frozenset()) - self._every(keys)
+        revoked = self._listed - self._every(keys)
         self.keys, self._listed = keys, self._every(keys)
         return [w for w, key in self.key_of.items() if key not in keys.workers], len(revoked)

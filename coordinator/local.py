@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, TypeGuard
 
 from ..common.coding import Redundancy
 from ..common.errors import ConfigError
@@ -79,7 +79,7 @@ class TaskMode:
         return self.steps_for(s_per_sample, inner_batch, link_s) * max(1, inner_batch)
 
 
-def _measured(seconds: Optional[float]) -> bool:
+def _measured(seconds: Optional[float]) -> TypeGuard[float]:
     return seconds is not None and seconds > 0 and math.isfinite(seconds)
 
 

@@ -132,7 +132,9 @@ class Locality:
         if self.home.get(worker) == key or self.previous.get(worker) == key:
             return True
         held = self.held.get(worker)
-        return bool(held) and all(k in held for k in self.blocks(key[0])[key[1]].shards)
+        if not held:
+            return False
+        return all(k in held for k in self.blocks(key[0])[key[1]].shards)
 
     def anybodys(self, key: Optional[BlockKey], waited: float, speculated: bool) -> bool:
         """Whether a pending slot of block `key` may go to any worker: nobody is at home in

@@ -16,6 +16,7 @@ import heapq
 import itertools
 import math
 from collections import Counter
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -189,7 +190,7 @@ class RoundBook:
         """`lease`'s result is used: its row has arrived; its copies are cancelled, and the round
         decodes (`Decoded`, the round closed) or waits for more."""
         lease.state = LeaseState.ARRIVED
-        actions: list[Action] = self.cancel_holders(lease)
+        actions: list[Action] = list(self.cancel_holders(lease))
         round_ = self.rounds[lease.round]
         round_.arrived.add(lease.index)
         round_.covered.update(j for j, _ in lease.row)
@@ -211,20 +212,22 @@ class RoundBook:
         with it. The row's other copies keep computing (they are the second opinion); only this
         lease's other holders (a deadline handed it out twice) are cancelled."""
         round_ = self.rounds[lease.round]
+        assert round_.verified is not None  # only a verified round's copies are held
         round_.verified.hold(lease.row, lease.id, worker_id)
         self.stats["replicas_held"] += 1
         return self.cancel_holders(lease) + self.compare_next(round_, lease.row)
 
-    def compare_next(self, round_: Round, row: tuple) -> list[Action]:
+    def compare_next(self, round_: Round, row: Hashable) -> list[Action]:
         """The row's next two held copies to compare, if there are two."""
+        assert round_.verified is not None  # only a verified round's copies are compared
         pair = round_.verified.next_pair(row)
         if pair is None:
             return []
-        first, second = pair
-        return [CompareCopies(round_.id, pair, (round_.verified.sender(first),
-                                                round_.verified.sender(second)))]
+        first_by, second_by = (round_.verified.sender(slot) for slot in pair)
+        assert first_by is not None and second_by is not None  # the pair's copies are held
+        return [CompareCopies(round_.id, pair, (first_by, second_by))]
 
-    def disputed(self, first: int, second: int) -> Optional[tuple[Round, tuple]]:
+    def disputed(self, first: int, second: int) -> Optional[tuple[Round, Hashable]]:
         """The round and row of a `CompareCopies` still awaiting its verdict, else None."""
         lease = self.leases.get(first)
         round_ = self.rounds.get(lease.round) if lease is not None else None

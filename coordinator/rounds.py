@@ -38,7 +38,7 @@ from .effects import (Applied, Ban, Compute, Contribution, Effect, Evaluated, Ev
                       Refused, Replanned, Used)
 from .eval_slots import WorkerEvaluation
 from .scheduler import Action, CompareCopies, Decoded, Drained, Evicted, Scheduler
-from .slots import SlotWork, Stored
+from .slots import Assign, CancelSlots, SlotWork, Stored
 from .trust import TrustPolicy
 from .verify import Settlement
 
@@ -219,7 +219,7 @@ class RoundCore:
     def malformed(self, worker_id: str, slot: int, now: float) -> list:
         """A result whose gradient could not be read: the slot goes to someone else, and it is
         an offence of its sender."""
-        out = [Refused(worker_id, self.identity(worker_id), slot, "malformed")]
+        out: list[Effect] = [Refused(worker_id, self.identity(worker_id), slot, "malformed")]
         out += self._interpret(self.scheduler.failed(worker_id, slot, now), now)
         if self.trust.offence(self.identity(worker_id), "malformed", now):
             out += self._ban(worker_id, now)
@@ -249,6 +249,7 @@ class RoundCore:
         stored = Stored(gradient, norm, worker_id, identity, compute_s, waited_s, samples, loss,
                         buffers=buffers)
         if verdict is not None and verdict.reason == "norm":
+            assert scale is not None  # only a finite norm, judged against its slot's scale
             return self.settlement.suspect(slot, stored, scale, verdict.detail, now)
         if verdict is not None and not verdict.ok:
             return self._refuse(worker_id, slot, verdict.reason, verdict.detail, verdict.banned,
@@ -328,17 +329,16 @@ class RoundCore:
         before any slot is handed out again."""
         return out + self._interpret(self.scheduler.deal(now), now)
 
-    def _interpret(self, actions: list[Action], now: float) -> list[Effect]:
+    def _interpret(self, actions: Sequence[Action], now: float) -> list[Effect]:
         """The scheduler's actions, with those the core acts on itself (a decoded round is
         stepped, copies are compared, a drained or evicted worker is announced) replaced by what
         they lead to, in order; the rest (`Assign`, `CancelSlots`) are the driver's."""
         out: list[Effect] = []
         for action in actions:
-            act = self._acts.get(type(action))
-            if act is None:
+            if isinstance(action, (Assign, CancelSlots)):
                 out.append(action)
             else:
-                out += act(action, now)
+                out += self._acts[type(action)](action, now)
         return out
 
     def _drained(self, action: Drained, now: float) -> list[Effect]:

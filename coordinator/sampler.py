@@ -67,6 +67,7 @@ class Sampler:
         parts = [(self.epoch, start + a, b - a) for a, b in _cuts(count, partitions)]
         self.offset += count
         if self.blocks is not None:
+            assert block is not None  # chosen above, among the open blocks
             self._cursors[block] = start + count
             if start + count >= end:
                 del self._open[block]
@@ -106,7 +107,7 @@ class Sampler:
 
     def replan(self, parts: list[Part]) -> None:
         """Give a round's parts back; they come out again, as one round, before new data."""
-        self._replan.append([tuple(p) for p in parts])
+        self._replan.append([(epoch, offset, count) for epoch, offset, count in parts])
 
     @property
     def exhausted(self) -> bool:

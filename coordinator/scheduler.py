@@ -317,6 +317,7 @@ class Scheduler:
         if pair is None:
             return []
         round_, row = pair
+        assert round_.verified is not None  # a dispute is a verified round's
         round_.verified.end_dispute(row)
         self.stats["replicas_agreed"] += 1
         self.stats["results_used"] += 1
@@ -340,6 +341,7 @@ class Scheduler:
         if pair is None:
             return []
         round_, row = pair
+        assert round_.verified is not None  # a dispute is a verified round's
         round_.verified.end_dispute(row)
         use = next((s for s in (first, second) if s in correct), None)
         if use is not None:

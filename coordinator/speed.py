@@ -97,7 +97,7 @@ class SpeedModel:
         times.append(s_per_sample)
         self._times_sum += s_per_sample
         self._times_sq += s_per_sample * s_per_sample
-        if self.observations % times.maxlen == 0:  # shed the rounding of the sliding sums
+        if self.observations % self.FLEET_READINGS == 0:  # shed the rounding of the sliding sums
             self._times_sum = math.fsum(times)
             self._times_sq = math.fsum(t * t for t in times)
         if speed is not None:

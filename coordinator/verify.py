@@ -31,7 +31,7 @@ from collections import Counter, deque
 from dataclasses import replace
 from typing import Any, Optional, Protocol
 
-from .effects import Compute, Event, Refused
+from .effects import Compute, Effect, Event, Refused
 from .slots import CompareCopies, SlotWork, Stored
 from .trust import TrustPolicy, matches
 
@@ -86,7 +86,7 @@ class Settlement:
     def __init__(self, court: Court):
         """`court`: the round core (rounds.py) that owns this settlement, as it sees it."""
         self.core = court
-        # what the computation in flight settles: ("suspect", slot, stored, scale) or
+        # what the computation in flight settles: ("suspect", slot, stored, scale, detail) or
         # ("copies", first, second)
         self.busy: Optional[tuple] = None
         self.disputes: deque[CompareCopies] = deque()
@@ -183,10 +183,11 @@ class Settlement:
 
     def _parties(self) -> frozenset:
         """The identities whose results the computation in flight judges."""
-        store = self.core.store
-        if self.busy[0] == "suspect":
-            return frozenset({self.busy[2].identity})
-        return frozenset(store[s].identity for s in self.busy[1:] if s in store)
+        store, busy = self.core.store, self.busy
+        assert busy is not None  # asked while a computation is in flight
+        if busy[0] == "suspect":
+            return frozenset({busy[2].identity})
+        return frozenset(store[s].identity for s in busy[1:] if s in store)
 
     def _compute_elsewhere(self, request, now: float) -> list:
         """Hand the computation to a worker outside the dispute; here if there is none."""
@@ -210,6 +211,7 @@ class Settlement:
         core = self.core
         out = core.withdraw(slot, now)
         core.counters["settled_here_no_third"] += 1
+        assert self.busy is not None  # the side slot computes the settlement in flight
         subject = self.busy[1]
         request = core.compute_request(subject)
         if request is None:
@@ -290,9 +292,10 @@ class Settlement:
                    if matches(core.distance(store[s].gradient, reference), size)]
         wrong = [store[s] for s in (first, second) if s not in correct]
         wrong_slots = [s for s in (first, second) if s not in correct]
-        out = [Event("verified", f"slot {slot} from {store[slot].worker}: computed here, it "
-                                 f"matches; {'used' if slot == correct[0] else 'agrees'}",
-                     store[slot].worker) for slot in correct]
+        out: list[Effect] = [
+            Event("verified", f"slot {slot} from {store[slot].worker}: computed here, it "
+                              f"matches; {'used' if slot == correct[0] else 'agrees'}",
+                  store[slot].worker) for slot in correct]
         if correct:
             store[correct[0]] = replace(store[correct[0]], verified_by=tuple(dict.fromkeys(
                 store[s].identity for s in correct)))
@@ -322,8 +325,8 @@ class Settlement:
         core.counters["replicas_of_banned"] += len(banned)
         kept = [s for s in (first, second) if s not in banned]
         names = " and ".join(store[s].worker for s in banned)
-        out = [Event("replicas_disagreed", f"{detail}: {names} is banned: its copy refused, not "
-                                           "computed here")]
+        out: list[Effect] = [Event("replicas_disagreed", f"{detail}: {names} is banned: its copy "
+                                                         "refused, not computed here")]
         for slot in banned:
             copy = store.pop(slot)
             out.append(Refused(copy.worker, copy.identity, slot, "banned"))

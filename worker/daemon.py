@@ -22,7 +22,7 @@ import socket as pysocket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import zmq
@@ -105,9 +105,19 @@ class _Ended(Exception):
     """This connection is over: the coordinator is silent, or we said bye."""
 
 
+class SharedCompute(Protocol):
+    """The compute thread as the projects of one process share it (projects.ComputeSlot; named
+    here, since projects builds on this module)."""
+
+    def up(self, project: str) -> None: ...
+    def down(self, project: str) -> None: ...
+    def request(self, project: str) -> asyncio.Future: ...
+    def leave(self, project: str, computed_s: float) -> None: ...
+
+
 class Worker:
     def __init__(self, config: WorkerConfig, guest: Optional[Guest] = None,
-                 compute_slot: Optional["ComputeSlot"] = None, project: Optional[str] = None):
+                 compute_slot: Optional[SharedCompute] = None, project: Optional[str] = None):
         """`guest` and `compute_slot`: shared with the other projects' sessions of this process
         (`MultiWorker`); without them this worker is the only one, and reads the probes itself."""
         if config.credits < 1:

@@ -5,7 +5,6 @@ in one process on the same samples in the same order."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from idlegrad.common.builtin_jobs import digits
 from idlegrad.common.job import build, evaluate, make_optimizer, part_batch

@@ -16,6 +16,8 @@ from tests.unit.blob_mirror import Mirror
 
 from .harness import DEADLINE, final_metrics
 
+pytestmark = pytest.mark.integration
+
 PACKED = ("--job", "packed", "--job-arg", "features=16", "--job-arg", "classes=4",
           "--job-arg", "hidden=0")
 

@@ -4,7 +4,11 @@ during the run, and an evaluation survives the worker holding one of its slots b
 
 from __future__ import annotations
 
+import pytest
+
 from .harness import DEADLINE, final_metrics, read_metrics
+
+pytestmark = pytest.mark.integration
 
 
 def evaluations(path) -> tuple[list[dict], dict]:

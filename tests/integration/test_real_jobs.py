@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from idlegrad.common.blobs import load_manifest
 
 from .harness import DEADLINE, final_metrics, read_metrics
+
+pytestmark = pytest.mark.integration
 
 
 def write_corpus(root) -> None:

@@ -141,7 +141,8 @@ def test_worker_pauses_for_a_hog_hands_back_its_slots_resumes_and_training_finis
         paused = status.wait_for(guest_paused, f"the guest pausing for the hog ({seen})",
                                  timeout=20, alive=procs)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}\nothers as the guest sees them, since the hogs: {views}")
+        raise AssertionError(
+            f"{exc}\nothers as the guest sees them, since the hogs: {views}") from None
     took = time.time() - started
     guest_done = worker(paused, "guest")["done"]
     helper_done = worker(paused, "helper")["done"]

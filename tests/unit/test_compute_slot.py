@@ -37,7 +37,7 @@ def test_the_slot_goes_to_one_project_at_a_time_and_by_share():
             served.append(lent)
             clock.now += 1.0
             slot.leave(lent, 1.0)
-            for name, f in asks.items():
+            for name in asks:
                 if name != lent:
                     slot.leave(name, 0.0)  # withdraw, ask again next turn
         return served

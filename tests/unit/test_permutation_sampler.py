@@ -141,7 +141,7 @@ def test_rounds_never_span_epochs_and_last_batch_is_smaller():
     assert sizes == [3, 3, 3, 1, 3, 3, 3, 1]
     for parts in rounds:
         assert len({e for e, _, _ in parts}) == 1
-        for e, off, c in parts:
+        for _, off, c in parts:
             assert c > 0 and 0 <= off and off + c <= 10
 
 
@@ -161,7 +161,7 @@ def test_cuts_property(count, partitions):
     assert len(cuts) == min(partitions, count) if count else cuts == []
     if cuts:
         assert cuts[0][0] == 0 and cuts[-1][1] == count
-        for (a, b), (c, _) in zip(cuts, cuts[1:]):
+        for (_, b), (c, _) in zip(cuts, cuts[1:]):
             assert b == c
         sizes = [b - a for a, b in cuts]
         assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1

@@ -8,7 +8,7 @@ import pytest
 from idlegrad.cli.main import EXIT_USAGE
 from idlegrad.common.errors import ConfigError
 from idlegrad.worker import config
-from idlegrad.worker.config import Project, Settings, from_toml_text
+from idlegrad.worker.config import Project, from_toml_text
 
 
 @pytest.fixture(autouse=True)
