@@ -42,11 +42,10 @@ The model, and what it leaves out:
 
 from __future__ import annotations
 
-import csv
 import heapq
 import math
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Callable, Optional, Sequence
@@ -56,151 +55,22 @@ import numpy as np
 from ..common import coding
 from ..common.errors import ConfigError
 from ..common.permutation import ShardOrder, epoch_blocks, part_indices
-from .staleness import StalenessRule
 from .effects import Applied, Compute, Replanned, Used
 from .local import parse_task
 from .locality import Locality, group_for
 from .rounds import RoundCore
 from .sampler import Sampler
 from .scheduler import Assign, CancelSlots, Evicted, Scheduler, SchedulerConfig
+from .sim_backends import CostlessGradients, RealGradients
+from .sim_fleet import (FLEET_MIX, Churn, SimWorker, WorkerSpec, fleet_from_csv,
+                        lognormal_fleet, mixed_fleet, parse_churn, sessions_from_trace)
+from .staleness import StalenessRule
 from .trust import TrustConfig, TrustPolicy
 
-# fleet ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class WorkerSpec:
-    id: str
-    s_per_sample: float  # seconds of compute per sample, unloaded
-    credits: int = 2
-    latency_s: float = 0.02  # one way
-    bandwidth: float = 12.5e6  # bytes/s each way (100 Mbit/s)
-    slowdown: float = 1.0  # every task takes this many times as long (the engine's --slowdown)
-    stall_p: float = 0.0  # with this probability per task ...
-    stall_s: float = 0.0  # ... it stalls this long (the engine's --stall)
-    jitter: float = 0.0  # sigma of a lognormal factor on each task's time
-    sessions: Optional[list[tuple[float, float]]] = None  # (start, end); None: always on
-
-
-# Classes for `mixed_fleet`: (name, share of the fleet, median seconds per sample, sigma).
-# Relative speeds for a small convolutional net: a laptop's few cores, a desktop's many, a GPU.
-FLEET_MIX = (("cpu-small", 0.6, 4e-3, 0.5), ("cpu-fast", 0.3, 1e-3, 0.4), ("gpu", 0.1, 1e-4, 0.3))
-
-
-def lognormal_fleet(n: int, median_s: float, sigma: float, rng: np.random.Generator,
-                    **spec) -> list[WorkerSpec]:
-    speeds = median_s * np.exp(sigma * rng.standard_normal(n))
-    return [WorkerSpec(f"w{i}", float(s), **spec) for i, s in enumerate(speeds)]
-
-
-def mixed_fleet(n: int, rng: np.random.Generator, mix=FLEET_MIX, **spec) -> list[WorkerSpec]:
-    shares = np.array([m[1] for m in mix], dtype=float)
-    kinds = rng.choice(len(mix), size=n, p=shares / shares.sum())
-    out = []
-    for i, kind in enumerate(kinds):
-        _, _, median, sigma = mix[kind]
-        out.append(WorkerSpec(f"{mix[kind][0]}-{i}",
-                              float(median * math.exp(sigma * rng.standard_normal())), **spec))
-    return out
-
-
-_CSV_FIELDS = {"s_per_sample": float, "credits": int, "latency_s": float, "bandwidth": float,
-               "slowdown": float, "stall_p": float, "stall_s": float, "jitter": float}
-
-
-def fleet_from_csv(path: str, **defaults) -> list[WorkerSpec]:
-    """Rows `id,s_per_sample[,credits,latency_s,bandwidth,slowdown,stall_p,stall_s,jitter]`
-    (a header row names the columns; an absent or empty one takes `defaults`, else
-    WorkerSpec's)."""
-    try:
-        with open(path, newline="") as fh:
-            rows = list(csv.DictReader(fh))
-    except OSError as exc:
-        raise ConfigError(f"cannot read the fleet file {path}: {exc.strerror}") from None
-    out = []
-    for line, row in enumerate(rows, start=2):
-        if not row.get("id") or not row.get("s_per_sample"):
-            raise ConfigError(f"{path}:{line}: each row needs an id and s_per_sample")
-        values = dict(defaults)
-        for name, kind in _CSV_FIELDS.items():
-            text = (row.get(name) or "").strip()
-            if text:
-                try:
-                    values[name] = kind(text)
-                except ValueError:
-                    raise ConfigError(f"{path}:{line}: {name} {text!r} is not a number") from None
-        if not values["s_per_sample"] > 0 or values.get("credits", 1) < 1:
-            raise ConfigError(f"{path}:{line}: s_per_sample must be positive, credits >= 1")
-        out.append(WorkerSpec(row["id"].strip(), **values))
-    if not out:
-        raise ConfigError(f"the fleet file {path} has no workers")
-    return out
-
-
-def sessions_from_trace(path: str) -> dict[str, list[tuple[float, float]]]:
-    """Rows `worker,start,end` (seconds; an empty end: until the simulation ends)."""
-    out: dict[str, list[tuple[float, float]]] = {}
-    try:
-        with open(path, newline="") as fh:
-            rows = list(csv.DictReader(fh))
-    except OSError as exc:
-        raise ConfigError(f"cannot read the trace file {path}: {exc.strerror}") from None
-    for line, row in enumerate(rows, start=2):
-        try:
-            start = float(row["start"])
-            end = float(row["end"]) if (row.get("end") or "").strip() else math.inf
-        except (KeyError, TypeError, ValueError):
-            raise ConfigError(f"{path}:{line}: expected worker,start,end numbers") from None
-        if not end > start >= 0:
-            raise ConfigError(f"{path}:{line}: a session must end after it starts (start >= 0)")
-        out.setdefault(str(row.get("worker", "")).strip(), []).append((start, end))
-    return {w: sorted(s) for w, s in out.items()}
-
-
-@dataclass(frozen=True)
-class Churn:
-    """Exponential on and off sessions (means in seconds); `diurnal` in [0, 1) swings the mean
-    off time over a day (longer off at night-time of the cycle), `period_s` long."""
-
-    mean_on_s: float
-    mean_off_s: float
-    diurnal: float = 0.0
-    period_s: float = 86400.0
-
-    def sessions(self, duration: float, rng: np.random.Generator) -> list[tuple[float, float]]:
-        out = []
-        t = 0.0
-        on = rng.random() < self.mean_on_s / (self.mean_on_s + self.mean_off_s)
-        while t < duration:
-            if on:
-                length = rng.exponential(self.mean_on_s)
-                out.append((t, t + length))
-            else:
-                swing = 1.0 + self.diurnal * math.cos(2 * math.pi * t / self.period_s)
-                length = rng.exponential(self.mean_off_s * swing)
-            t += length
-            on = not on
-        return out
-
-
-def parse_churn(text: str) -> Optional[Churn]:
-    """`none`, `exp:ON:OFF` or `diurnal:ON:OFF:SWING` (seconds, seconds, 0..1)."""
-    raw = text.strip().lower()
-    if raw == "none":
-        return None
-    kind, _, rest = raw.partition(":")
-    try:
-        numbers = [float(x) for x in rest.split(":")] if rest else []
-    except ValueError:
-        numbers = None
-    if kind == "exp" and numbers and len(numbers) == 2 and min(numbers) > 0:
-        return Churn(numbers[0], numbers[1])
-    if (kind == "diurnal" and numbers and len(numbers) == 3 and min(numbers[:2]) > 0
-            and 0 <= numbers[2] < 1):
-        return Churn(numbers[0], numbers[1], numbers[2])
-    raise ConfigError(f"churn {text!r}: expected none, exp:ON_S:OFF_S or diurnal:ON_S:OFF_S:SWING "
-                      "(e.g. exp:1800:600)")
-
+__all__ = ["Churn", "CoordinatorCosts", "CostlessGradients", "FLEET_MIX", "ModeResult",
+           "RealGradients", "SimConfig", "Simulation", "WorkerSpec", "check_mode", "compare",
+           "fleet_from_csv", "lognormal_fleet", "mixed_fleet", "parse_churn",
+           "sessions_from_trace", "simulate"]
 
 # coordinator ----------------------------------------------------------------------------------
 
@@ -254,27 +124,6 @@ _ONLINE, _OFFLINE, _HELLO, _READY, _TASK, _CANCEL, _DONE, _RESULT, _BYE, _BEAT, 
 _TO_COORDINATOR = (_HELLO, _READY, _RESULT, _BYE, _BEAT)
 
 
-class _Worker:
-    __slots__ = ("spec", "online", "session", "available", "queue", "current", "started", "rng",
-                 "sessions", "shards", "link_free", "downloaded", "shards_said")
-
-    def __init__(self, spec: WorkerSpec, sessions, rng):
-        self.spec = spec
-        self.online = False
-        self.session = 0  # the connection: a new hello starts a new one
-        self.available = 0  # the availability session: ends only when the machine goes away
-        self.queue: deque = deque()  # (slot, samples, its Assign)
-        self.current = None
-        self.started = 0.0
-        self.rng = rng
-        self.sessions = sessions
-        # sharded data: shard -> when it is (or was) whole in the cache, least recently used first
-        self.shards: OrderedDict[int, float] = OrderedDict()
-        self.link_free = 0.0  # when its link finishes the downloads queued on it
-        self.downloaded = 0  # bytes of shards fetched
-        self.shards_said: Optional[list[int]] = None  # as the scheduler last heard
-
-
 @dataclass
 class ModeResult:
     mode: str
@@ -322,115 +171,6 @@ class ModeResult:
         return out
 
 
-class CostlessGradients:
-    """No tensors: a decoded round is applied (version + 1) or replanned by the staleness rule,
-    and every result is honest (copies always agree)."""
-
-    def __init__(self, train_samples: int, batch_size: int, rule: StalenessRule):
-        self.train_samples = train_samples
-        self.batch_size = batch_size
-        self.rule = rule
-        self.version = 0
-
-    def result(self, task) -> tuple[None, float]:
-        return None, 0.0
-
-    def compute(self, request: Compute) -> None:
-        return None
-
-    def apply(self, terms, norms, samples: int, round_version: int, in_use) -> Optional[float]:
-        weight = self.rule.weight(self.version - round_version)
-        if weight is not None:
-            self.version += 1
-        return weight
-
-    def distance(self, a, b) -> float:
-        return 0.0
-
-    def size(self, a) -> float:
-        return 0.0
-
-    def evaluate(self) -> dict:
-        return {}
-
-
-class RealGradients:
-    """A small job trained for real: every result's coded gradient is computed here at its
-    slot's model version, with the workers' kernel, and decoded rounds go through the real
-    `Aggregator`."""
-
-    def __init__(self, job_spec: str, job_args: dict, seed: int, rule: StalenessRule,
-                 local: bool = False, outer_config=None):
-        """`local`: slots are local tasks, and the coordinator's optimizer is the outer one."""
-        import torch
-
-        from ..common.job import FlatModel, build, build_schedule, load_job, make_optimizer
-        from . import outer
-        from .aggregator import Aggregator
-
-        self._torch = torch
-        job = load_job(job_spec, job_args)
-        self.built = build(job, seed=seed)
-        self.seed = seed
-        model = self.built.model
-        if local:
-            optimizer = outer.build(model.module.parameters(), outer_config or outer.OuterConfig())
-            self.aggregator = Aggregator(model, optimizer, rule)
-        else:
-            optimizer = make_optimizer(job, model.module)
-            self.aggregator = Aggregator(model, optimizer, rule, schedule=build_schedule(
-                job, optimizer), clip_norm=job.clip_norm)
-        self.worker = FlatModel(job.build_model())
-        self.train_samples = len(self.built.train)
-        self.batch_size = job.batch_size
-        self.snapshots = {0: model.params.detach().clone()}
-
-    @property
-    def version(self) -> int:
-        return self.aggregator.version
-
-    def result(self, task) -> tuple[list, float]:
-        """A slot's result as a worker computes it, with the workers' kernels: `task` has the
-        fields of an `Assign` (or a `Compute`)."""
-        from ..common.job import coded_gradient, local_change
-        from ..common.tensors import finite_norm
-
-        job, params = self.built.job, self.snapshots[task.version]
-        if task.kind == "local":
-            (part,), (coefficient,) = task.parts, task.coefficients
-            result = local_change(job, self.worker, params, self.built.train, self.seed, part,
-                                  coefficient, task.steps).change
-        else:
-            result = coded_gradient(job, self.worker, params, self.built.train, self.seed,
-                                    task.parts, task.coefficients)
-        return [result], finite_norm([result])
-
-    def compute(self, request: Compute) -> list:
-        return self.result(request)[0]
-
-    def apply(self, terms, norms, samples: int, round_version: int, in_use) -> Optional[float]:
-        weight = self.aggregator.apply_terms(terms, samples, round_version, norms)
-        if weight is not None:
-            self.snapshots[self.aggregator.version] = self.aggregator.model.params.detach().clone()
-            for v in [v for v in self.snapshots if v != self.aggregator.version and not in_use(v)]:
-                del self.snapshots[v]
-        return weight
-
-    def distance(self, a, b) -> float:
-        from ..common.tensors import distance
-
-        return distance(a, b)
-
-    def size(self, a) -> float:
-        from ..common.tensors import finite_norm
-
-        return finite_norm(a)
-
-    def evaluate(self) -> dict:
-        from ..common.job import evaluate
-
-        return evaluate(self.built.job, self.aggregator.model.module, self.built.test)
-
 
 def _mode_settings(mode: str) -> tuple[bool, str]:
     if mode == "sync":
@@ -476,7 +216,7 @@ class Simulation:
         self.workers = {}
         for i, spec in enumerate(fleet):
             sessions = spec.sessions if spec.sessions is not None else [(0.0, math.inf)]
-            self.workers[spec.id] = _Worker(spec, deque(sessions),
+            self.workers[spec.id] = SimWorker(spec, deque(sessions),
                                             np.random.default_rng([config.seed, i]))
         self.events: list = []
         self._seq = 0
@@ -574,14 +314,14 @@ class Simulation:
 
     # worker side -----------------------------------------------------------------------------
 
-    def _next_session(self, w: _Worker) -> None:
+    def _next_session(self, w: SimWorker) -> None:
         while w.sessions:
             start, stop = w.sessions.popleft()
             if stop > self.now:
                 self._at(max(start, self.now), _ONLINE, w, stop)
                 return
 
-    def _online(self, w: _Worker, stop: float) -> None:
+    def _online(self, w: SimWorker, stop: float) -> None:
         w.online = True
         self.online += 1
         w.session += 1
@@ -590,7 +330,7 @@ class Simulation:
         if stop < math.inf:
             self._at(stop, _OFFLINE, w, w.available)
 
-    def _offline(self, w: _Worker, available: int) -> None:
+    def _offline(self, w: SimWorker, available: int) -> None:
         if available != w.available or not w.online:
             return
         if w.current is not None:
@@ -603,7 +343,7 @@ class Simulation:
             self._at(self.now + w.spec.latency_s, _BYE, w)
         self._next_session(w)
 
-    def _rejoin(self, w: _Worker, session: int) -> None:
+    def _rejoin(self, w: SimWorker, session: int) -> None:
         if session != w.session:
             return
         if w.current is not None:
@@ -613,7 +353,7 @@ class Simulation:
         w.session += 1
         self._at(self.now + w.spec.latency_s, _HELLO, w, w.session)
 
-    def _task(self, w: _Worker, session: int, task: tuple) -> None:
+    def _task(self, w: SimWorker, session: int, task: tuple) -> None:
         if session != w.session or not w.online:
             return  # the worker it was sent to has gone (sent before the scheduler noticed)
         if self.shard_of is not None:
@@ -622,7 +362,7 @@ class Simulation:
         if w.current is None:
             self._start(w)
 
-    def _start(self, w: _Worker) -> None:
+    def _start(self, w: SimWorker) -> None:
         if not w.queue:
             return
         task = w.queue.popleft()
@@ -636,6 +376,9 @@ class Simulation:
         w.current, w.started = task, self.now
         self._at(self.now + seconds, _DONE, w, w.session, task[0])
 
+    def _fetch(self, w: SimWorker, shards) -> float:
+        return w.fetch(shards, self.now, self.config.shard_bytes, self.config.cache_shards)
+
     def _shards_read(self, assign: Assign) -> list[int]:
         shards: set[int] = set()
         for epoch, offset, count in assign.parts:
@@ -643,24 +386,7 @@ class Simulation:
             shards.update(np.unique(self.shard_of[indices]).tolist())
         return sorted(shards)
 
-    def _fetch(self, w: _Worker, shards) -> float:
-        """Queue on `w`'s link the shards it lacks; returns when all of `shards` are whole."""
-        ready = self.now
-        cap = self.config.cache_shards
-        for shard in shards:
-            when = w.shards.get(shard)
-            if when is None:
-                w.link_free = max(w.link_free, self.now) + self.config.shard_bytes / w.spec.bandwidth
-                when = w.link_free
-                w.downloaded += self.config.shard_bytes
-                w.shards[shard] = when
-                while cap is not None and len(w.shards) > cap:
-                    w.shards.popitem(last=False)
-            w.shards.move_to_end(shard)
-            ready = max(ready, when)
-        return ready
-
-    def _done(self, w: _Worker, session: int, slot: int) -> None:
+    def _done(self, w: SimWorker, session: int, slot: int) -> None:
         if session != w.session or w.current is None or w.current[0] != slot:
             return  # cancelled while it ran, or the session ended
         task, compute = w.current, self.now - w.started
@@ -670,7 +396,7 @@ class Simulation:
         self._at(self.now + transfer, _RESULT, w, w.session, task, compute)
         self._start(w)
 
-    def _cancel(self, w: _Worker, session: int, slots: list[int]) -> None:
+    def _cancel(self, w: SimWorker, session: int, slots: list[int]) -> None:
         if session != w.session or not w.online:
             return
         gone = set(slots)
@@ -680,7 +406,7 @@ class Simulation:
             w.current = None
             self._start(w)
 
-    def _beat(self, w: _Worker, session: int) -> None:
+    def _beat(self, w: SimWorker, session: int) -> None:
         if session != w.session:
             return
         self._charge(self.config.costs.per_message_s * self.beat_every / self.config.heartbeat_s,
@@ -704,7 +430,7 @@ class Simulation:
         self.coord_busy += seconds
         self.coord_by[what] = self.coord_by.get(what, 0.0) + seconds
 
-    def _hello(self, w: _Worker, session: int) -> None:
+    def _hello(self, w: SimWorker, session: int) -> None:
         if session != w.session:
             return
         self._charge(self.config.costs.per_message_s, "hellos")
@@ -714,17 +440,17 @@ class Simulation:
         self._at(self.now + 2 * w.spec.latency_s, _READY, w, session)
         self._at(self.now + self.beat_every, _BEAT, w, session)
 
-    def _ready(self, w: _Worker, session: int) -> None:
+    def _ready(self, w: SimWorker, session: int) -> None:
         if session != w.session or w.spec.id not in self.scheduler.workers:
             return
         self._charge(self.config.costs.per_message_s, "hellos")
         self._perform(self._timed(self.core.ready, w.spec.id, w.spec.credits, self.now))
 
-    def _bye(self, w: _Worker) -> None:
+    def _bye(self, w: SimWorker) -> None:
         self._charge(self.config.costs.per_message_s, "hellos")
         self._perform(self._timed(self.core.leave, w.spec.id, "said bye", self.now))
 
-    def _result_in(self, w: _Worker, session: int, task: tuple, compute: float) -> None:
+    def _result_in(self, w: SimWorker, session: int, task: tuple, compute: float) -> None:
         # Sent before its worker left, it still counts if the scheduler still expects it.
         costs = self.config.costs
         self._charge(costs.per_message_s + self.config.model_bytes / costs.bytes_per_s, "results")
