@@ -15,10 +15,16 @@ from .staleness import StalenessRule
 
 class CostlessGradients:
     """No tensors: a decoded round is applied (version + 1) or replanned by the staleness rule,
-    and every result is honest (copies always agree)."""
+    and every result is honest (copies always agree). Its evaluation is synthetic: the one
+    metric, `version`, is the evaluated model's version, as sums (each test sample counts it),
+    so the ranges an evaluation is cut into add up to it exactly when they come back whole."""
 
-    def __init__(self, train_samples: int, batch_size: int, rule: StalenessRule):
+    sums_evaluable = True
+
+    def __init__(self, train_samples: int, batch_size: int, rule: StalenessRule,
+                 test_samples: int = 10_000):
         self.train_samples = train_samples
+        self.test_samples = test_samples
         self.batch_size = batch_size
         self.rule = rule
         self.version = 0
@@ -41,8 +47,14 @@ class CostlessGradients:
     def size(self, a) -> float:
         return 0.0
 
+    def eval_sums(self, task) -> dict[str, tuple[float, float]]:
+        """An evaluation slot's answer: `task` has the fields of an `Assign` of kind "eval"."""
+        (_, _, count), = task.parts
+        return {"version": (float(task.version) * count, float(count))}
+
     def evaluate(self) -> dict:
-        return {}
+        """The model as it is now, evaluated whole (on the coordinator)."""
+        return {"version": float(self.version)}
 
 
 class RealGradients:
@@ -55,7 +67,8 @@ class RealGradients:
         """`local`: slots are local tasks, and the coordinator's optimizer is the outer one."""
         import torch
 
-        from ..common.job import FlatModel, build, build_schedule, load_job, make_optimizer
+        from ..common.job import (FlatModel, build, build_schedule, eval_size, load_job,
+                                  make_optimizer, sums_evaluable)
         from . import outer
         from .aggregator import Aggregator
 
@@ -73,6 +86,8 @@ class RealGradients:
                 job, optimizer), clip_norm=job.clip_norm)
         self.worker = FlatModel(job.build_model())
         self.train_samples = len(self.built.train)
+        self.test_samples = eval_size(job, self.built.test)
+        self.sums_evaluable = sums_evaluable(job)  # else it is evaluated here, whole
         self.batch_size = job.batch_size
         self.snapshots = {0: model.params.detach().clone()}
 
@@ -117,7 +132,17 @@ class RealGradients:
 
         return finite_norm(a)
 
+    def eval_sums(self, task) -> dict[str, tuple[float, float]]:
+        """An evaluation slot's answer as a worker computes it (the worker's kernel), on the
+        model of its version: `task` has the fields of an `Assign` of kind "eval"."""
+        from ..common.job import evaluation_sums
+
+        (_, offset, count), = task.parts
+        self.worker.load(self.snapshots[task.version])
+        return evaluation_sums(self.built.job, self.worker.module, self.built.test, offset, count)
+
     def evaluate(self) -> dict:
+        """The model as it is now, evaluated whole (the coordinator's own evaluation)."""
         from ..common.job import evaluate
 
         return evaluate(self.built.job, self.aggregator.model.module, self.built.test)

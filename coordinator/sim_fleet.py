@@ -1,7 +1,8 @@
-"""The simulator's fleet (simulator.py): who the workers are and when they are there. Worker
-specs (seconds per sample, credits, link, fault injection, jitter), fleets drawn from a
-distribution, a preset mix or a CSV; availability sessions from a churn model or a trace; and a
-simulated worker's state (its queue, its link, its cache of shards). Pure: no clock, no torch.
+"""The simulator's fleet (simulator.py): who the workers are, when they are there, and the data
+they read. Worker specs (seconds per sample, credits, link, fault injection, jitter), fleets
+drawn from a distribution, a preset mix or a CSV; availability sessions from a churn model or a
+trace; a simulated worker's state (its queue, its link, its cache of shards); the training set,
+local or in shards that workers fetch. Pure: no clock, no torch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Optional
 import numpy as np
 
 from ..common.errors import ConfigError
+from ..common.permutation import ShardOrder, part_indices
 
 
 @dataclass
@@ -191,3 +193,41 @@ class SimWorker:
             self.shards.move_to_end(shard)
             ready = max(ready, when)
         return ready
+
+
+class SimData:
+    """The training set the fleet reads: on every worker already, or (`shards` > 0) cut into
+    equal shards that workers fetch; its epoch order (shard-aware with `locality`, else a full
+    shuffle); the shards a slot's parts read."""
+
+    def __init__(self, samples: int, shards: int, seed: int, locality: bool, window: int):
+        self.samples = samples
+        self.shard_of: Optional[np.ndarray] = None  # sample -> its shard (sharded data)
+        self.order = seed  # a full shuffle, or the shard-aware order
+        if not shards:
+            return
+        if not 1 <= shards <= samples:
+            raise ConfigError(f"--shards must be from 1 to the {samples} training samples")
+        if window < 1:
+            raise ConfigError("--shuffle-window must be at least 1")
+        bounds = np.linspace(0, samples, shards + 1).round().astype(np.int64)
+        per_shard = tuple(int(x) for x in np.diff(bounds))  # nearly equal
+        self.shard_of = np.repeat(np.arange(shards), per_shard)
+        if locality:
+            self.order = ShardOrder(seed, per_shard, window)
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard_of is not None
+
+    @property
+    def shard_aware(self) -> bool:
+        return isinstance(self.order, ShardOrder)
+
+    def read(self, parts) -> list[int]:
+        """The shards the samples of `parts` ((epoch, offset, count) each) lie in."""
+        shards: set[int] = set()
+        for epoch, offset, count in parts:
+            indices = part_indices(self.order, self.samples, epoch, offset, count)
+            shards.update(np.unique(self.shard_of[indices]).tolist())
+        return sorted(shards)

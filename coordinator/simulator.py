@@ -28,6 +28,18 @@ The model, and what it leaves out:
   small job's gradient is computed in this process for every used result, at the model version
   its slot was planned at, and applied through the real `Aggregator`, so staleness shows in the
   test metric).
+- Evaluations go through the run core (`run.py`), driven as the server drives it: its `tick` at
+  the time it says the next may start, each evaluation handed to workers through the round
+  core's `evaluate` as evaluation slots (`Assign` of kind "eval"), which a worker computes like
+  any task but for a third of the seconds per sample (forward passes only) and answers with
+  sums (`evaluated`); the last answer completes it and the run core judges it. A target met
+  stops the run (a result of an older version is confirmed first, on the coordinator, at once:
+  no round is applied meanwhile, as in the server). With costless gradients the one metric is
+  synthetic (the evaluated version); with real ones the sums are the workers' kernel over the
+  slot's range of the test set (`common.job.evaluation_sums`). A job whose evaluation returns
+  means is evaluated on the coordinator, at once. Evaluation slots' compute is counted apart
+  from training's (it is not waste). The layout: the fleet and its data in `sim_fleet.py`, the
+  backends in `sim_backends.py`, the settings and figures in `sim_config.py`.
 
 - Data (`shards` > 0): the training set is cut into equal shards of `shard_bytes`. A worker
   fetches the shards a task reads that it does not hold before computing it, one download after
@@ -46,25 +58,29 @@ import heapq
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from ..common import coding
-from ..common.errors import ConfigError
-from ..common.permutation import ShardOrder, epoch_blocks, part_indices
-from .effects import Applied, Compute, Replanned, Used
+from ..common.permutation import epoch_blocks
+from .effects import Applied, Compute, Evaluated, Replanned, Used
+from .eval_slots import EVAL_SLOT_BATCHES, plan_ranges
+from .evaluation import TARGET
 from .local import parse_task
 from .locality import Locality, group_for
 from .rounds import RoundCore
+from .run import COORDINATOR, WORKERS, EvaluateHere, RunCore
 from .sampler import Sampler
 from .scheduler import Assign, CancelSlots, Evicted, Scheduler, SchedulerConfig
 from .sim_backends import CostlessGradients, RealGradients
-from .sim_fleet import (FLEET_MIX, Churn, SimWorker, WorkerSpec, fleet_from_csv,
+from .sim_config import CoordinatorCosts, ModeResult, SimConfig
+from .sim_fleet import (FLEET_MIX, Churn, SimData, SimWorker, WorkerSpec, fleet_from_csv,
                         lognormal_fleet, mixed_fleet, parse_churn, sessions_from_trace)
 from .staleness import StalenessRule
+from .target import Target
 from .trust import TrustConfig, TrustPolicy
 
 __all__ = ["Churn", "CoordinatorCosts", "CostlessGradients", "FLEET_MIX", "ModeResult",
@@ -72,135 +88,34 @@ __all__ = ["Churn", "CoordinatorCosts", "CostlessGradients", "FLEET_MIX", "ModeR
            "fleet_from_csv", "lognormal_fleet", "mixed_fleet", "parse_churn",
            "sessions_from_trace", "simulate"]
 
-# coordinator ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CoordinatorCosts:
-    """What the coordinator's own work costs: CPU seconds per message taken in (decode,
-    schema checks, the scheduler, the reply), and its throughput in bytes/s for tensors (a
-    gradient taken in and checked, a model sent, a round's weighted sum and optimizer step).
-    Defaults from `benchmarks/scheduler_scale.py --costs` on this machine (see docs/scaling.md)."""
-
-    per_message_s: float = 60e-6
-    bytes_per_s: float = 1.5e9
-
-
-@dataclass
-class SimConfig:
-    duration_s: float = 3600.0
-    batch_size: int = 1024
-    partitions: int = 8
-    open_rounds: int = 0
-    redundancy: str = "none"  # none | replicate:R | cyclic:S | adaptive | sync
-    speculate: bool = True
-    heartbeat_s: float = 1.0
-    liveness: int = 3
-    task_timeout_s: float = 30.0
-    staleness: str = "inverse"
-    max_staleness: int = 32
-    model_bytes: int = 4_000_000  # parameters x 4 (float32): a gradient is as large
-    train_samples: int = 60_000  # for costless gradients: the data set the sampler plans over
-    costs: CoordinatorCosts = CoordinatorCosts()
-    target_samples: Optional[int] = None  # stop once this many samples are applied
-    eval_every_s: float = 0.5  # real gradients: evaluate this often (virtual seconds)
-    sample_every_s: Optional[float] = None  # the time series' step (default: duration / 200)
-    bye_fraction: float = 0.0  # departures that say bye (the rest vanish silently)
-    startup_s: float = 0.0  # from a session's start to its hello (process start-up)
-    warmup_s: float = 0.0  # the scheduler's cost per slot and per heartbeat is counted after this
-    verify_replicas: bool = False  # with replicate:R, a row counts once two copies agree
-    task: str = "gradient"  # what a slot computes: gradient | local:H | local:auto
-    seed: int = 0
-    shards: int = 0  # the training set in this many equal shards that workers fetch; 0: local data
-    shard_bytes: int = 64 * 2**20
-    locality: bool = True  # sharded data: the shard-aware order and the scheduler's preference
-    shuffle_window: int = 4  # shards whose samples are shuffled together
-    cache_shards: Optional[int] = None  # shards a worker's cache keeps; None: no limit
-
-
 # events, in order of kind at equal times
 _ONLINE, _OFFLINE, _HELLO, _READY, _TASK, _CANCEL, _DONE, _RESULT, _BYE, _BEAT, _TICK, _SAMPLE, \
     _EVAL, _REJOIN, _NEXT_MESSAGE = range(15)
 _TO_COORDINATOR = (_HELLO, _READY, _RESULT, _BYE, _BEAT)
-
-
-@dataclass
-class ModeResult:
-    mode: str
-    duration_s: float  # virtual seconds simulated (less when the target was reached)
-    samples_applied: int
-    samples_per_s: float
-    rounds_decoded: int
-    rounds_applied: int
-    rounds_replanned: int
-    slots_assigned: int
-    slots_measured: int  # assigned after the warm-up
-    slots_cancelled: int
-    wasted_fraction: float  # worker compute not in an applied gradient, over all of it (less
-    # the results still waiting in open rounds at the end)
-    mean_staleness: float
-    staleness: dict[int, int]  # tau -> rounds applied
-    coordinator_load: float  # busy fraction of the coordinator
-    coordinator_by: dict  # its busy fraction by cause (results, models out, sums and steps, ...)
-    time_to_target_s: Optional[float]
-    scheduler_us_per_slot: float  # time inside scheduler calls per slot assigned (CPU share)
-    decision_us_per_slot: float  # the same without ticks: result, ready, applied, join, leave
-    tick_us: float  # time per tick (liveness, deadlines, speculation)
-    heartbeat_us: float  # time inside scheduler.seen per heartbeat delivered (CPU share)
-    wall_s: float
-    series: list[dict] = field(default_factory=list)
-    metrics: dict = field(default_factory=dict)  # real gradients: the last evaluation
-    codes: dict = field(default_factory=dict)
-    downloaded: dict = field(default_factory=dict)  # sharded data: worker -> bytes of shards
-    data_bytes: int = 0  # sharded data: the training set's bytes
-
-    @property
-    def download_ratio(self) -> Optional[float]:
-        """The most any worker downloaded over its share of the data (data / workers)."""
-        if not self.downloaded or not self.data_bytes:
-            return None
-        return max(self.downloaded.values()) / (self.data_bytes / len(self.downloaded))
-
-    def summary(self) -> dict:
-        out = {"samples_per_s": round(self.samples_per_s, 3),
-               "wasted_fraction": round(self.wasted_fraction, 4),
-               "mean_staleness": round(self.mean_staleness, 3)}
-        if self.downloaded:
-            out["download_ratio"] = round(self.download_ratio, 3)
-            out["downloaded_mb"] = round(sum(self.downloaded.values()) / 2**20, 1)
-        return out
-
-
-
-def _mode_settings(mode: str) -> tuple[bool, str]:
-    if mode == "sync":
-        return True, "none"
-    return False, str(coding.parse_redundancy(mode))
+# an evaluation slot's seconds per test sample, over a training slot's per sample: forward
+# passes only (as eval_slots.py sizes its slots)
+EVAL_COST = 1 / 3
 
 
 class Simulation:
+    """One mode in virtual time: the round core and the run core driven by a fleet's events."""
+
     def __init__(self, fleet: Sequence[WorkerSpec], config: SimConfig, mode: str,
-                 gradients=None, target: Optional[Callable[[dict], bool]] = None,
+                 gradients=None, target: Optional[Target] = None,
                  scheduler_class=Scheduler):
         self.config = config
         self.mode = mode
         sync, redundancy = _mode_settings(mode)
         rule = StalenessRule(config.staleness, config.max_staleness)
         self.gradients = gradients or CostlessGradients(config.train_samples, config.batch_size,
-                                                        rule)
-        self.target = target
-        per_shard = self._shard_samples(config)
-        self.shard_of: Optional[np.ndarray] = None  # sample -> its shard (sharded data)
-        self.order = config.seed  # a full shuffle, or the shard-aware order
-        if per_shard:
-            self.shard_of = np.repeat(np.arange(len(per_shard)), per_shard)
-            if config.locality:
-                self.order = ShardOrder(config.seed, per_shard, config.shuffle_window)
-        sharded = isinstance(self.order, ShardOrder)
+                                                        rule, config.test_samples)
+        self.data = data = SimData(self.gradients.train_samples, config.shards, config.seed,
+                                   config.locality, config.shuffle_window)
+        sharded = data.shard_aware
         if sharded and hasattr(self.gradients, "seed"):
-            self.gradients.seed = self.order  # real gradients read the order the plan names
+            self.gradients.seed = data.order  # real gradients read the order the plan names
         self.sampler = Sampler(self.gradients.train_samples, blocks=(
-            partial(epoch_blocks, self.order) if sharded else None))
+            partial(epoch_blocks, data.order) if sharded else None))
         redundancy_policy = coding.parse_redundancy(redundancy)
         self.scheduler = scheduler_class(SchedulerConfig(
             batch_size=self.gradients.batch_size, partitions=config.partitions,
@@ -209,10 +124,16 @@ class Simulation:
             redundancy=redundancy_policy, sync=sync,
             speculate=config.speculate, verify_replicas=config.verify_replicas), self.sampler,
             task_mode=parse_task(config.task),
-            locality=Locality(self.order, group_for(redundancy_policy)) if sharded else None)
+            locality=Locality(data.order, group_for(redundancy_policy)) if sharded else None)
         # the server's own round core: the same decode, step, replan, compare and settle
         self.core = RoundCore(self.scheduler, self.gradients, TrustPolicy(TrustConfig()))
-        self.rng = np.random.default_rng(config.seed)
+        # ... and its run core: evaluations (on the workers' evaluation slots), target and stop
+        self.run_core = RunCore(
+            self.core, WORKERS if self.gradients.sums_evaluable else COORDINATOR,
+            plan_ranges(self.gradients.test_samples, EVAL_SLOT_BATCHES * self.gradients.batch_size),
+            config.eval_every_s, target)
+        self.evaluates = config.eval_every_s is not None or target is not None
+        self._eval_at = math.inf  # when the run core's next tick is queued
         self.workers = {}
         for i, spec in enumerate(fleet):
             sessions = spec.sessions if spec.sessions is not None else [(0.0, math.inf)]
@@ -232,7 +153,10 @@ class Simulation:
         self.samples_applied = 0
         self.rounds_decoded = self.rounds_applied = self.rounds_replanned = 0
         self.slots_assigned = self.slots_cancelled = self.slots_measured = 0
-        self.compute_total = self.compute_useful = 0.0
+        self.compute_total = self.compute_useful = 0.0  # training slots
+        self.eval_compute = 0.0  # evaluation slots
+        self.evaluations = self.evaluations_here = self.eval_slots = 0
+        self.stopped: Optional[str] = None
         self.used_compute: dict[int, float] = {}  # slot -> compute seconds of its used result
         self.staleness: dict[int, int] = {}
         self.sched_s = 0.0
@@ -244,18 +168,6 @@ class Simulation:
         self.series: list[dict] = []
         self.metrics: dict = {}
         self._last_sample = (0.0, 0, 0.0)
-
-    def _shard_samples(self, config: SimConfig) -> tuple[int, ...]:
-        """Samples per shard of the emulated sharded data (nearly equal); () for local data."""
-        if not config.shards:
-            return ()
-        n = self.gradients.train_samples
-        if not 1 <= config.shards <= n:
-            raise ConfigError(f"--shards must be from 1 to the {n} training samples")
-        if config.shuffle_window < 1:
-            raise ConfigError("--shuffle-window must be at least 1")
-        bounds = np.linspace(0, n, config.shards + 1).round().astype(np.int64)
-        return tuple(int(x) for x in np.diff(bounds))
 
     # the event queue -------------------------------------------------------------------------
 
@@ -271,11 +183,10 @@ class Simulation:
         self._at(0.0, _TICK)
         step = self.config.sample_every_s or max(end / 200, 1e-3)
         self._at(step, _SAMPLE, step)
-        if isinstance(self.gradients, RealGradients):
-            self._at(self.config.eval_every_s, _EVAL)
+        self._next_evaluation()
         events, handlers = self.events, self._handlers()
         self._handlers_by_kind = handlers
-        while events and self.time_to_target is None:
+        while events and self.stopped is None:
             t, kind, _, data = heapq.heappop(events)
             if t > end:
                 break
@@ -285,13 +196,13 @@ class Simulation:
                 self._wake()
                 continue
             handlers[kind](*data)
-        duration = self.time_to_target if self.time_to_target is not None else end
+        duration = self.now if self.stopped is not None else end
         wall = time.perf_counter() - wall0
         # Scheduler calls are timed with the wall clock (a CPU clock costs a microsecond a
         # read); on a shared machine the process is off the CPU part of that time, so the
         # figures are scaled by the share of the run it was on it.
         self.cpu_share = min(1.0, (time.process_time() - cpu0) / wall) if wall > 0 else 1.0
-        return self._result(duration, wall)
+        return ModeResult.of(self, duration, wall)
 
     def _wake(self) -> None:
         if self.inbox and not self._waking:
@@ -309,7 +220,7 @@ class Simulation:
         return {_ONLINE: self._online, _OFFLINE: self._offline, _HELLO: self._hello,
                 _READY: self._ready, _TASK: self._task, _CANCEL: self._cancel, _DONE: self._done,
                 _RESULT: self._result_in, _BYE: self._bye, _BEAT: self._beat, _TICK: self._tick,
-                _SAMPLE: self._sample, _EVAL: self._eval, _REJOIN: self._rejoin,
+                _SAMPLE: self._sample, _EVAL: self._run_tick, _REJOIN: self._rejoin,
                 _NEXT_MESSAGE: self._next_message}
 
     # worker side -----------------------------------------------------------------------------
@@ -333,8 +244,7 @@ class Simulation:
     def _offline(self, w: SimWorker, available: int) -> None:
         if available != w.available or not w.online:
             return
-        if w.current is not None:
-            self.compute_total += self.now - w.started  # lost with the machine
+        self._lost(w)  # with the machine
         w.online, w.current = False, None
         self.online -= 1
         w.queue.clear()
@@ -346,8 +256,7 @@ class Simulation:
     def _rejoin(self, w: SimWorker, session: int) -> None:
         if session != w.session:
             return
-        if w.current is not None:
-            self.compute_total += self.now - w.started
+        self._lost(w)
         w.current = None
         w.queue.clear()
         w.session += 1
@@ -356,7 +265,7 @@ class Simulation:
     def _task(self, w: SimWorker, session: int, task: tuple) -> None:
         if session != w.session or not w.online:
             return  # the worker it was sent to has gone (sent before the scheduler noticed)
-        if self.shard_of is not None:
+        if self.data.sharded:
             self._fetch(w, task[2].prefetch)
         w.queue.append(task)
         if w.current is None:
@@ -366,9 +275,12 @@ class Simulation:
         if not w.queue:
             return
         task = w.queue.popleft()
-        spec = w.spec
-        ready = self._fetch(w, self._shards_read(task[2])) if self.shard_of is not None else 0.0
-        seconds = spec.s_per_sample * task[1] * spec.slowdown + max(0.0, ready - self.now)
+        spec, evaluation = w.spec, task[2].kind == "eval"
+        ready = (self._fetch(w, self.data.read(task[2].parts))
+                 if self.data.sharded and not evaluation else 0.0)
+        # an evaluation slot's test samples take forward passes only
+        cost = EVAL_COST if evaluation else 1.0
+        seconds = spec.s_per_sample * cost * task[1] * spec.slowdown + max(0.0, ready - self.now)
         if spec.jitter:
             seconds *= math.exp(spec.jitter * w.rng.standard_normal())
         if spec.stall_p and w.rng.random() < spec.stall_p:
@@ -376,23 +288,27 @@ class Simulation:
         w.current, w.started = task, self.now
         self._at(self.now + seconds, _DONE, w, w.session, task[0])
 
+    def _lost(self, w: SimWorker) -> None:
+        """The compute its running task has taken so far, counted (training or evaluation)."""
+        if w.current is None:
+            return
+        if w.current[2].kind == "eval":
+            self.eval_compute += self.now - w.started
+        else:
+            self.compute_total += self.now - w.started
+
     def _fetch(self, w: SimWorker, shards) -> float:
         return w.fetch(shards, self.now, self.config.shard_bytes, self.config.cache_shards)
-
-    def _shards_read(self, assign: Assign) -> list[int]:
-        shards: set[int] = set()
-        for epoch, offset, count in assign.parts:
-            indices = part_indices(self.order, self.gradients.train_samples, epoch, offset, count)
-            shards.update(np.unique(self.shard_of[indices]).tolist())
-        return sorted(shards)
 
     def _done(self, w: SimWorker, session: int, slot: int) -> None:
         if session != w.session or w.current is None or w.current[0] != slot:
             return  # cancelled while it ran, or the session ended
         task, compute = w.current, self.now - w.started
-        self.compute_total += compute
+        self._lost(w)
         w.current = None
-        transfer = w.spec.latency_s + self.config.model_bytes / w.spec.bandwidth
+        # a gradient is as large as the model; an evaluation's sums are a few numbers
+        size = 0 if task[2].kind == "eval" else self.config.model_bytes
+        transfer = w.spec.latency_s + size / w.spec.bandwidth
         self._at(self.now + transfer, _RESULT, w, w.session, task, compute)
         self._start(w)
 
@@ -402,7 +318,7 @@ class Simulation:
         gone = set(slots)
         w.queue = deque(t for t in w.queue if t[0] not in gone)
         if w.current is not None and w.current[0] in gone:
-            self.compute_total += self.now - w.started
+            self._lost(w)
             w.current = None
             self._start(w)
 
@@ -411,7 +327,7 @@ class Simulation:
             return
         self._charge(self.config.costs.per_message_s * self.beat_every / self.config.heartbeat_s,
                      "heartbeats")
-        if self.shard_of is not None:  # the shards whole in its cache, when they changed
+        if self.data.sharded:  # the shards whole in its cache, when they changed
             held = sorted(k for k, when in w.shards.items() if when <= self.now)
             if held != w.shards_said:
                 w.shards_said = held
@@ -453,8 +369,17 @@ class Simulation:
     def _result_in(self, w: SimWorker, session: int, task: tuple, compute: float) -> None:
         # Sent before its worker left, it still counts if the scheduler still expects it.
         costs = self.config.costs
-        self._charge(costs.per_message_s + self.config.model_bytes / costs.bytes_per_s, "results")
         slot, _, assign = task
+        if assign.kind == "eval":
+            self._charge(costs.per_message_s, "evaluations")
+            evaluation = self.core.evaluation  # its sums are computed only if still wanted
+            wanted = evaluation is not None and slot in evaluation.ranges \
+                and slot not in evaluation.sums
+            sums = self.gradients.eval_sums(assign) if wanted else {}
+            self._perform(self._timed(self.core.evaluated, w.spec.id, slot, assign.version, sums,
+                                      compute, self.now))
+            return
+        self._charge(costs.per_message_s + self.config.model_bytes / costs.bytes_per_s, "results")
         gradient, norm = None, 0.0
         if self.scheduler.slot_scale(w.spec.id, slot) is not None:  # else it is dropped anyway
             gradient, norm = self.gradients.result(assign)
@@ -471,6 +396,7 @@ class Simulation:
             self.tick_s += time.perf_counter() - t0
             self.ticks += 1
         self._perform(actions)
+        self._next_evaluation()
         self._at(self.now + self.config.heartbeat_s / 2, _TICK)
 
     def _timed(self, call, *args):
@@ -488,6 +414,7 @@ class Simulation:
             if isinstance(effect, Assign):
                 w = self.workers[effect.worker]
                 self.slots_assigned += 1
+                self.eval_slots += effect.kind == "eval"
                 if self.now >= self.config.warmup_s:
                     self.slots_measured += 1
                 size = self.config.model_bytes if effect.send_model else 0
@@ -508,6 +435,10 @@ class Simulation:
             elif isinstance(effect, Compute):
                 # the coordinator's own computation, as the server makes it in a thread
                 self._perform(self.core.computed(self.gradients.compute(effect), None, self.now))
+            elif isinstance(effect, Evaluated):
+                self._evaluated(effect.version, effect.samples, effect.metrics, effect.seconds)
+            elif isinstance(effect, EvaluateHere):
+                self._evaluate_here()
             elif isinstance(effect, Evicted):
                 w = self.workers[effect.worker]
                 if w.online and effect.reason != "rejoined":
@@ -533,6 +464,7 @@ class Simulation:
         target = self.config.target_samples
         if target is not None and self.samples_applied >= target:
             self.time_to_target = self.now
+            self.stopped = "samples"
 
     def _sample(self, step: float) -> None:
         t0, n0, busy0 = self._last_sample
@@ -547,45 +479,47 @@ class Simulation:
         self._last_sample = (self.now, self.samples_applied, self.coord_busy)
         self._at(self.now + step, _SAMPLE, step)
 
-    def _eval(self) -> None:
-        self.metrics = self.gradients.evaluate()
-        self.series.append({"t": round(self.now, 3), "samples": self.samples_applied,
-                            "metrics": dict(self.metrics)})
-        if self.target is not None and self.target(self.metrics):
-            self.time_to_target = self.now
-        self._at(self.now + self.config.eval_every_s, _EVAL)
+    # evaluations: the run core, driven as the server drives it -------------------------------
 
-    def _result(self, duration: float, wall: float) -> ModeResult:
-        applied = sum(self.staleness.values())
-        # Results waiting in rounds still open at the end are neither used nor wasted yet.
-        total = self.compute_total - sum(self.used_compute.values())
-        stats = self.scheduler.stats
-        return ModeResult(
-            mode=self.mode, duration_s=duration, samples_applied=self.samples_applied,
-            samples_per_s=self.samples_applied / duration if duration > 0 else 0.0,
-            rounds_decoded=self.rounds_decoded, rounds_applied=self.rounds_applied,
-            rounds_replanned=self.rounds_replanned, slots_assigned=self.slots_assigned,
-            slots_measured=self.slots_measured,
-            slots_cancelled=self.slots_cancelled,
-            wasted_fraction=max(0.0, (total - self.compute_useful) / total) if total > 0 else 0.0,
-            mean_staleness=(sum(t * n for t, n in self.staleness.items()) / applied
-                            if applied else 0.0),
-            staleness=dict(sorted(self.staleness.items())),
-            coordinator_load=self.coord_busy / duration if duration > 0 else 0.0,
-            coordinator_by={k: v / duration for k, v in self.coord_by.items()} if duration > 0
-            else {},
-            time_to_target_s=self.time_to_target,
-            scheduler_us_per_slot=(1e6 * (self.sched_s + self.tick_s) * self.cpu_share
-                                   / max(1, self.slots_measured)),
-            decision_us_per_slot=1e6 * self.sched_s * self.cpu_share / max(1, self.slots_measured),
-            tick_us=1e6 * self.tick_s * self.cpu_share / max(1, self.ticks),
-            heartbeat_us=1e6 * self.beat_s * self.cpu_share / max(1, self.beats), wall_s=wall,
-            series=self.series, metrics=self.metrics,
-            codes={k: stats["rounds_" + k] for k in ("none", "replicate", "cyclic")
-                   if stats["rounds_" + k]},
-            downloaded=({w.spec.id: w.downloaded for w in self.workers.values()}
-                        if self.shard_of is not None else {}),
-            data_bytes=self.config.shards * self.config.shard_bytes)
+    def _run_tick(self) -> None:
+        self._eval_at = math.inf
+        self._perform(self.run_core.tick(self.now))
+        self._next_evaluation()
+
+    def _next_evaluation(self) -> None:
+        """Queue the run core's next tick, at the time it says one may start."""
+        at = self.run_core.next_at() if self.evaluates and self.stopped is None else math.inf
+        if at < self._eval_at:
+            self._eval_at = at
+            self._at(max(at, self.now), _EVAL)
+
+    def _evaluated(self, version: int, samples: int, metrics: dict, seconds: float,
+                   here: bool = False) -> None:
+        """An evaluation is answered: the run core judges it (the target met: the run stops)."""
+        self.evaluations += 1
+        self.evaluations_here += here
+        self.metrics = dict(metrics)
+        self.series.append({"t": round(self.now, 3), "samples": samples, "version": version,
+                            "metrics": dict(metrics)})
+        outcome, start = self.run_core.evaluated(version, metrics, seconds, self.now)
+        if outcome == TARGET:
+            self.time_to_target = self.now
+        if self.run_core.stopped is not None:
+            self.stopped = self.run_core.stopped
+        self._perform(start)
+        self._next_evaluation()
+
+    def _evaluate_here(self) -> None:
+        """`EvaluateHere`: the model as it is now, on the coordinator, at once (the server
+        awaits a confirming one: no round is applied meanwhile)."""
+        self._evaluated(self.gradients.version, self.samples_applied,
+                        self.gradients.evaluate(), 0.0, here=True)
+
+
+def _mode_settings(mode: str) -> tuple[bool, str]:
+    if mode == "sync":
+        return True, "none"
+    return False, str(coding.parse_redundancy(mode))
 
 
 def simulate(fleet: Sequence[WorkerSpec], config: SimConfig, mode: str = "none",
