@@ -275,6 +275,13 @@ class Training:
                 + (f"; the first slot once {config.min_workers} workers have joined"
                    if config.min_workers > 1 else ""))
 
+    def resumes(self, hello: proto.Hello, same_key: bool) -> bool:
+        """Whether `hello` is the same worker process back on a new connection, before its
+        eviction (`same_key`: under the key it had): it keeps its slots, and resends the results
+        it has not seen acknowledged."""
+        return (hello.worker_id in self.scheduler.workers and hello.instance == self.instance
+                and same_key)
+
     def welcome(self, holding: list[int]) -> proto.Welcome:
         config = self.config
         return proto.Welcome(
@@ -317,10 +324,14 @@ class Training:
             return version, samples, run(), time.perf_counter() - t0
         return timed
 
-    def evaluated(self, version: int, samples: int, metrics: dict, seconds: float,
-                  now: float, judge: bool = True) -> list:
-        """An evaluation is done: kept for the curve and, with `judge`, judged by the run core
-        (run.py). Returns what the run core starts now (a confirming evaluation)."""
+    def evaluated(self, result: tuple, source: str, now: float,
+                  judge: bool = True) -> tuple[list, dict]:
+        """An evaluation (version, samples applied, metrics, seconds) is done, made on `source`
+        ("coordinator" or "workers"): counted, kept for the curve and, with `judge`, judged by
+        the run core (run.py). Returns what the run core starts now (a confirming evaluation)
+        and the metrics log's line."""
+        version, samples, metrics, seconds = result
+        self.core.counters["evaluations_" + source] += 1
         self.metrics = metrics
         self.curve.append({"t": round(self.elapsed(now), 3), "version": version,
                            "samples": samples, "loss": self.core.train_loss,
@@ -333,7 +344,7 @@ class Training:
         elif outcome == TARGET:
             self.event("target", f"{target} reached at version {version}: "
                                  f"{target.metric}={metrics[target.metric]:.4f}")
-        return start
+        return start, self.metrics_record(now, version, samples, source)
 
     def metrics_record(self, now: float, version: Optional[int] = None,
                        samples: Optional[int] = None, source: Optional[str] = None) -> dict:
@@ -352,6 +363,19 @@ class Training:
                if self.data.snapshots is not None else {}),
             **({"eval_on": source} if source is not None else {}),
         }
+
+    def final_record(self, now: float, reason: Optional[str]) -> dict:
+        """The metrics log's last line: the run's tallies, for after the status endpoint is gone."""
+        return dict(self.metrics_record(now), final=True, reason=reason,
+                    counters=dict(self.core.counters), scheduler=dict(self.scheduler.stats))
+
+    def refusal(self, fingerprint: str) -> Optional[proto.Reject]:
+        """What a worker whose job's fingerprint is `fingerprint` is told, if it may not train."""
+        if fingerprint == self.fingerprint:
+            return None
+        return proto.Reject(code="job", reason=(
+            f"this coordinator trains job {self.job.name!r} with fingerprint {self.fingerprint}; "
+            f"the worker built fingerprint {fingerprint}: start it with the same job and version"))
 
     def bytes_per_sample(self) -> Optional[float]:
         """Wire bytes, both ways, per sample applied."""
