@@ -127,7 +127,7 @@ def main() -> None:
         gradients = sim.RealGradients("synthetic", job_args, args.seed, StalenessRule())
         config = replace(base_config(args, sim), model_bytes=4 * gradients.aggregator.model.numel)
         r = sim.simulate(fleet(args, sim, s, faults), config, mode.replace("-clean", ""),
-                         gradients, target.reached)
+                         gradients, target)
         times = [r.time_to_target_s]
         if r.time_to_target_s is not None:
             # The same number of rounds under other draws of the faults: the measured runs

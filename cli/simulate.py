@@ -92,8 +92,13 @@ def add_simulate_parser(sub, add_common: Callable, positive: Callable,
     run.add_argument("--job-arg", action="append", default=[], metavar="KEY=VALUE")
     run.add_argument("--target", metavar="METRIC=VALUE",
                      help="real gradients: stop a mode when the test metric reaches VALUE")
-    run.add_argument("--eval-every", type=positive(float), default=0.5, metavar="SECONDS",
-                     help="real gradients: virtual seconds between evaluations (default: 0.5)")
+    run.add_argument("--eval-every", type=positive(float), metavar="SECONDS",
+                     help="virtual seconds between evaluations, on the workers' evaluation slots "
+                          "through the run core (default: 0.5 with --job; none with costless "
+                          "gradients, whose one metric is the evaluated version)")
+    run.add_argument("--test-samples", type=positive(int), default=10_000, metavar="N",
+                     help="test set size, costless gradients: what an evaluation covers "
+                          "(default: 10000)")
 
     data = s.add_argument_group("sharded data (bytes each worker downloads)")
     data.add_argument("--shards", type=non_negative(int), default=0, metavar="N",
@@ -207,7 +212,9 @@ def run_simulate(args) -> int:
         max_staleness=args.max_staleness, model_bytes=4 * args.params,
         train_samples=args.train_samples,
         costs=sim.CoordinatorCosts(args.coord_message_us * 1e-6, args.coord_gbps * 1e9),
-        target_samples=args.target_samples, eval_every_s=args.eval_every,
+        target_samples=args.target_samples, test_samples=args.test_samples,
+        eval_every_s=args.eval_every if args.eval_every is not None else (
+            0.5 if args.job else None),
         bye_fraction=args.bye_fraction, startup_s=args.startup, seed=args.seed,
         shards=args.shards, shard_bytes=int(args.shard_mb * 2**20),
         locality=args.locality != "off", shuffle_window=args.shuffle_window,
@@ -236,7 +243,7 @@ def run_simulate(args) -> int:
     with _progress(len(runs)) as advance:
         for mode, run_config in runs:
             (r,) = sim.compare(fleet, run_config, [mode], make_gradients,
-                               target.reached if target else None, progress=advance).values()
+                               target, progress=advance).values()
             if not run_config.locality and config.locality:
                 r.mode = f"{mode}/no-locality"
             results[r.mode] = r
@@ -315,6 +322,8 @@ def print_table(results, target=None) -> None:
                            sorted(r.coordinator_by.items(), key=lambda kv: -kv[1]) if v >= 0.005)
         print(f"  {mode}: coordinator busy with {causes or 'nothing'}; {r.slots_assigned} slots "
               f"handed out, {r.slots_cancelled} cancelled")
+        if r.evaluations or r.eval_slots:
+            print(f"  {mode}: {_evaluations(r, target)}")
         if r.downloaded:
             print(f"  {mode}: workers downloaded {sum(r.downloaded.values()) / 2**20:,.0f} MB "
                   f"of shards ({r.data_bytes / 2**20:,.0f} MB of data); the most any one did is "
@@ -355,6 +364,26 @@ def _waste_causes(r) -> str:
         causes.append(f"{r.rounds_replanned:,} rounds replanned as too stale (many rounds open "
                       "at once: cap --open-rounds, or raise --batch)")
     return "; ".join(causes) or "results lost with workers that left or missed their deadline"
+
+
+def _evaluations(r, target) -> str:
+    """What a mode's evaluations (the run core's) did, in a line."""
+    plural = lambda n: f"{n} evaluation{'' if n == 1 else 's'}"  # noqa: E731
+    if r.eval_on == "workers":
+        text = (f"{plural(r.evaluations - r.evaluations_here)} on the workers' evaluation slots "
+                f"({r.eval_slots} slots, {100 * r.eval_compute_fraction:.1f}% of the workers' "
+                "compute)")
+        if r.evaluations_here:
+            text += f", {r.evaluations_here} on the coordinator confirming a target"
+    else:
+        text = f"{plural(r.evaluations)} on the coordinator (the job's evaluate returns means)"
+    if r.metrics:
+        text += "; last " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(r.metrics.items()))
+    if r.stopped == "target":
+        text += f"; stopped at {r.time_to_target_s:.2f} s: target {target} met"
+    elif r.stopped == "bad target":
+        text += f"; stopped: the evaluations report no {target.metric!r}"
+    return text
 
 
 def plot(results, path: str, title: str) -> None:

@@ -1,10 +1,11 @@
 """The coordinator's I/O shell: one ROUTER socket, one asyncio loop.
 
 It decodes messages, asks the gate (gate.py) whether their sender may say them, hands them to
-the round core (rounds.py) and performs what the core returns: tasks and replies on the socket,
-the coordinator's own computations and evaluations in a thread (or evaluations handed to
-workers, `--eval-on`), events, the ledger and the metrics log. Decisions live in those rooms, not here. Every inbound message is untrusted: a bad
-one is counted, logged with its sender and dropped, and the loop goes on.
+the round core (rounds.py), the run core (run.py), the data plane or the operators, and performs
+what they return: tasks and replies on the socket, the coordinator's own computations and
+evaluations in threads (offloop.py), events, the ledger and the metrics log. Decisions live in
+those rooms, not here. Every inbound message is untrusted: a bad one is counted, logged with its
+sender and dropped, and the loop goes on.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..common.throttle import Throttle
 from . import enrolment
 from .config import CoordinatorConfig, check
 from .effects import Applied, Ban, Compute, Evaluated, Event, Used
+from .offloop import OffLoop
 from .operators import Operators
 from .gate import BANNED, REVOKED, Gate
 from .records import RunRecords
@@ -52,8 +54,7 @@ class Coordinator:
         self.operators.load_bans()
         self.enrolment: Optional[enrolment.Endpoint] = None  # with --enrolled, while serving
         self._acks_due: dict[str, int] = {}  # worker id -> the slot of the result being taken
-        self._computing: Optional[asyncio.Future] = None  # the core's Compute in flight
-        self._evaluating: Optional[asyncio.Future] = None  # the run core's EvaluateHere
+        self.offloop = OffLoop(self.training, self.core)  # computations and evaluations in threads
         self._bad_logged = Throttle()  # bad messages, however hostile the peer
         self._refused_logged = Throttle()  # handshakes from keys not allowed
         self.transport = None  # ZmqTransport while serving; anything with its `send` in tests
@@ -141,8 +142,7 @@ class Coordinator:
                 due = min(next_tick, next_checkpoint, run.next_at())
                 # chunks waiting to be served: look at the socket, and come straight back
                 wait = 0.0 if self.training.data.pending else max(0.0, due - now)
-                waiting = {recv, self._stopping} | {
-                    f for f in (self._evaluating, self._computing) if f}
+                waiting = {recv, self._stopping} | self.offloop.futures()
                 await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 overslept = time.monotonic() - now - wait
                 if overslept > self.config.heartbeat_s:  # stopped, suspended, or starved of CPU
@@ -153,8 +153,7 @@ class Coordinator:
                 if recv.done():
                     await self._handle_batch(recv.result())
                     recv = asyncio.ensure_future(transport.receive())
-                if self._computing is not None and self._computing.done():
-                    await self._computed()
+                await self.perform(self.offloop.computed(time.monotonic()))
                 if self.training.data.pending:  # one pass, at most its byte budget
                     await self.training.data.serve(self.gate.routes, self._send_counted,
                                                    self._event)
@@ -172,9 +171,9 @@ class Coordinator:
                     now = time.monotonic()
                     await self.perform(self.core.tick(now))
                     next_tick = now + tick_every
-                if self._evaluating is not None and self._evaluating.done():
-                    done, self._evaluating = self._evaluating, None
-                    await self._evaluated(done.result(), "coordinator")
+                evaluation = self.offloop.evaluated()
+                if evaluation is not None:
+                    await self._evaluated(evaluation, "coordinator")
                 if self.stop_reason is None:  # the evaluation due, if one is (run.py)
                     await self.perform(run.tick(time.monotonic()))
                 if self.config.checkpoint_dir and now >= next_checkpoint:
@@ -184,9 +183,7 @@ class Coordinator:
                     self.stop_reason = "epochs"
         finally:
             recv.cancel()
-            for pending in (self._evaluating, self._computing):
-                if pending is not None:
-                    await asyncio.wait({pending})
+            await self.offloop.settle()
 
     async def _handle_batch(self, first: Optional[list]) -> None:
         """Handle `first` (if any) and what else is queued, up to a bound, through the plain
@@ -204,8 +201,7 @@ class Coordinator:
                 await self.handle(frames)
                 if i % 32 == 31:  # let a settle's thread start and report (a flood never yields)
                     await asyncio.sleep(0)
-                    if self._computing is not None and self._computing.done():
-                        await self._computed()
+                    await self.perform(self.offloop.computed(time.monotonic()))
         finally:
             transport.handling = False
 
@@ -220,10 +216,7 @@ class Coordinator:
             # The last word of a run is the coordinator's: workers may all be gone by now.
             await self._evaluated(self.training.evaluation()(), "coordinator")
         self.save_checkpoint()
-        # the run's tallies, for after the status endpoint is gone
-        self.records.metrics(dict(self.training.metrics_record(time.monotonic()), final=True,
-                                  reason=self.stop_reason, counters=dict(self.counters),
-                                  scheduler=dict(self.scheduler.stats)))
+        self.records.metrics(self.training.final_record(time.monotonic(), self.stop_reason))
         self._event("stop", f"stopped: {self.stop_reason}")
 
     def save_checkpoint(self) -> Optional[str]:
@@ -237,12 +230,9 @@ class Coordinator:
         """An evaluation is done: made here (in a thread, on a copy of the model), or by
         workers (`source`). What the run core makes of it may stop the run, or start the
         evaluation that confirms a target."""
-        version, samples, _, _ = result
-        self.counters["evaluations_" + source] += 1
-        start = self.training.evaluated(*result, time.monotonic(),
-                                        judge=self.stop_reason is None)
-        self.records.metrics(self.training.metrics_record(time.monotonic(), version, samples,
-                                                          source))
+        start, record = self.training.evaluated(result, source, time.monotonic(),
+                                                judge=self.stop_reason is None)
+        self.records.metrics(record)
         if self.stop_reason is None:
             self.stop_reason = self.training.run.stopped
         await self.perform(start)
@@ -314,12 +304,8 @@ class Coordinator:
 
     async def _on_hello(self, route: bytes, msg: proto.Hello, key: Optional[bytes]) -> None:
         now = time.monotonic()
-        training = self.training
-        resumed = (msg.worker_id in self.scheduler.workers and msg.instance == training.instance
-                   and self.gate.same_key(msg.worker_id, key))
+        resumed = self.training.resumes(msg, self.gate.same_key(msg.worker_id, key))
         if resumed:
-            # The same worker process back on a new connection, before its eviction: it keeps
-            # its slots, and resends the results it has not seen acknowledged.
             self.counters["sessions_resumed"] += 1
             self.scheduler.seen(msg.worker_id, now)
         else:
@@ -331,28 +317,19 @@ class Coordinator:
         self._event("join", f"{msg.worker_id} {'came back' if resumed else 'joined'} from "
                             f"{msg.host} ({msg.device}, {msg.threads} threads)", msg.worker_id)
         holding = sorted(self.scheduler.workers[msg.worker_id].assigned) if resumed else []
-        await self._send(route, training.welcome(
+        await self._send(route, self.training.welcome(
             holding, msg.versions.get("job_identity") == proto.JOB_IDENTITY_FORMAT))
         if resumed:  # tasks sent down its old connection may be lost: it ignores the ones it has
             await self.perform(self.core.resend(msg.worker_id, now))
 
     async def _on_ready(self, route: bytes, msg: proto.Ready, key) -> None:
         worker_id = self._worker_of(route)
-        training = self.training
-        if msg.fingerprint != training.fingerprint:
-            from ..common.job import job_differences
-
-            differs = "; ".join(job_differences(training.built.identity, msg.job_identity,
-                                                "here", "on the worker")
-                                if msg.job_identity is not None else [])
-            reason = (f"this coordinator trains job {training.job.name!r} with fingerprint "
-                      f"{training.fingerprint}; the worker built fingerprint {msg.fingerprint}"
-                      f"{f' ({differs})' if differs else ''}: "
-                      "start it with the same job and version")[:proto.MAX_STR]
+        refusal = self.training.refusal(msg.fingerprint, msg.job_identity)
+        if refusal is not None:
+            reject, differs = refusal
             self._event("refused", f"{worker_id} built another job than this one: "
-                                   f"{differs or f'fingerprint {msg.fingerprint}'}"[:500],
-                        worker_id, logging.WARNING)
-            await self._send(route, proto.Reject(code="job", reason=reason))
+                                   f"{differs}"[:500], worker_id, logging.WARNING)
+            await self._send(route, reject)
             await self.perform(self.core.leave(worker_id, "wrong job", time.monotonic()))
             return
         await self.perform(self.core.ready(worker_id, msg.credits, time.monotonic()))
@@ -450,12 +427,8 @@ class Coordinator:
         outage, and retry for ever), then evicted."""
         self.counters["workers_revoked"] += 1
         await self._tell(worker_id, proto.Reject(code="revoked", reason=REVOKED))
-        await self._forget(worker_id, "key revoked")
-
-    async def _forget(self, worker_id: str, reason: str) -> None:
-        """Evict a worker now (revoked): its slots go back to the pool, and nothing more from
-        its connection is used."""
-        await self.perform(self.core.leave(worker_id, reason, time.monotonic()))
+        # evicted now: its slots go back to the pool, and nothing more from its connection is used
+        await self.perform(self.core.leave(worker_id, "key revoked", time.monotonic()))
         self.gate.forget(worker_id)
 
     # what the core asks for -------------------------------------------------------------------
@@ -475,18 +448,14 @@ class Coordinator:
                                    parts=[list(p) for p in effect.parts], t=time.time())
                 self.training.data.stepped(self.scheduler.version_in_use, self.version)
             elif isinstance(effect, Compute):
-                self._start_computing(effect)
+                self.offloop.compute(effect)
             elif isinstance(effect, Evaluated):
                 await self._evaluated((effect.version, effect.samples, effect.metrics,
                                        effect.seconds), "workers")
             elif isinstance(effect, EvaluateHere) and effect.confirming:
-                # in a thread, awaited: no round is applied meanwhile, so the model the run
-                # stops with is the one that met the target
-                await self._evaluated(await asyncio.to_thread(self.training.evaluation()),
-                                      "coordinator")
-            elif isinstance(effect, EvaluateHere):  # in a thread: training goes on meanwhile
-                self._evaluating = asyncio.ensure_future(
-                    asyncio.to_thread(self.training.evaluation()))
+                await self._evaluated(await self.offloop.confirm(), "coordinator")
+            elif isinstance(effect, EvaluateHere):
+                self.offloop.evaluate()
             elif isinstance(effect, Ban):
                 await self._tell(effect.worker, proto.Reject(code="banned",
                                                              reason=effect.reason or BANNED))
@@ -504,24 +473,6 @@ class Coordinator:
         tracker = await self._send(self.gate.routes[action.worker], task, track=track)
         if track:
             self.training.model.tracked(action.version, tracker)
-
-    def _start_computing(self, request: Compute) -> None:
-        run = self.training.model.computation(request)
-        if run is None:
-            future = asyncio.get_running_loop().create_future()
-            future.set_exception(LookupError(f"the model of version {request.version} is no "
-                                             "longer kept"))
-        else:
-            future = asyncio.ensure_future(asyncio.to_thread(run))
-        self._computing = future
-
-    async def _computed(self) -> None:
-        future, self._computing = self._computing, None
-        try:
-            reference, error = future.result(), None
-        except Exception as exc:  # the job's code failed here, or the model is gone
-            reference, error = None, f"{type(exc).__name__}: {exc}"
-        await self.perform(self.core.computed(reference, error, time.monotonic()))
 
     async def _tell(self, worker_id: str, msg: proto.Message) -> None:
         route = self.gate.routes.get(worker_id)

@@ -28,6 +28,18 @@ The model, and what it leaves out:
   small job's gradient is computed in this process for every used result, at the model version
   its slot was planned at, and applied through the real `Aggregator`, so staleness shows in the
   test metric).
+- Evaluations go through the run core (`run.py`), driven as the server drives it: its `tick` at
+  the time it says the next may start, each evaluation handed to workers through the round
+  core's `evaluate` as evaluation slots (`Assign` of kind "eval"), which a worker computes like
+  any task but for a third of the seconds per sample (forward passes only) and answers with
+  sums (`evaluated`); the last answer completes it and the run core judges it. A target met
+  stops the run (a result of an older version is confirmed first, on the coordinator, at once:
+  no round is applied meanwhile, as in the server). With costless gradients the one metric is
+  synthetic (the evaluated version); with real ones the sums are the workers' kernel over the
+  slot's range of the test set (`common.job.evaluation_sums`). A job whose evaluation returns
+  means is evaluated on the coordinator, at once. Evaluation slots' compute is counted apart
+  from training's (it is not waste). The layout: the fleet and its data in `sim_fleet.py`, the
+  backends in `sim_backends.py`, the settings and figures in `sim_config.py`.
 
 - Data (`shards` > 0): the training set is cut into equal shards of `shard_bytes`. A worker
   fetches the shards a task reads that it does not hold before computing it, one download after
@@ -42,425 +54,68 @@ The model, and what it leaves out:
 
 from __future__ import annotations
 
-import csv
 import heapq
 import math
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field, replace
+from collections import deque
+from dataclasses import replace
 from functools import partial
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from ..common import coding
-from ..common.errors import ConfigError
-from ..common.permutation import ShardOrder, epoch_blocks, part_indices
-from .staleness import StalenessRule
-from .effects import Applied, Compute, Replanned, Used
+from ..common.permutation import epoch_blocks
+from .effects import Applied, Compute, Evaluated, Replanned, Used
+from .eval_slots import EVAL_SLOT_BATCHES, plan_ranges
+from .evaluation import TARGET
 from .local import parse_task
 from .locality import Locality, group_for
 from .rounds import RoundCore
+from .run import COORDINATOR, WORKERS, EvaluateHere, RunCore
 from .sampler import Sampler
 from .scheduler import Assign, CancelSlots, Evicted, Scheduler, SchedulerConfig
+from .sim_backends import CostlessGradients, RealGradients
+from .sim_config import CoordinatorCosts, ModeResult, SimConfig
+from .sim_fleet import (FLEET_MIX, Churn, SimData, SimWorker, WorkerSpec, fleet_from_csv,
+                        lognormal_fleet, mixed_fleet, parse_churn, sessions_from_trace)
+from .staleness import StalenessRule
+from .target import Target
 from .trust import TrustConfig, TrustPolicy
 
-# fleet ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class WorkerSpec:
-    id: str
-    s_per_sample: float  # seconds of compute per sample, unloaded
-    credits: int = 2
-    latency_s: float = 0.02  # one way
-    bandwidth: float = 12.5e6  # bytes/s each way (100 Mbit/s)
-    slowdown: float = 1.0  # every task takes this many times as long (the engine's --slowdown)
-    stall_p: float = 0.0  # with this probability per task ...
-    stall_s: float = 0.0  # ... it stalls this long (the engine's --stall)
-    jitter: float = 0.0  # sigma of a lognormal factor on each task's time
-    sessions: Optional[list[tuple[float, float]]] = None  # (start, end); None: always on
-
-
-# Classes for `mixed_fleet`: (name, share of the fleet, median seconds per sample, sigma).
-# Relative speeds for a small convolutional net: a laptop's few cores, a desktop's many, a GPU.
-FLEET_MIX = (("cpu-small", 0.6, 4e-3, 0.5), ("cpu-fast", 0.3, 1e-3, 0.4), ("gpu", 0.1, 1e-4, 0.3))
-
-
-def lognormal_fleet(n: int, median_s: float, sigma: float, rng: np.random.Generator,
-                    **spec) -> list[WorkerSpec]:
-    speeds = median_s * np.exp(sigma * rng.standard_normal(n))
-    return [WorkerSpec(f"w{i}", float(s), **spec) for i, s in enumerate(speeds)]
-
-
-def mixed_fleet(n: int, rng: np.random.Generator, mix=FLEET_MIX, **spec) -> list[WorkerSpec]:
-    shares = np.array([m[1] for m in mix], dtype=float)
-    kinds = rng.choice(len(mix), size=n, p=shares / shares.sum())
-    out = []
-    for i, kind in enumerate(kinds):
-        _, _, median, sigma = mix[kind]
-        out.append(WorkerSpec(f"{mix[kind][0]}-{i}",
-                              float(median * math.exp(sigma * rng.standard_normal())), **spec))
-    return out
-
-
-_CSV_FIELDS = {"s_per_sample": float, "credits": int, "latency_s": float, "bandwidth": float,
-               "slowdown": float, "stall_p": float, "stall_s": float, "jitter": float}
-
-
-def fleet_from_csv(path: str, **defaults) -> list[WorkerSpec]:
-    """Rows `id,s_per_sample[,credits,latency_s,bandwidth,slowdown,stall_p,stall_s,jitter]`
-    (a header row names the columns; an absent or empty one takes `defaults`, else
-    WorkerSpec's)."""
-    try:
-        with open(path, newline="") as fh:
-            rows = list(csv.DictReader(fh))
-    except OSError as exc:
-        raise ConfigError(f"cannot read the fleet file {path}: {exc.strerror}") from None
-    out = []
-    for line, row in enumerate(rows, start=2):
-        if not row.get("id") or not row.get("s_per_sample"):
-            raise ConfigError(f"{path}:{line}: each row needs an id and s_per_sample")
-        values = dict(defaults)
-        for name, kind in _CSV_FIELDS.items():
-            text = (row.get(name) or "").strip()
-            if text:
-                try:
-                    values[name] = kind(text)
-                except ValueError:
-                    raise ConfigError(f"{path}:{line}: {name} {text!r} is not a number") from None
-        if not values["s_per_sample"] > 0 or values.get("credits", 1) < 1:
-            raise ConfigError(f"{path}:{line}: s_per_sample must be positive, credits >= 1")
-        out.append(WorkerSpec(row["id"].strip(), **values))
-    if not out:
-        raise ConfigError(f"the fleet file {path} has no workers")
-    return out
-
-
-def sessions_from_trace(path: str) -> dict[str, list[tuple[float, float]]]:
-    """Rows `worker,start,end` (seconds; an empty end: until the simulation ends)."""
-    out: dict[str, list[tuple[float, float]]] = {}
-    try:
-        with open(path, newline="") as fh:
-            rows = list(csv.DictReader(fh))
-    except OSError as exc:
-        raise ConfigError(f"cannot read the trace file {path}: {exc.strerror}") from None
-    for line, row in enumerate(rows, start=2):
-        try:
-            start = float(row["start"])
-            end = float(row["end"]) if (row.get("end") or "").strip() else math.inf
-        except (KeyError, TypeError, ValueError):
-            raise ConfigError(f"{path}:{line}: expected worker,start,end numbers") from None
-        if not end > start >= 0:
-            raise ConfigError(f"{path}:{line}: a session must end after it starts (start >= 0)")
-        out.setdefault(str(row.get("worker", "")).strip(), []).append((start, end))
-    return {w: sorted(s) for w, s in out.items()}
-
-
-@dataclass(frozen=True)
-class Churn:
-    """Exponential on and off sessions (means in seconds); `diurnal` in [0, 1) swings the mean
-    off time over a day (longer off at night-time of the cycle), `period_s` long."""
-
-    mean_on_s: float
-    mean_off_s: float
-    diurnal: float = 0.0
-    period_s: float = 86400.0
-
-    def sessions(self, duration: float, rng: np.random.Generator) -> list[tuple[float, float]]:
-        out = []
-        t = 0.0
-        on = rng.random() < self.mean_on_s / (self.mean_on_s + self.mean_off_s)
-        while t < duration:
-            if on:
-                length = rng.exponential(self.mean_on_s)
-                out.append((t, t + length))
-            else:
-                swing = 1.0 + self.diurnal * math.cos(2 * math.pi * t / self.period_s)
-                length = rng.exponential(self.mean_off_s * swing)
-            t += length
-            on = not on
-        return out
-
-
-def parse_churn(text: str) -> Optional[Churn]:
-    """`none`, `exp:ON:OFF` or `diurnal:ON:OFF:SWING` (seconds, seconds, 0..1)."""
-    raw = text.strip().lower()
-    if raw == "none":
-        return None
-    kind, _, rest = raw.partition(":")
-    try:
-        numbers = [float(x) for x in rest.split(":")] if rest else []
-    except ValueError:
-        numbers = None
-    if kind == "exp" and numbers and len(numbers) == 2 and min(numbers) > 0:
-        return Churn(numbers[0], numbers[1])
-    if (kind == "diurnal" and numbers and len(numbers) == 3 and min(numbers[:2]) > 0
-            and 0 <= numbers[2] < 1):
-        return Churn(numbers[0], numbers[1], numbers[2])
-    raise ConfigError(f"churn {text!r}: expected none, exp:ON_S:OFF_S or diurnal:ON_S:OFF_S:SWING "
-                      "(e.g. exp:1800:600)")
-
-
-# coordinator ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CoordinatorCosts:
-    """What the coordinator's own work costs: CPU seconds per message taken in (decode,
-    schema checks, the scheduler, the reply), and its throughput in bytes/s for tensors (a
-    gradient taken in and checked, a model sent, a round's weighted sum and optimizer step).
-    Defaults from `benchmarks/scheduler_scale.py --costs` on this machine (see docs/scaling.md)."""
-
-    per_message_s: float = 60e-6
-    bytes_per_s: float = 1.5e9
-
-
-@dataclass
-class SimConfig:
-    duration_s: float = 3600.0
-    batch_size: int = 1024
-    partitions: int = 8
-    open_rounds: int = 0
-    redundancy: str = "none"  # none | replicate:R | cyclic:S | adaptive | sync
-    speculate: bool = True
-    heartbeat_s: float = 1.0
-    liveness: int = 3
-    task_timeout_s: float = 30.0
-    staleness: str = "inverse"
-    max_staleness: int = 32
-    model_bytes: int = 4_000_000  # parameters x 4 (float32): a gradient is as large
-    train_samples: int = 60_000  # for costless gradients: the data set the sampler plans over
-    costs: CoordinatorCosts = CoordinatorCosts()
-    target_samples: Optional[int] = None  # stop once this many samples are applied
-    eval_every_s: float = 0.5  # real gradients: evaluate this often (virtual seconds)
-    sample_every_s: Optional[float] = None  # the time series' step (default: duration / 200)
-    bye_fraction: float = 0.0  # departures that say bye (the rest vanish silently)
-    startup_s: float = 0.0  # from a session's start to its hello (process start-up)
-    warmup_s: float = 0.0  # the scheduler's cost per slot and per heartbeat is counted after this
-    verify_replicas: bool = False  # with replicate:R, a row counts once two copies agree
-    task: str = "gradient"  # what a slot computes: gradient | local:H | local:auto
-    seed: int = 0
-    shards: int = 0  # the training set in this many equal shards that workers fetch; 0: local data
-    shard_bytes: int = 64 * 2**20
-    locality: bool = True  # sharded data: the shard-aware order and the scheduler's preference
-    shuffle_window: int = 4  # shards whose samples are shuffled together
-    cache_shards: Optional[int] = None  # shards a worker's cache keeps; None: no limit
-
+__all__ = ["Churn", "CoordinatorCosts", "CostlessGradients", "FLEET_MIX", "ModeResult",
+           "RealGradients", "SimConfig", "Simulation", "WorkerSpec", "check_mode", "compare",
+           "fleet_from_csv", "lognormal_fleet", "mixed_fleet", "parse_churn",
+           "sessions_from_trace", "simulate"]
 
 # events, in order of kind at equal times
 _ONLINE, _OFFLINE, _HELLO, _READY, _TASK, _CANCEL, _DONE, _RESULT, _BYE, _BEAT, _TICK, _SAMPLE, \
     _EVAL, _REJOIN, _NEXT_MESSAGE = range(15)
 _TO_COORDINATOR = (_HELLO, _READY, _RESULT, _BYE, _BEAT)
-
-
-class _Worker:
-    __slots__ = ("spec", "online", "session", "available", "queue", "current", "started", "rng",
-                 "sessions", "shards", "link_free", "downloaded", "shards_said")
-
-    def __init__(self, spec: WorkerSpec, sessions, rng):
-        self.spec = spec
-        self.online = False
-        self.session = 0  # the connection: a new hello starts a new one
-        self.available = 0  # the availability session: ends only when the machine goes away
-        self.queue: deque = deque()  # (slot, samples, its Assign)
-        self.current = None
-        self.started = 0.0
-        self.rng = rng
-        self.sessions = sessions
-        # sharded data: shard -> when it is (or was) whole in the cache, least recently used first
-        self.shards: OrderedDict[int, float] = OrderedDict()
-        self.link_free = 0.0  # when its link finishes the downloads queued on it
-        self.downloaded = 0  # bytes of shards fetched
-        self.shards_said: Optional[list[int]] = None  # as the scheduler last heard
-
-
-@dataclass
-class ModeResult:
-    mode: str
-    duration_s: float  # virtual seconds simulated (less when the target was reached)
-    samples_applied: int
-    samples_per_s: float
-    rounds_decoded: int
-    rounds_applied: int
-    rounds_replanned: int
-    slots_assigned: int
-    slots_measured: int  # assigned after the warm-up
-    slots_cancelled: int
-    wasted_fraction: float  # worker compute not in an applied gradient, over all of it (less
-    # the results still waiting in open rounds at the end)
-    mean_staleness: float
-    staleness: dict[int, int]  # tau -> rounds applied
-    coordinator_load: float  # busy fraction of the coordinator
-    coordinator_by: dict  # its busy fraction by cause (results, models out, sums and steps, ...)
-    time_to_target_s: Optional[float]
-    scheduler_us_per_slot: float  # time inside scheduler calls per slot assigned (CPU share)
-    decision_us_per_slot: float  # the same without ticks: result, ready, applied, join, leave
-    tick_us: float  # time per tick (liveness, deadlines, speculation)
-    heartbeat_us: float  # time inside scheduler.seen per heartbeat delivered (CPU share)
-    wall_s: float
-    series: list[dict] = field(default_factory=list)
-    metrics: dict = field(default_factory=dict)  # real gradients: the last evaluation
-    codes: dict = field(default_factory=dict)
-    downloaded: dict = field(default_factory=dict)  # sharded data: worker -> bytes of shards
-    data_bytes: int = 0  # sharded data: the training set's bytes
-
-    @property
-    def download_ratio(self) -> Optional[float]:
-        """The most any worker downloaded over its share of the data (data / workers)."""
-        if not self.downloaded or not self.data_bytes:
-            return None
-        return max(self.downloaded.values()) / (self.data_bytes / len(self.downloaded))
-
-    def summary(self) -> dict:
-        out = {"samples_per_s": round(self.samples_per_s, 3),
-               "wasted_fraction": round(self.wasted_fraction, 4),
-               "mean_staleness": round(self.mean_staleness, 3)}
-        if self.downloaded:
-            out["download_ratio"] = round(self.download_ratio, 3)
-            out["downloaded_mb"] = round(sum(self.downloaded.values()) / 2**20, 1)
-        return out
-
-
-class CostlessGradients:
-    """No tensors: a decoded round is applied (version + 1) or replanned by the staleness rule,
-    and every result is honest (copies always agree)."""
-
-    def __init__(self, train_samples: int, batch_size: int, rule: StalenessRule):
-        self.train_samples = train_samples
-        self.batch_size = batch_size
-        self.rule = rule
-        self.version = 0
-
-    def result(self, task) -> tuple[None, float]:
-        return None, 0.0
-
-    def compute(self, request: Compute) -> None:
-        return None
-
-    def apply(self, terms, norms, samples: int, round_version: int, in_use) -> Optional[float]:
-        weight = self.rule.weight(self.version - round_version)
-        if weight is not None:
-            self.version += 1
-        return weight
-
-    def distance(self, a, b) -> float:
-        return 0.0
-
-    def size(self, a) -> float:
-        return 0.0
-
-    def evaluate(self) -> dict:
-        return {}
-
-
-class RealGradients:
-    """A small job trained for real: every result's coded gradient is computed here at its
-    slot's model version, with the workers' kernel, and decoded rounds go through the real
-    `Aggregator`."""
-
-    def __init__(self, job_spec: str, job_args: dict, seed: int, rule: StalenessRule,
-                 local: bool = False, outer_config=None):
-        """`local`: slots are local tasks, and the coordinator's optimizer is the outer one."""
-        import torch
-
-        from ..common.job import FlatModel, build, build_schedule, load_job, make_optimizer
-        from . import outer
-        from .aggregator import Aggregator
-
-        self._torch = torch
-        job = load_job(job_spec, job_args)
-        self.built = build(job, seed=seed)
-        self.seed = seed
-        model = self.built.model
-        if local:
-            optimizer = outer.build(model.module.parameters(), outer_config or outer.OuterConfig())
-            self.aggregator = Aggregator(model, optimizer, rule)
-        else:
-            optimizer = make_optimizer(job, model.module)
-            self.aggregator = Aggregator(model, optimizer, rule, schedule=build_schedule(
-                job, optimizer), clip_norm=job.clip_norm)
-        self.worker = FlatModel(job.build_model())
-        self.train_samples = len(self.built.train)
-        self.batch_size = job.batch_size
-        self.snapshots = {0: model.params.detach().clone()}
-
-    @property
-    def version(self) -> int:
-        return self.aggregator.version
-
-    def result(self, task) -> tuple[list, float]:
-        """A slot's result as a worker computes it, with the workers' kernels: `task` has the
-        fields of an `Assign` (or a `Compute`)."""
-        from ..common.job import coded_gradient, local_change
-        from ..common.tensors import finite_norm
-
-        job, params = self.built.job, self.snapshots[task.version]
-        if task.kind == "local":
-            (part,), (coefficient,) = task.parts, task.coefficients
-            result = local_change(job, self.worker, params, self.built.train, self.seed, part,
-                                  coefficient, task.steps).change
-        else:
-            result = coded_gradient(job, self.worker, params, self.built.train, self.seed,
-                                    task.parts, task.coefficients)
-        return [result], finite_norm([result])
-
-    def compute(self, request: Compute) -> list:
-        return self.result(request)[0]
-
-    def apply(self, terms, norms, samples: int, round_version: int, in_use) -> Optional[float]:
-        weight = self.aggregator.apply_terms(terms, samples, round_version, norms)
-        if weight is not None:
-            self.snapshots[self.aggregator.version] = self.aggregator.model.params.detach().clone()
-            for v in [v for v in self.snapshots if v != self.aggregator.version and not in_use(v)]:
-                del self.snapshots[v]
-        return weight
-
-    def distance(self, a, b) -> float:
-        from ..common.tensors import distance
-
-        return distance(a, b)
-
-    def size(self, a) -> float:
-        from ..common.tensors import finite_norm
-
-        return finite_norm(a)
-
-    def evaluate(self) -> dict:
-        from ..common.job import evaluate
-
-        return evaluate(self.built.job, self.aggregator.model.module, self.built.test)
-
-
-def _mode_settings(mode: str) -> tuple[bool, str]:
-    if mode == "sync":
-        return True, "none"
-    return False, str(coding.parse_redundancy(mode))
+# an evaluation slot's seconds per test sample, over a training slot's per sample: forward
+# passes only (as eval_slots.py sizes its slots)
+EVAL_COST = 1 / 3
 
 
 class Simulation:
+    """One mode in virtual time: the round core and the run core driven by a fleet's events."""
+
     def __init__(self, fleet: Sequence[WorkerSpec], config: SimConfig, mode: str,
-                 gradients=None, target: Optional[Callable[[dict], bool]] = None,
+                 gradients=None, target: Optional[Target] = None,
                  scheduler_class=Scheduler):
         self.config = config
         self.mode = mode
         sync, redundancy = _mode_settings(mode)
         rule = StalenessRule(config.staleness, config.max_staleness)
         self.gradients = gradients or CostlessGradients(config.train_samples, config.batch_size,
-                                                        rule)
-        self.target = target
-        per_shard = self._shard_samples(config)
-        self.shard_of: Optional[np.ndarray] = None  # sample -> its shard (sharded data)
-        self.order = config.seed  # a full shuffle, or the shard-aware order
-        if per_shard:
-            self.shard_of = np.repeat(np.arange(len(per_shard)), per_shard)
-            if config.locality:
-                self.order = ShardOrder(config.seed, per_shard, config.shuffle_window)
-        sharded = isinstance(self.order, ShardOrder)
+                                                        rule, config.test_samples)
+        self.data = data = SimData(self.gradients.train_samples, config.shards, config.seed,
+                                   config.locality, config.shuffle_window)
+        sharded = data.shard_aware
         if sharded and hasattr(self.gradients, "seed"):
-            self.gradients.seed = self.order  # real gradients read the order the plan names
+            self.gradients.seed = data.order  # real gradients read the order the plan names
         self.sampler = Sampler(self.gradients.train_samples, blocks=(
-            partial(epoch_blocks, self.order) if sharded else None))
+            partial(epoch_blocks, data.order) if sharded else None))
         redundancy_policy = coding.parse_redundancy(redundancy)
         self.scheduler = scheduler_class(SchedulerConfig(
             batch_size=self.gradients.batch_size, partitions=config.partitions,
@@ -469,14 +124,20 @@ class Simulation:
             redundancy=redundancy_policy, sync=sync,
             speculate=config.speculate, verify_replicas=config.verify_replicas), self.sampler,
             task_mode=parse_task(config.task),
-            locality=Locality(self.order, group_for(redundancy_policy)) if sharded else None)
+            locality=Locality(data.order, group_for(redundancy_policy)) if sharded else None)
         # the server's own round core: the same decode, step, replan, compare and settle
         self.core = RoundCore(self.scheduler, self.gradients, TrustPolicy(TrustConfig()))
-        self.rng = np.random.default_rng(config.seed)
+        # ... and its run core: evaluations (on the workers' evaluation slots), target and stop
+        self.run_core = RunCore(
+            self.core, WORKERS if self.gradients.sums_evaluable else COORDINATOR,
+            plan_ranges(self.gradients.test_samples, EVAL_SLOT_BATCHES * self.gradients.batch_size),
+            config.eval_every_s, target)
+        self.evaluates = config.eval_every_s is not None or target is not None
+        self._eval_at = math.inf  # when the run core's next tick is queued
         self.workers = {}
         for i, spec in enumerate(fleet):
             sessions = spec.sessions if spec.sessions is not None else [(0.0, math.inf)]
-            self.workers[spec.id] = _Worker(spec, deque(sessions),
+            self.workers[spec.id] = SimWorker(spec, deque(sessions),
                                             np.random.default_rng([config.seed, i]))
         self.events: list = []
         self._seq = 0
@@ -492,7 +153,10 @@ class Simulation:
         self.samples_applied = 0
         self.rounds_decoded = self.rounds_applied = self.rounds_replanned = 0
         self.slots_assigned = self.slots_cancelled = self.slots_measured = 0
-        self.compute_total = self.compute_useful = 0.0
+        self.compute_total = self.compute_useful = 0.0  # training slots
+        self.eval_compute = 0.0  # evaluation slots
+        self.evaluations = self.evaluations_here = self.eval_slots = 0
+        self.stopped: Optional[str] = None
         self.used_compute: dict[int, float] = {}  # slot -> compute seconds of its used result
         self.staleness: dict[int, int] = {}
         self.sched_s = 0.0
@@ -504,18 +168,6 @@ class Simulation:
         self.series: list[dict] = []
         self.metrics: dict = {}
         self._last_sample = (0.0, 0, 0.0)
-
-    def _shard_samples(self, config: SimConfig) -> tuple[int, ...]:
-        """Samples per shard of the emulated sharded data (nearly equal); () for local data."""
-        if not config.shards:
-            return ()
-        n = self.gradients.train_samples
-        if not 1 <= config.shards <= n:
-            raise ConfigError(f"--shards must be from 1 to the {n} training samples")
-        if config.shuffle_window < 1:
-            raise ConfigError("--shuffle-window must be at least 1")
-        bounds = np.linspace(0, n, config.shards + 1).round().astype(np.int64)
-        return tuple(int(x) for x in np.diff(bounds))
 
     # the event queue -------------------------------------------------------------------------
 
@@ -531,11 +183,10 @@ class Simulation:
         self._at(0.0, _TICK)
         step = self.config.sample_every_s or max(end / 200, 1e-3)
         self._at(step, _SAMPLE, step)
-        if isinstance(self.gradients, RealGradients):
-            self._at(self.config.eval_every_s, _EVAL)
+        self._next_evaluation()
         events, handlers = self.events, self._handlers()
         self._handlers_by_kind = handlers
-        while events and self.time_to_target is None:
+        while events and self.stopped is None:
             t, kind, _, data = heapq.heappop(events)
             if t > end:
                 break
@@ -545,13 +196,13 @@ class Simulation:
                 self._wake()
                 continue
             handlers[kind](*data)
-        duration = self.time_to_target if self.time_to_target is not None else end
+        duration = self.now if self.stopped is not None else end
         wall = time.perf_counter() - wall0
         # Scheduler calls are timed with the wall clock (a CPU clock costs a microsecond a
         # read); on a shared machine the process is off the CPU part of that time, so the
         # figures are scaled by the share of the run it was on it.
         self.cpu_share = min(1.0, (time.process_time() - cpu0) / wall) if wall > 0 else 1.0
-        return self._result(duration, wall)
+        return ModeResult.of(self, duration, wall)
 
     def _wake(self) -> None:
         if self.inbox and not self._waking:
@@ -569,19 +220,19 @@ class Simulation:
         return {_ONLINE: self._online, _OFFLINE: self._offline, _HELLO: self._hello,
                 _READY: self._ready, _TASK: self._task, _CANCEL: self._cancel, _DONE: self._done,
                 _RESULT: self._result_in, _BYE: self._bye, _BEAT: self._beat, _TICK: self._tick,
-                _SAMPLE: self._sample, _EVAL: self._eval, _REJOIN: self._rejoin,
+                _SAMPLE: self._sample, _EVAL: self._run_tick, _REJOIN: self._rejoin,
                 _NEXT_MESSAGE: self._next_message}
 
     # worker side -----------------------------------------------------------------------------
 
-    def _next_session(self, w: _Worker) -> None:
+    def _next_session(self, w: SimWorker) -> None:
         while w.sessions:
             start, stop = w.sessions.popleft()
             if stop > self.now:
                 self._at(max(start, self.now), _ONLINE, w, stop)
                 return
 
-    def _online(self, w: _Worker, stop: float) -> None:
+    def _online(self, w: SimWorker, stop: float) -> None:
         w.online = True
         self.online += 1
         w.session += 1
@@ -590,11 +241,10 @@ class Simulation:
         if stop < math.inf:
             self._at(stop, _OFFLINE, w, w.available)
 
-    def _offline(self, w: _Worker, available: int) -> None:
+    def _offline(self, w: SimWorker, available: int) -> None:
         if available != w.available or not w.online:
             return
-        if w.current is not None:
-            self.compute_total += self.now - w.started  # lost with the machine
+        self._lost(w)  # with the machine
         w.online, w.current = False, None
         self.online -= 1
         w.queue.clear()
@@ -603,32 +253,34 @@ class Simulation:
             self._at(self.now + w.spec.latency_s, _BYE, w)
         self._next_session(w)
 
-    def _rejoin(self, w: _Worker, session: int) -> None:
+    def _rejoin(self, w: SimWorker, session: int) -> None:
         if session != w.session:
             return
-        if w.current is not None:
-            self.compute_total += self.now - w.started
+        self._lost(w)
         w.current = None
         w.queue.clear()
         w.session += 1
         self._at(self.now + w.spec.latency_s, _HELLO, w, w.session)
 
-    def _task(self, w: _Worker, session: int, task: tuple) -> None:
+    def _task(self, w: SimWorker, session: int, task: tuple) -> None:
         if session != w.session or not w.online:
             return  # the worker it was sent to has gone (sent before the scheduler noticed)
-        if self.shard_of is not None:
+        if self.data.sharded:
             self._fetch(w, task[2].prefetch)
         w.queue.append(task)
         if w.current is None:
             self._start(w)
 
-    def _start(self, w: _Worker) -> None:
+    def _start(self, w: SimWorker) -> None:
         if not w.queue:
             return
         task = w.queue.popleft()
-        spec = w.spec
-        ready = self._fetch(w, self._shards_read(task[2])) if self.shard_of is not None else 0.0
-        seconds = spec.s_per_sample * task[1] * spec.slowdown + max(0.0, ready - self.now)
+        spec, evaluation = w.spec, task[2].kind == "eval"
+        ready = (self._fetch(w, self.data.read(task[2].parts))
+                 if self.data.sharded and not evaluation else 0.0)
+        # an evaluation slot's test samples take forward passes only
+        cost = EVAL_COST if evaluation else 1.0
+        seconds = spec.s_per_sample * cost * task[1] * spec.slowdown + max(0.0, ready - self.now)
         if spec.jitter:
             seconds *= math.exp(spec.jitter * w.rng.standard_normal())
         if spec.stall_p and w.rng.random() < spec.stall_p:
@@ -636,56 +288,46 @@ class Simulation:
         w.current, w.started = task, self.now
         self._at(self.now + seconds, _DONE, w, w.session, task[0])
 
-    def _shards_read(self, assign: Assign) -> list[int]:
-        shards: set[int] = set()
-        for epoch, offset, count in assign.parts:
-            indices = part_indices(self.order, self.gradients.train_samples, epoch, offset, count)
-            shards.update(np.unique(self.shard_of[indices]).tolist())
-        return sorted(shards)
+    def _lost(self, w: SimWorker) -> None:
+        """The compute its running task has taken so far, counted (training or evaluation)."""
+        if w.current is None:
+            return
+        if w.current[2].kind == "eval":
+            self.eval_compute += self.now - w.started
+        else:
+            self.compute_total += self.now - w.started
 
-    def _fetch(self, w: _Worker, shards) -> float:
-        """Queue on `w`'s link the shards it lacks; returns when all of `shards` are whole."""
-        ready = self.now
-        cap = self.config.cache_shards
-        for shard in shards:
-            when = w.shards.get(shard)
-            if when is None:
-                w.link_free = max(w.link_free, self.now) + self.config.shard_bytes / w.spec.bandwidth
-                when = w.link_free
-                w.downloaded += self.config.shard_bytes
-                w.shards[shard] = when
-                while cap is not None and len(w.shards) > cap:
-                    w.shards.popitem(last=False)
-            w.shards.move_to_end(shard)
-            ready = max(ready, when)
-        return ready
+    def _fetch(self, w: SimWorker, shards) -> float:
+        return w.fetch(shards, self.now, self.config.shard_bytes, self.config.cache_shards)
 
-    def _done(self, w: _Worker, session: int, slot: int) -> None:
+    def _done(self, w: SimWorker, session: int, slot: int) -> None:
         if session != w.session or w.current is None or w.current[0] != slot:
             return  # cancelled while it ran, or the session ended
         task, compute = w.current, self.now - w.started
-        self.compute_total += compute
+        self._lost(w)
         w.current = None
-        transfer = w.spec.latency_s + self.config.model_bytes / w.spec.bandwidth
+        # a gradient is as large as the model; an evaluation's sums are a few numbers
+        size = 0 if task[2].kind == "eval" else self.config.model_bytes
+        transfer = w.spec.latency_s + size / w.spec.bandwidth
         self._at(self.now + transfer, _RESULT, w, w.session, task, compute)
         self._start(w)
 
-    def _cancel(self, w: _Worker, session: int, slots: list[int]) -> None:
+    def _cancel(self, w: SimWorker, session: int, slots: list[int]) -> None:
         if session != w.session or not w.online:
             return
         gone = set(slots)
         w.queue = deque(t for t in w.queue if t[0] not in gone)
         if w.current is not None and w.current[0] in gone:
-            self.compute_total += self.now - w.started
+            self._lost(w)
             w.current = None
             self._start(w)
 
-    def _beat(self, w: _Worker, session: int) -> None:
+    def _beat(self, w: SimWorker, session: int) -> None:
         if session != w.session:
             return
         self._charge(self.config.costs.per_message_s * self.beat_every / self.config.heartbeat_s,
                      "heartbeats")
-        if self.shard_of is not None:  # the shards whole in its cache, when they changed
+        if self.data.sharded:  # the shards whole in its cache, when they changed
             held = sorted(k for k, when in w.shards.items() if when <= self.now)
             if held != w.shards_said:
                 w.shards_said = held
@@ -704,7 +346,7 @@ class Simulation:
         self.coord_busy += seconds
         self.coord_by[what] = self.coord_by.get(what, 0.0) + seconds
 
-    def _hello(self, w: _Worker, session: int) -> None:
+    def _hello(self, w: SimWorker, session: int) -> None:
         if session != w.session:
             return
         self._charge(self.config.costs.per_message_s, "hellos")
@@ -714,21 +356,30 @@ class Simulation:
         self._at(self.now + 2 * w.spec.latency_s, _READY, w, session)
         self._at(self.now + self.beat_every, _BEAT, w, session)
 
-    def _ready(self, w: _Worker, session: int) -> None:
+    def _ready(self, w: SimWorker, session: int) -> None:
         if session != w.session or w.spec.id not in self.scheduler.workers:
             return
         self._charge(self.config.costs.per_message_s, "hellos")
         self._perform(self._timed(self.core.ready, w.spec.id, w.spec.credits, self.now))
 
-    def _bye(self, w: _Worker) -> None:
+    def _bye(self, w: SimWorker) -> None:
         self._charge(self.config.costs.per_message_s, "hellos")
         self._perform(self._timed(self.core.leave, w.spec.id, "said bye", self.now))
 
-    def _result_in(self, w: _Worker, session: int, task: tuple, compute: float) -> None:
+    def _result_in(self, w: SimWorker, session: int, task: tuple, compute: float) -> None:
         # Sent before its worker left, it still counts if the scheduler still expects it.
         costs = self.config.costs
-        self._charge(costs.per_message_s + self.config.model_bytes / costs.bytes_per_s, "results")
         slot, _, assign = task
+        if assign.kind == "eval":
+            self._charge(costs.per_message_s, "evaluations")
+            evaluation = self.core.evaluation  # its sums are computed only if still wanted
+            wanted = evaluation is not None and slot in evaluation.ranges \
+                and slot not in evaluation.sums
+            sums = self.gradients.eval_sums(assign) if wanted else {}
+            self._perform(self._timed(self.core.evaluated, w.spec.id, slot, assign.version, sums,
+                                      compute, self.now))
+            return
+        self._charge(costs.per_message_s + self.config.model_bytes / costs.bytes_per_s, "results")
         gradient, norm = None, 0.0
         if self.scheduler.slot_scale(w.spec.id, slot) is not None:  # else it is dropped anyway
             gradient, norm = self.gradients.result(assign)
@@ -745,6 +396,7 @@ class Simulation:
             self.tick_s += time.perf_counter() - t0
             self.ticks += 1
         self._perform(actions)
+        self._next_evaluation()
         self._at(self.now + self.config.heartbeat_s / 2, _TICK)
 
     def _timed(self, call, *args):
@@ -762,6 +414,7 @@ class Simulation:
             if isinstance(effect, Assign):
                 w = self.workers[effect.worker]
                 self.slots_assigned += 1
+                self.eval_slots += effect.kind == "eval"
                 if self.now >= self.config.warmup_s:
                     self.slots_measured += 1
                 size = self.config.model_bytes if effect.send_model else 0
@@ -782,6 +435,10 @@ class Simulation:
             elif isinstance(effect, Compute):
                 # the coordinator's own computation, as the server makes it in a thread
                 self._perform(self.core.computed(self.gradients.compute(effect), None, self.now))
+            elif isinstance(effect, Evaluated):
+                self._evaluated(effect.version, effect.samples, effect.metrics, effect.seconds)
+            elif isinstance(effect, EvaluateHere):
+                self._evaluate_here()
             elif isinstance(effect, Evicted):
                 w = self.workers[effect.worker]
                 if w.online and effect.reason != "rejoined":
@@ -807,6 +464,7 @@ class Simulation:
         target = self.config.target_samples
         if target is not None and self.samples_applied >= target:
             self.time_to_target = self.now
+            self.stopped = "samples"
 
     def _sample(self, step: float) -> None:
         t0, n0, busy0 = self._last_sample
@@ -821,45 +479,47 @@ class Simulation:
         self._last_sample = (self.now, self.samples_applied, self.coord_busy)
         self._at(self.now + step, _SAMPLE, step)
 
-    def _eval(self) -> None:
-        self.metrics = self.gradients.evaluate()
-        self.series.append({"t": round(self.now, 3), "samples": self.samples_applied,
-                            "metrics": dict(self.metrics)})
-        if self.target is not None and self.target(self.metrics):
-            self.time_to_target = self.now
-        self._at(self.now + self.config.eval_every_s, _EVAL)
+    # evaluations: the run core, driven as the server drives it -------------------------------
 
-    def _result(self, duration: float, wall: float) -> ModeResult:
-        applied = sum(self.staleness.values())
-        # Results waiting in rounds still open at the end are neither used nor wasted yet.
-        total = self.compute_total - sum(self.used_compute.values())
-        stats = self.scheduler.stats
-        return ModeResult(
-            mode=self.mode, duration_s=duration, samples_applied=self.samples_applied,
-            samples_per_s=self.samples_applied / duration if duration > 0 else 0.0,
-            rounds_decoded=self.rounds_decoded, rounds_applied=self.rounds_applied,
-            rounds_replanned=self.rounds_replanned, slots_assigned=self.slots_assigned,
-            slots_measured=self.slots_measured,
-            slots_cancelled=self.slots_cancelled,
-            wasted_fraction=max(0.0, (total - self.compute_useful) / total) if total > 0 else 0.0,
-            mean_staleness=(sum(t * n for t, n in self.staleness.items()) / applied
-                            if applied else 0.0),
-            staleness=dict(sorted(self.staleness.items())),
-            coordinator_load=self.coord_busy / duration if duration > 0 else 0.0,
-            coordinator_by={k: v / duration for k, v in self.coord_by.items()} if duration > 0
-            else {},
-            time_to_target_s=self.time_to_target,
-            scheduler_us_per_slot=(1e6 * (self.sched_s + self.tick_s) * self.cpu_share
-                                   / max(1, self.slots_measured)),
-            decision_us_per_slot=1e6 * self.sched_s * self.cpu_share / max(1, self.slots_measured),
-            tick_us=1e6 * self.tick_s * self.cpu_share / max(1, self.ticks),
-            heartbeat_us=1e6 * self.beat_s * self.cpu_share / max(1, self.beats), wall_s=wall,
-            series=self.series, metrics=self.metrics,
-            codes={k: stats["rounds_" + k] for k in ("none", "replicate", "cyclic")
-                   if stats["rounds_" + k]},
-            downloaded=({w.spec.id: w.downloaded for w in self.workers.values()}
-                        if self.shard_of is not None else {}),
-            data_bytes=self.config.shards * self.config.shard_bytes)
+    def _run_tick(self) -> None:
+        self._eval_at = math.inf
+        self._perform(self.run_core.tick(self.now))
+        self._next_evaluation()
+
+    def _next_evaluation(self) -> None:
+        """Queue the run core's next tick, at the time it says one may start."""
+        at = self.run_core.next_at() if self.evaluates and self.stopped is None else math.inf
+        if at < self._eval_at:
+            self._eval_at = at
+            self._at(max(at, self.now), _EVAL)
+
+    def _evaluated(self, version: int, samples: int, metrics: dict, seconds: float,
+                   here: bool = False) -> None:
+        """An evaluation is answered: the run core judges it (the target met: the run stops)."""
+        self.evaluations += 1
+        self.evaluations_here += here
+        self.metrics = dict(metrics)
+        self.series.append({"t": round(self.now, 3), "samples": samples, "version": version,
+                            "metrics": dict(metrics)})
+        outcome, start = self.run_core.evaluated(version, metrics, seconds, self.now)
+        if outcome == TARGET:
+            self.time_to_target = self.now
+        if self.run_core.stopped is not None:
+            self.stopped = self.run_core.stopped
+        self._perform(start)
+        self._next_evaluation()
+
+    def _evaluate_here(self) -> None:
+        """`EvaluateHere`: the model as it is now, on the coordinator, at once (the server
+        awaits a confirming one: no round is applied meanwhile)."""
+        self._evaluated(self.gradients.version, self.samples_applied,
+                        self.gradients.evaluate(), 0.0, here=True)
+
+
+def _mode_settings(mode: str) -> tuple[bool, str]:
+    if mode == "sync":
+        return True, "none"
+    return False, str(coding.parse_redundancy(mode))
 
 
 def simulate(fleet: Sequence[WorkerSpec], config: SimConfig, mode: str = "none",

@@ -28,7 +28,7 @@ from ..common.job import (build, build_schedule, epoch_order, eval_size, evaluat
                           evaluation_sums, load_job, make_optimizer, reference_gradient_norm,
                           resolve_factory, summed_loss_warning, sums_evaluable)
 from ..common.permutation import ShardOrder, epoch_blocks
-from ..common.job import FlatModel
+from ..common.job import FlatModel, job_differences
 from . import checkpoint, dataplane, outer
 from .effects import Applied
 from .rates import AppliedRates
@@ -289,6 +289,13 @@ class Training:
                    if config.min_workers > 1 else "")
                 + (f"; WARNING: {self.loss_warning}" if self.loss_warning else ""))
 
+    def resumes(self, hello: proto.Hello, same_key: bool) -> bool:
+        """Whether `hello` is the same worker process back on a new connection, before its
+        eviction (`same_key`: under the key it had): it keeps its slots, and resends the results
+        it has not seen acknowledged."""
+        return (hello.worker_id in self.scheduler.workers and hello.instance == self.instance
+                and same_key)
+
     def welcome(self, holding: list[int], job_identity: bool = False) -> proto.Welcome:
         """`job_identity`: the worker reads one (it says so in its hello), so the welcome
         carries ours, and a worker that built another job can say what differs."""
@@ -334,10 +341,14 @@ class Training:
             return version, samples, run(), time.perf_counter() - t0
         return timed
 
-    def evaluated(self, version: int, samples: int, metrics: dict, seconds: float,
-                  now: float, judge: bool = True) -> list:
-        """An evaluation is done: kept for the curve and, with `judge`, judged by the run core
-        (run.py). Returns what the run core starts now (a confirming evaluation)."""
+    def evaluated(self, result: tuple, source: str, now: float,
+                  judge: bool = True) -> tuple[list, dict]:
+        """An evaluation (version, samples applied, metrics, seconds) is done, made on `source`
+        ("coordinator" or "workers"): counted, kept for the curve and, with `judge`, judged by
+        the run core (run.py). Returns what the run core starts now (a confirming evaluation)
+        and the metrics log's line."""
+        version, samples, metrics, seconds = result
+        self.core.counters["evaluations_" + source] += 1
         self.metrics = metrics
         self.curve.append({"t": round(self.elapsed(now), 3), "version": version,
                            "samples": samples, "loss": self.core.train_loss,
@@ -350,7 +361,7 @@ class Training:
         elif outcome == TARGET:
             self.event("target", f"{target} reached at version {version}: "
                                  f"{target.metric}={metrics[target.metric]:.4f}")
-        return start
+        return start, self.metrics_record(now, version, samples, source)
 
     def metrics_record(self, now: float, version: Optional[int] = None,
                        samples: Optional[int] = None, source: Optional[str] = None) -> dict:
@@ -369,6 +380,25 @@ class Training:
                if self.data.snapshots is not None else {}),
             **({"eval_on": source} if source is not None else {}),
         }
+
+    def final_record(self, now: float, reason: Optional[str]) -> dict:
+        """The metrics log's last line: the run's tallies, for after the status endpoint is gone."""
+        return dict(self.metrics_record(now), final=True, reason=reason,
+                    counters=dict(self.core.counters), scheduler=dict(self.scheduler.stats))
+
+    def refusal(self, fingerprint: str, job_identity=None) -> Optional[tuple[proto.Reject, str]]:
+        """What a worker whose job's fingerprint is `fingerprint` is told, if it may not train,
+        and what differs (named from `job_identity`, the worker's, when it sent one)."""
+        if fingerprint == self.fingerprint:
+            return None
+        differs = "; ".join(job_differences(self.built.identity, job_identity, "here",
+                                            "on the worker")
+                            if job_identity is not None else [])
+        reason = (f"this coordinator trains job {self.job.name!r} with fingerprint "
+                  f"{self.fingerprint}; the worker built fingerprint {fingerprint}"
+                  f"{f' ({differs})' if differs else ''}: start it with the same job and "
+                  "version")[:proto.MAX_STR]
+        return proto.Reject(code="job", reason=reason), differs or f"fingerprint {fingerprint}"
 
     def bytes_per_sample(self) -> Optional[float]:
         """Wire bytes, both ways, per sample applied."""

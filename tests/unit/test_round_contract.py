@@ -11,6 +11,15 @@ Whatever the driver and the code, over a whole run:
   the ledger's `applied` records;
 - credit is earned only by results an applied round used, and each round's credited shares add
   up to its samples (so do the server's lasting credits, to the samples applied).
+
+And the run core's (coordinator/run.py), evaluations on workers through the round core:
+- an evaluation's answer is used at most once: the run core judges each completed evaluation
+  (and each one it asked to be made here) once;
+- no evaluation slot is answered after its evaluation closed: only the open evaluation takes
+  sums, for its own slots;
+- the run stops at most once, and only on an evaluation that met the target (or named no metric
+  the target reads), of the model as it is then (a confirmation); once stopped, nothing more is
+  evaluated.
 """
 
 from __future__ import annotations
@@ -24,13 +33,16 @@ import pytest
 import torch
 
 from idlegrad.common import protocol as proto
-from idlegrad.common.job import FlatModel, coded_gradient, local_change
+from idlegrad.common.job import FlatModel, coded_gradient, evaluation_sums, local_change
 from idlegrad.common.tensors import from_blob, to_blob
 from idlegrad.coordinator import simulator as sim
-from idlegrad.coordinator.effects import Applied, Replanned, Used
+from idlegrad.coordinator.effects import Applied, Evaluated, Replanned, Used
+from idlegrad.coordinator.evaluation import BAD_TARGET, TARGET
 from idlegrad.coordinator.rounds import RoundCore
+from idlegrad.coordinator.run import EvaluateHere, RunCore
 from idlegrad.coordinator.scheduler import Assign, CancelSlots
 from idlegrad.coordinator.server import Coordinator, CoordinatorConfig
+from idlegrad.coordinator.target import Target
 
 from .fakes import RecordingTransport
 
@@ -44,6 +56,16 @@ def test_the_contract_wraps_every_entry_point_of_the_round_core():
     """A new entry point of the core is either wrapped here or declared a query."""
     public = {name for name in dir(RoundCore) if not name.startswith("_")}
     assert public == set(ENTRY_POINTS) | set(QUERIES)
+
+
+RUN_ENTRY_POINTS = ("tick", "evaluated")
+RUN_QUERIES = ("target", "evaluating", "next_at", "stale")
+
+
+def test_the_contract_wraps_every_entry_point_of_the_run_core():
+    """A new entry point of the run core is either wrapped here or declared a query."""
+    public = {name for name in dir(RunCore) if not name.startswith("_")}
+    assert public == set(RUN_ENTRY_POINTS) | set(RUN_QUERIES)
 
 
 def record(core) -> list:
@@ -97,6 +119,105 @@ def check_contract(trace: list, samples_applied: int) -> dict:
             "assigned": len(assigned_to)}
 
 
+class RunCall:
+    """What one call of the run core saw and returned."""
+
+    def __init__(self, name, args, kwargs, out, before, after, version):
+        self.name, self.args, self.kwargs, self.out = name, args, kwargs, out
+        self.stopped_before, self.stopped_after = before, after
+        self.version = version  # the model's, when it was called
+
+
+class EvalAnswer:
+    """A worker's answer for an evaluation slot: the evaluations whose answers it changed, and
+    those closed (completed, replaced or dropped) before it came."""
+
+    def __init__(self, slot, changed, closed):
+        self.slot, self.changed, self.closed = slot, changed, closed
+
+
+def record_run(run: RunCore, trace: list) -> None:
+    """The run core's entry points, and the round core's evaluations (opened, answered), into
+    `trace` (after `record` wrapped the round core: its effects are in `trace` already)."""
+    core = run.rounds
+    opened: list = []
+    closed: set[int] = set()  # ids of the evaluations opened and closed since
+
+    def wrap_run(name):
+        call = getattr(run, name)
+
+        def recorded(*args, **kwargs):
+            before, version = run.stopped, core.version
+            out = call(*args, **kwargs)
+            trace.append(RunCall(name, args, kwargs, out, before, run.stopped, version))
+            return out
+        setattr(run, name, recorded)
+
+    for name in RUN_ENTRY_POINTS:
+        wrap_run(name)
+    evaluate, evaluated = core.evaluate, core.evaluated
+
+    def evaluate_recorded(*args, **kwargs):
+        out = evaluate(*args, **kwargs)
+        opened.append(core.evaluation)
+        return out
+
+    def evaluated_recorded(worker_id, slot, *args, **kwargs):
+        closed.update(id(e) for e in opened if e is not core.evaluation)
+        was = [(len(e.sums), e.compute_s) for e in opened]
+        out = evaluated(worker_id, slot, *args, **kwargs)
+        changed = [e for e, w in zip(opened, was) if (len(e.sums), e.compute_s) != w]
+        trace.append(EvalAnswer(slot, changed, set(closed)))
+        if any(isinstance(e, Evaluated) for e in out):
+            closed.update(id(e) for e in changed)
+        return out
+
+    core.evaluate, core.evaluated = evaluate_recorded, evaluated_recorded
+
+
+def check_run_contract(trace: list, target) -> dict:
+    answers: list = []  # completed evaluations not yet judged: (version, metrics)
+    here = 0  # evaluations asked to be made here, not yet judged
+    stops = evaluations = 0
+    for entry in trace:
+        if isinstance(entry, Evaluated):
+            answers.append((entry.version, entry.metrics))
+        elif isinstance(entry, EvalAnswer):
+            for evaluation in entry.changed:
+                assert id(evaluation) not in entry.closed, \
+                    f"slot {entry.slot} answered an evaluation that had closed"
+                assert entry.slot in evaluation.ranges, f"slot {entry.slot} answered another's"
+            assert len(entry.changed) <= 1
+        elif isinstance(entry, RunCall) and entry.name == "tick":
+            here += sum(isinstance(e, EvaluateHere) for e in entry.out)
+            if entry.stopped_before is not None:
+                assert entry.out == [], "an evaluation started after the run stopped"
+        elif isinstance(entry, RunCall):  # evaluated
+            version, metrics = entry.args[:2]
+            outcome, start = entry.out
+            here += sum(isinstance(e, EvaluateHere) for e in start)
+            judged = entry.kwargs.get("judge", entry.args[4] if len(entry.args) > 4 else True)
+            if judged:
+                evaluations += 1
+                if (version, metrics) in answers:
+                    answers.remove((version, metrics))
+                else:
+                    assert here > 0, f"an answer of version {version} used twice, or from nowhere"
+                    here -= 1
+            if outcome in (TARGET, BAD_TARGET):  # the run stops on it
+                stops += 1
+                assert entry.stopped_after == outcome
+                if outcome == TARGET:
+                    assert target.reached(metrics) and version == entry.version, (version,
+                                                                                   entry.version)
+                else:
+                    assert target.metric not in metrics
+            else:
+                assert entry.stopped_after == entry.stopped_before, "stopped on no target"
+    assert stops <= 1, f"the run stopped {stops} times"
+    return {"stops": stops, "evaluations": evaluations}
+
+
 # the server, in process ---------------------------------------------------------------------
 
 
@@ -116,14 +237,31 @@ class ScriptedFleet:
         self.models: dict[tuple[bytes, int], torch.Tensor] = {}  # what each was sent, by version
         training = coordinator.training
         self.job, self.train, self.seed = training.job, training.built.train, training.config.seed
+        self.test = training.built.test
         self.scratch = FlatModel(self.job.build_model())
 
-    def gradient(self, route: bytes, task: proto.Task):
+    def model(self, route: bytes, version: int) -> torch.Tensor:
         for to, sent in self.transport.sent:  # models arrive with the tasks, in order
             if (isinstance(sent, proto.Task) and sent.model is not None
                     and (to, sent.version) not in self.models):
                 self.models[to, sent.version] = from_blob(sent.model).clone()
-        params = self.models[route, task.version]
+        return self.models[route, version]
+
+    def answer(self, route: bytes, task: proto.Task) -> proto.Message:
+        """A task's answer as a worker computes it: an evaluation slot's sums over its range of
+        the test set (the workers' kernel), or a slot's result."""
+        if task.kind != "eval":
+            return proto.Result(slot=task.slot, version=task.version,
+                                samples=sum(p[2] for p in task.parts), loss=1.0, compute_s=0.01,
+                                gradient=self.gradient(route, task))
+        self.scratch.load(self.model(route, task.version))
+        ((_, offset, count),) = task.parts
+        sums = evaluation_sums(self.job, self.scratch.module, self.test, offset, count)
+        return proto.EvalResult(slot=task.slot, version=task.version, compute_s=0.01,
+                                sums={k: [v[0], v[1]] for k, v in sums.items()})
+
+    def gradient(self, route: bytes, task: proto.Task):
+        params = self.model(route, task.version)
         if task.kind == "local":
             (part,), (coefficient,) = task.parts, task.coefficients
             return to_blob(local_change(self.job, self.scratch, params, self.train, self.seed,
@@ -145,21 +283,20 @@ class ScriptedFleet:
         for step in range(rounds):
             tasks = [(r, m) for r, m in self.transport.sent
                      if isinstance(m, proto.Task) and m.slot not in self.done[r]]
-            if not tasks:
+            if not tasks or self.coordinator.stop_reason is not None:
                 break
             route, task = tasks[int(self.rng.integers(len(tasks)))]
             self.done[route].add(task.slot)
             if route == silent and step > rounds // 3:
                 continue  # it computes nothing more, until it is evicted
-            await self.say(route, proto.Result(
-                slot=task.slot, version=task.version, samples=sum(p[2] for p in task.parts),
-                loss=1.0, compute_s=0.01, gradient=self.gradient(route, task)))
+            await self.say(route, self.answer(route, task))
             now = time.monotonic()
             if step == rounds // 2 and silent is not None:  # evicted: its slots go to others
                 await self.coordinator.perform(self.coordinator.core.leave(
                     silent.decode(), "silent", now))
             if step % 7 == 0:
                 await self.coordinator.perform(self.coordinator.core.tick(now))
+                await self.coordinator.perform(self.coordinator.training.run.tick(now))
             held = self.coordinator.core.scheduler.workers.get(route.decode())
             if step % 11 == 5 and held is not None and held.assigned:  # its cap is spent
                 await self.coordinator.perform(self.coordinator.core.handback(
@@ -178,8 +315,10 @@ def test_the_server_keeps_the_round_contract(tmp_path, redundancy, verify, task)
     coordinator = Coordinator(CoordinatorConfig(
         job="synthetic", job_args={"params": 400, "samples": 2048}, redundancy=redundancy,
         verify_replicas=verify, task=task, partitions=4, open_rounds=3, heartbeat_s=1000,
-        speculate=False, ledger_path=str(ledger), min_deadline_s=1e6))
+        speculate=False, ledger_path=str(ledger), min_deadline_s=1e6, eval_on="workers",
+        settle_on="coordinator", eval_every=1e-3, target=Target.parse("accuracy>=1.01")))
     trace = record(coordinator.core)
+    record_run(coordinator.training.run, trace)
     coordinator.open_logs()
     fleet = ScriptedFleet(coordinator, workers=5, seed=len(redundancy))
     try:
@@ -188,6 +327,8 @@ def test_the_server_keeps_the_round_contract(tmp_path, redundancy, verify, task)
         coordinator.close_logs()
     figures = check_contract(trace, coordinator.samples_applied)
     assert figures["rounds"] >= 5, figures
+    evaluations = check_run_contract(trace, coordinator.training.run.target)
+    assert evaluations["evaluations"] >= 2 and evaluations["stops"] == 0, evaluations
     # the script handed slots back and had the operator ban a key, through the core
     assert coordinator.core.scheduler.stats["slots_handed_back"] > 0
     assert coordinator.core.counters["workers_banned"] == 1
@@ -202,6 +343,23 @@ def test_the_server_keeps_the_round_contract(tmp_path, redundancy, verify, task)
     shown = coordinator.snapshot()["credits"]["workers"]  # what monitors read, by name
     assert set(shown) == set(credits.accounts)
     assert sum(row["samples"] for row in shown.values()) == coordinator.samples_applied
+
+
+def test_the_server_stops_once_on_the_target_its_evaluation_slots_met():
+    """Evaluations on workers, through the server: the first met the target (confirmed on the
+    model as it is then, here) and the run stopped, once."""
+    coordinator = Coordinator(CoordinatorConfig(
+        job="synthetic", job_args={"params": 400, "samples": 2048}, partitions=4, open_rounds=3,
+        heartbeat_s=1000, speculate=False, min_deadline_s=1e6, eval_on="workers",
+        eval_every=1e-3, target=Target.parse("loss<=1e9")))
+    trace = record(coordinator.core)
+    record_run(coordinator.training.run, trace)
+    fleet = ScriptedFleet(coordinator, workers=3, seed=0)
+    asyncio.run(fleet.run(rounds=300))
+    check_contract(trace, coordinator.samples_applied)
+    assert check_run_contract(trace, coordinator.training.run.target)["stops"] == 1
+    assert coordinator.stop_reason == "target"
+    assert coordinator.counters["evaluations_workers"] >= 1
 
 
 def test_a_cancelled_slots_late_result_is_not_used():
@@ -253,9 +411,28 @@ def test_the_simulator_keeps_the_round_contract(mode, verify, task, shards):
     simulation = sim.Simulation(fleet, sim.SimConfig(
         duration_s=30.0, batch_size=128, partitions=4, train_samples=4096, task_timeout_s=1.0,
         verify_replicas=verify, task=task, seed=1, shards=shards, shard_bytes=2**16,
-        shuffle_window=2), mode)
+        shuffle_window=2, eval_every_s=0.5, test_samples=700), mode)
     assert (simulation.scheduler.locality is not None) == (shards > 0 and mode != "sync")
     trace = record(simulation.core)
+    record_run(simulation.run_core, trace)
     result = simulation.run()
     figures = check_contract(trace, result.samples_applied)
     assert figures["rounds"] >= 20, figures
+    evaluations = check_run_contract(trace, None)
+    assert evaluations["evaluations"] >= 3 and result.eval_slots >= 9, evaluations
+
+
+@pytest.mark.parametrize("mode", ["none", "replicate:2", "sync"])
+def test_the_simulator_stops_once_on_the_target_its_evaluation_slots_met(mode):
+    fleet = sim.lognormal_fleet(8, 0.002, 0.6, np.random.default_rng(3), jitter=0.2,
+                                stall_p=0.05, stall_s=2.0)
+    target = Target.parse("version>=40")  # costless gradients: the metric is the version
+    simulation = sim.Simulation(fleet, sim.SimConfig(
+        duration_s=300.0, batch_size=128, partitions=4, train_samples=4096, task_timeout_s=1.0,
+        seed=1, eval_every_s=0.5, test_samples=700), mode, target=target)
+    trace = record(simulation.core)
+    record_run(simulation.run_core, trace)
+    result = simulation.run()
+    check_contract(trace, result.samples_applied)
+    assert check_run_contract(trace, target)["stops"] == 1
+    assert result.stopped == "target" and result.duration_s < 300.0

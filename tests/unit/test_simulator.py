@@ -143,10 +143,39 @@ def test_real_gradients_train_and_follow_the_staleness_rule():
                                                 "batch_size": 128, "lr": 0.05}, 0, rule)
     target = Target.parse("accuracy=0.5")
     r = sim.simulate(identical(4, s_per_sample=0.001), config(duration_s=60.0, eval_every_s=0.5),
-                     "none", gradients, target.reached)
+                     "none", gradients, target)
     assert r.time_to_target_s is not None
     assert r.metrics["accuracy"] >= 0.5
     assert gradients.aggregator.version == r.rounds_applied
+
+
+def test_evaluations_run_on_the_workers_evaluation_slots_through_the_run_core():
+    # one slot of 800 test samples per evaluation (two batches of 400): 800 x 0.01 s / 3
+    r = sim.simulate(identical(4), config(eval_every_s=5.0, test_samples=800), "none")
+    assert r.eval_on == "workers" and r.evaluations_here == 0
+    assert r.evaluations >= 10 and r.eval_slots >= r.evaluations
+    eval_s = r.evaluations * 800 * 0.01 / 3
+    assert r.eval_compute_fraction == pytest.approx(eval_s / (4 * 200.0), rel=0.1)
+    assert r.wasted_fraction == pytest.approx(0.0, abs=1e-9)  # evaluation is not waste
+    # the synthetic metric is the evaluated version, added up from the slots' sums
+    points = [p for p in r.series if "metrics" in p]
+    assert len(points) == r.evaluations
+    assert all(p["metrics"] == {"version": p["version"]} for p in points)
+    assert 0 < points[-1]["version"] <= r.rounds_applied
+    assert r.stopped is None and r.duration_s == 200.0
+
+
+def test_a_target_met_stops_the_run_once_confirmed_on_the_current_model():
+    from idlegrad.coordinator.target import Target
+
+    r = sim.simulate(identical(4), config(eval_every_s=1.0, test_samples=800), "none",
+                     target=Target.parse("version>=20"))
+    assert r.stopped == "target" and r.time_to_target_s == r.duration_s < 200.0
+    # the evaluation that met it was of an older version: confirmed here, on the current one
+    assert r.evaluations_here == 1 and r.metrics["version"] == r.rounds_applied >= 20
+    bad = sim.simulate(identical(4), config(eval_every_s=1.0), "none",
+                       target=Target.parse("accuracy>=0.9"))
+    assert bad.stopped == "bad target" and bad.evaluations == 1 and bad.time_to_target_s is None
 
 
 def test_churn_sessions_alternate_and_cover_about_their_share():
@@ -206,6 +235,17 @@ def test_simulate_command_prints_the_table_and_the_json_line(run_cli, tmp_path):
     assert last["modes"]["replicate:2"]["wasted_fraction"] > last["modes"]["none"]["wasted_fraction"]
     assert last["scheduler_us_per_slot"] > 0
     assert (tmp_path / "sim.png").stat().st_size > 0
+
+
+def test_simulate_command_says_what_the_evaluations_did(run_cli):
+    code, out, err = run_cli(["simulate", "--workers", "4", "--duration", "30", "--modes",
+                              "none", "--eval-every", "2", "--test-samples", "4096"])
+    assert code == 0, err
+    (line,) = [x for x in out.splitlines() if "evaluation slots" in x]
+    assert line.startswith("  none: ") and "% of the workers' compute); last version=" in line
+    code, out, err = run_cli(["simulate", "--workers", "4", "--duration", "30", "--modes",
+                              "none"])
+    assert code == 0 and "evaluation" not in out  # costless: none unless asked for
 
 
 @pytest.mark.parametrize("argv, needle", [
