@@ -96,7 +96,7 @@ class Coordinator:
             await self._loop(transport)
             await self._finish()
         finally:
-            self.close_logs()
+            self.records.close()
             transport.close()
             self.training.close()
             if enrolling is not None:
@@ -106,9 +106,6 @@ class Coordinator:
     def open_logs(self) -> None:
         self.records.open(version=self.version, samples=self.samples_applied, time=time.time())
         self.training.started = time.monotonic()
-
-    def close_logs(self) -> None:
-        self.records.close()
 
     def _allow(self, key: bytes) -> bool:
         """The CURVE handshake's question, asked of the gate."""

@@ -324,7 +324,7 @@ def test_the_server_keeps_the_round_contract(tmp_path, redundancy, verify, task)
     try:
         asyncio.run(fleet.run(rounds=300, silent=fleet.routes[-1], expel=fleet.routes[-2]))
     finally:
-        coordinator.close_logs()
+        coordinator.records.close()
     figures = check_contract(trace, coordinator.samples_applied)
     assert figures["rounds"] >= 5, figures
     evaluations = check_run_contract(trace, coordinator.training.run.target)
