@@ -6,8 +6,9 @@ samples, lognormal speeds, median 0.5 s per sample: ~30 s per slot; heartbeat 10
 `--slots` slots after a warm-up (every worker joined and known by its own results). It prints the wall time spent inside scheduler
 calls per slot assigned (result, fill, tick, applied: everything but heartbeats; us/dec leaves
 the ticks out, ms/tick is one tick), and per heartbeat (`seen`); wall time inside the calls, scaled by the share of the run the process was
-on the CPU (this machine is shared: see the simulator's `run`). `--baseline REV` runs the scheduler of a git
-revision side by side (e.g. the one before this issue), at the fleet sizes it can finish.
+on the CPU (this machine is shared: see the simulator's `run`). `--baseline REV` measures the scheduler of a git
+revision side by side (its whole exported tree, in a subprocess, row by row, alternating which goes
+first; e.g. the revision before an issue), at the fleet sizes it can finish.
 
 The collector runs as in the coordinator process (`coordinator.server.tune_gc`: start-up frozen,
 larger thresholds); `--default-gc` measures Python's defaults instead, whose passes over every
@@ -24,7 +25,6 @@ and taking in a gradient (frame views, a norm check, a weighted write) of `--par
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -43,23 +43,26 @@ from idlegrad.coordinator.simulator import (CoordinatorCosts, SimConfig, lognorm
 PARTITIONS, SAMPLES_PER_SLOT, MEDIAN_S, SIGMA = 64, 64, 0.5, 0.5
 
 
-def load_scheduler(rev: str):
-    """The Scheduler class of coordinator/scheduler.py at git revision `rev`."""
+def export_revision(rev: str) -> str:
+    """The repository at git revision `rev`, exported to a temporary folder (its whole tree: the
+    scheduler is several rooms, and it is measured with that revision's simulator)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    source = subprocess.run(["git", "show", f"{rev}:coordinator/scheduler.py"], cwd=here,
-                            check=True, capture_output=True, text=True).stdout
-    path = os.path.join(tempfile.mkdtemp(prefix="idlegrad-sched-"), "scheduler_baseline.py")
-    with open(path, "w") as fh:
-        fh.write(source)
-    spec = importlib.util.spec_from_file_location("idlegrad.coordinator._scheduler_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    from idlegrad.coordinator import scheduler
+    folder = tempfile.mkdtemp(prefix="idlegrad-baseline-")
+    archive = subprocess.run(["git", "archive", rev], cwd=here, check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+    return folder
 
-    for name in ("Assign", "CancelSlots", "Decoded", "Evicted", "Drained"):  # the simulator's
-        setattr(module, name, getattr(scheduler, name))
-    return module.Scheduler
+
+def baseline_row(tree: str, workers: int, slots: int, mode: str, repeats: int, seed: int,
+                 gc_flags: list) -> dict:
+    """One row measured by this script run in a subprocess over the exported tree `tree`."""
+    command = [sys.executable, os.path.abspath(__file__), "--workers", str(workers),
+               "--slots", str(slots), "--modes", mode, "--repeats", str(repeats),
+               "--seed", str(seed), "--json", *gc_flags]
+    done = subprocess.run(command, cwd=tree, env={**os.environ, "PYTHONPATH": tree},
+                          check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])["rows"][0]
 
 
 def one(workers: int, slots: int, mode: str, scheduler_class, seed: int) -> dict:
@@ -132,7 +135,8 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=20000, help="slots per measurement")
     parser.add_argument("--modes", default="none,replicate:2")
     parser.add_argument("--baseline", metavar="REV",
-                        help="also run coordinator/scheduler.py of this git revision")
+                        help="also measure the scheduler (and simulator) of this git revision, "
+                             "row by row beside this tree's, alternating which goes first")
     parser.add_argument("--baseline-max-workers", type=int, default=10000)
     parser.add_argument("--costs", action="store_true", help="measure the coordinator's costs")
     parser.add_argument("--params", type=int, default=1_000_000)
@@ -162,17 +166,23 @@ def main() -> None:
         print(f"coordinator: {c['per_message_s'] * 1e6:.1f} us per message (encode+decode), "
               f"{c['gradient_s'] * 1e3:.2f} ms per gradient of {c['params']} float32 "
               f"-> {c['bytes_per_s'] / 1e9:.2f} GB/s")
-    candidates = [("now", Scheduler)]
-    if args.baseline:
-        candidates.append((args.baseline, load_scheduler(args.baseline)))
+    baseline = export_revision(args.baseline) if args.baseline else None
+    gc_flags = ["--no-gc"] if args.no_gc else ["--default-gc"] if args.default_gc else []
     print(f"{'scheduler':<10} {'mode':<12} {'workers':>8} {'slots':>7} {'us/slot':>8} "
           f"{'us/dec':>7} {'ms/tick':>7} {'us/beat':>8} {'wall_s':>7}", flush=True)
+    turn = 0
     for n in [int(x) for x in args.workers.split(",")]:
         for mode in args.modes.split(","):
-            for name, cls in candidates:
-                if cls is not Scheduler and n > args.baseline_max_workers:
-                    continue
-                row = median_of(args.repeats, n, args.slots, mode, cls, args.seed)
+            names = ["now"]
+            if baseline is not None and n <= args.baseline_max_workers:
+                names.append(args.baseline)
+                turn += 1
+            for name in names if turn % 2 else names[::-1]:
+                if name == "now":
+                    row = median_of(args.repeats, n, args.slots, mode, Scheduler, args.seed)
+                else:
+                    row = baseline_row(baseline, n, args.slots, mode, args.repeats, args.seed,
+                                       gc_flags)
                 row["scheduler"] = name
                 out["rows"].append(row)
                 print(f"{name:<10} {mode:<12} {n:>8} {row['slots']:>7} {row['us_per_slot']:>8.1f} "

@@ -15,7 +15,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from .speed import WorkerSpeed
 
@@ -84,6 +84,8 @@ class Fleet:
         self.pause_grace_s = pause_grace_s  # paused this long: its slots are withdrawn
         self.min_workers = min_workers
         self.workers: dict[str, WorkerRecord] = {}
+        # the dict's own lookup: `get` is called on every message
+        self.get: Callable[[str], Optional[WorkerRecord]] = self.workers.get
         self.hungry: dict[str, None] = {}  # workers with free credits, in arrival order
         self.draining: set[str] = set()  # workers that take no new slots and leave once done
         self._unannounced: set[str] = set()  # draining workers not yet announced as Drained
@@ -94,9 +96,6 @@ class Fleet:
 
     def __len__(self) -> int:
         return len(self.workers)
-
-    def get(self, worker_id: str) -> Optional[WorkerRecord]:
-        return self.workers.get(worker_id)
 
     def join(self, worker_id: str, info: dict, now: float) -> WorkerRecord:
         worker = WorkerRecord(worker_id, dict(info), joined=now, last_seen=now,

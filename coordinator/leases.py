@@ -28,6 +28,8 @@ class LeaseTable:
         self._deadline_due: list[tuple[float, int, str, int]] = []  # (deadline, seq, worker, id)
         self._seq = itertools.count()
         self._next_id = next_id
+        # the dict's own lookup: `get` is called on every answer, deal and deadline
+        self.get: Callable[[int], Optional[Lease]] = self.leases.get
 
     def take_id(self) -> int:
         """A fresh id, for a lease or a round (they share one sequence, as on the wire)."""
@@ -36,9 +38,6 @@ class LeaseTable:
 
     def next_id(self) -> int:
         return self._next_id
-
-    def get(self, lease_id: int) -> Optional[Lease]:
-        return self.leases.get(lease_id)
 
     def add(self, lease: Lease) -> None:
         """A new lease, waiting at the back of its queue."""

@@ -82,13 +82,11 @@ class Lease:
     with_model: set[str] = field(default_factory=set)  # holders it was sent to with the model
     exclude: frozenset = frozenset()  # a side lease: workers that must not take it
     samples: int = 0  # work.samples, kept: it is read on every answer and deadline
+    side: bool = field(init=False)  # a side lease (round 0); kept: it is read on every deal
 
     def __post_init__(self):
         self.samples = self.work.samples
-
-    @property
-    def side(self) -> bool:
-        return self.round == 0
+        self.side = self.round == 0
 
     @property
     def needed(self) -> bool:
