@@ -29,9 +29,10 @@ COEFFICIENTS = [1.0, -0.5]
 
 
 def dropout_job(p: float = 0.5):
-    """The digits job with a Dropout after its hidden layer, built here (not a job argument)."""
+    """The digits job with a Dropout on its hidden layer, built here (not a job argument); before
+    the ReLU, so that a unit is zero exactly when it is dropped."""
     return dataclasses.replace(digits(hidden=32), build_model=lambda: nn.Sequential(
-        nn.Linear(64, 32), nn.ReLU(), nn.Dropout(p), nn.Linear(32, 10)))
+        nn.Linear(64, 32), nn.Dropout(p), nn.ReLU(), nn.Linear(32, 10)))
 
 
 def worker_gradient(job, work: Work, micro_batch: int, monkeypatch) -> torch.Tensor:
@@ -79,11 +80,10 @@ def test_a_local_dropout_slot_recomputed_by_the_coordinator_matches_the_workers(
 
 
 def masks_drawn(built, parts, version: int, block) -> list[torch.Tensor]:
-    """The dropout masks a slot's computation draws, in part order: whether each unit that the
-    ReLU before it let through was kept."""
+    """The dropout masks a slot's computation draws, one row per sample, in part order."""
     dropout = next(m for m in built.model.module.modules() if isinstance(m, nn.Dropout))
     masks: list[torch.Tensor] = []
-    handle = dropout.register_forward_hook(lambda m, inputs, out: masks.append((out != 0)[inputs[0] != 0]))
+    handle = dropout.register_forward_hook(lambda m, inputs, out: masks.append(out != 0))
     try:
         coded_gradient(built.job, built.model, built.model.params.detach().clone(), built.train,
                        SEED, parts, [1.0] * len(parts), version=version, block=block)
