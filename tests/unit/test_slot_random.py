@@ -9,11 +9,14 @@ import dataclasses
 import random
 import threading
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from idlegrad.common import protocol as proto
 from idlegrad.common.builtin_jobs import digits
+from idlegrad.common.errors import ProtocolError
 from idlegrad.common.job import build, coded_gradient, job_differences
 from idlegrad.coordinator.effects import Compute
 from idlegrad.coordinator.model_state import ModelState
@@ -166,6 +169,11 @@ def test_whether_a_job_draws_randomness_is_found_at_build_and_is_in_its_fingerpr
                            "at the coordinator")
     assert said == ["micro-batches of 64 (randomness) here, free micro-batches at the "
                     "coordinator"], said
+    # and it travels in the identity a peer reads, schema-checked
+    proto.check_job_identity(with_dropout.identity, "welcome.job_identity")
+    for bad in ("64", 0, 2**40, True):
+        with pytest.raises(ProtocolError, match="random_block"):
+            proto.check_job_identity({**with_dropout.identity, "random_block": bad}, "welcome")
 
 
 def test_the_probe_leaves_batchnorm_statistics_and_the_generator_alone():
