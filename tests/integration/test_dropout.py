@@ -11,7 +11,7 @@ from .harness import final_metrics
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-EPOCHS = 3
+EPOCHS = 2
 DROPOUT = ("--job", "digits", "--job-arg", "dropout=0.5")
 VERIFIED = ("--redundancy", "replicate:2", "--verify-replicas", "--ban-after", "2")
 
