@@ -33,8 +33,9 @@ def classification_loss(model: nn.Module, batch) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x), y)
 
 
-def mlp(sizes: list[int], batch_norm: bool = False) -> nn.Sequential:
-    """Linear layers with ReLU between them; with `batch_norm`, a BatchNorm1d before each ReLU."""
+def mlp(sizes: list[int], batch_norm: bool = False, dropout: float = 0.0) -> nn.Sequential:
+    """Linear layers with ReLU between them; with `batch_norm`, a BatchNorm1d before each ReLU;
+    with `dropout` > 0, a Dropout of that probability after each."""
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
         layers.append(nn.Linear(a, b))
@@ -42,6 +43,8 @@ def mlp(sizes: list[int], batch_norm: bool = False) -> nn.Sequential:
             if batch_norm:
                 layers.append(nn.BatchNorm1d(b))
             layers.append(nn.ReLU())
+            if dropout > 0:
+                layers.append(nn.Dropout(dropout))
     return nn.Sequential(*layers)
 
 
@@ -118,17 +121,20 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
 
 def digits(hidden: int = 128, lr: float = 1e-2, batch_size: int = 32, seed: int = 0,
            norm: str = "none", weight_decay: float = 0.0, warmup: int = 0,
-           schedule_steps: int = 0, clip: float = 0.0) -> Job:
+           schedule_steps: int = 0, clip: float = 0.0, dropout: float = 0.0) -> Job:
     """Handwritten digits 0-9 with a 64-hidden-10 MLP and Adam.
 
     The recipe arguments are off by default: `norm=batch` puts a BatchNorm1d in the MLP,
     `weight_decay` makes the optimizer AdamW without decay on biases and norms, `schedule_steps`
     (with `warmup`) a warm-up and cosine learning-rate schedule over that many applied steps,
-    `clip` a global gradient-norm clip."""
+    `clip` a global gradient-norm clip, `dropout` a Dropout of that probability after the hidden
+    layer (a job drawing randomness: common/slot_random.py)."""
     if norm not in ("none", "batch"):
         raise JobError(f"digits: norm must be none or batch, got {norm!r}")
     if weight_decay < 0 or warmup < 0 or schedule_steps < 0 or clip < 0:
         raise JobError("digits: weight_decay, warmup, schedule_steps and clip must be >= 0")
+    if not 0 <= dropout < 1:
+        raise JobError(f"digits: dropout must be in [0, 1), got {dropout!r}")
     scheduled = schedule_steps > 0 or warmup > 0
 
     def build_datasets():
@@ -137,7 +143,7 @@ def digits(hidden: int = 128, lr: float = 1e-2, batch_size: int = 32, seed: int 
 
     return Job(
         name="digits",
-        build_model=lambda: mlp([64, hidden, 10], batch_norm=norm == "batch"),
+        build_model=lambda: mlp([64, hidden, 10], batch_norm=norm == "batch", dropout=dropout),
         build_datasets=build_datasets,
         loss=classification_loss,
         build_optimizer=adam(lr, weight_decay),

@@ -28,6 +28,7 @@ from .eval_sums import combine_sums
 from .job_definition import MIXED_PRECISION, Job
 from .job_loading import builtin_job_names, load_job, parse_job_args, resolve_factory
 from .permutation import EpochOrder, ShardOrder, part_indices
+from .slot_random import draws_randomness, micro_batch_end, micro_batch_seed, seeded
 
 __all__ = [
     "BuiltJob", "EpochOrder", "FlatModel", "Job", "LocalChange", "LossTally",
@@ -204,6 +205,9 @@ class BuiltJob:
     # what the fingerprint is a hash of: name, parameter and buffer layouts, data set sizes and
     # manifests; peers compare them to say what differs (job_differences)
     identity: dict = field(default_factory=dict)
+    # samples per micro-batch, on every side, of a job that draws randomness (cut at multiples
+    # of it in the epoch's order: common/slot_random.py); None: micro-batches of any size
+    random_block: Optional[int] = None
 
 
 def build(job: Job, device: torch.device | str = "cpu", seed: int = 0,
@@ -237,13 +241,31 @@ def build(job: Job, device: torch.device | str = "cpu", seed: int = 0,
     identity = {"name": job.name, "params": model.layout(), "train": len(train), "test": len(test)}
     if model.buffers:  # only then, so that a model without buffers keeps its fingerprint
         identity["buffers"] = model.buffer_layout()
+    random_block = job.random_block if _draws_randomness(job, model, train) else None
+    if random_block is not None:  # only then: a job drawing none keeps its fingerprint
+        identity["random_block"] = random_block
     # Content-addressed data (a ShardedDataset) names its bytes: both sides must hold the same
     # manifest. Only then is the key added, so a job without one keeps its fingerprint.
     data = {label: dataset_fingerprint(ds) for label, ds in (("train", train), ("test", test))}
     if any(data.values()):
         identity["data"] = data
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    return BuiltJob(job, model, train, test, digest, identity)
+    return BuiltJob(job, model, train, test, digest, identity, random_block)
+
+
+def _draws_randomness(job: Job, model: FlatModel, train: Dataset) -> bool:
+    """The job's word, else slot_random's finding: the probe reads the first training samples
+    of an in-memory data set only (content-addressed data may not be fetched yet on a worker;
+    every side skips it alike)."""
+    if job.draws_randomness is not None:
+        return bool(job.draws_randomness)
+    device = model.params.device
+    probe = None
+    if dataset_fingerprint(train) is None:
+        def probe():
+            batch = gather(train, list(range(min(2, len(train)))), job.collate)
+            job.loss(model.module, batch_to(batch, device))
+    return draws_randomness(model.module, probe, device)
 
 
 def job_differences(here: dict, there: dict, here_is: str = "here",
@@ -277,6 +299,10 @@ def job_differences(here: dict, there: dict, here_is: str = "here",
     for key, label in (("train", "training set"), ("test", "test set")):
         if here.get(key) != there.get(key):
             out.append(f"{label}: {pair(f'{here.get(key)} samples', f'{there.get(key)} samples')}")
+    if here.get("random_block") != there.get("random_block"):
+        a, b = (f"micro-batches of {v} (randomness)" if v else "free micro-batches"
+                for v in (here.get("random_block"), there.get("random_block")))
+        out.append(pair(a, b))
     ours, theirs = here.get("data") or {}, there.get("data") or {}
     for key in ("train", "test"):
         a, b = ours.get(key), theirs.get(key)
@@ -298,6 +324,9 @@ def _check_recipe(job: Job) -> None:
                                           and job.clip_norm > 0 and math.isfinite(job.clip_norm)):
         raise JobError(f"job {job.name!r}: clip_norm must be a positive number, got "
                        f"{job.clip_norm!r}")
+    if not (isinstance(job.random_block, int) and job.random_block >= 1):
+        raise JobError(f"job {job.name!r}: random_block must be a whole number >= 1, got "
+                       f"{job.random_block!r}")
     if job.mixed_precision is not None and job.mixed_precision not in MIXED_PRECISION:
         raise JobError(f"job {job.name!r}: mixed_precision {job.mixed_precision!r} unknown: use "
                        f"{', '.join(MIXED_PRECISION)} or None")
@@ -507,8 +536,9 @@ def reference_gradient_norm(job: Job, model: FlatModel, train: Dataset, seed: Ep
     count = max(1, min(count, len(train)))
     model.grads.zero_()
     model.module.train()
-    loss = job.loss(model.module, part_batch(train, seed, 0, 0, count, job.collate))
-    (loss * count).backward()
+    with seeded(micro_batch_seed(seed, 0, 0, 0), model.params.device):  # leaves torch's RNG be
+        loss = job.loss(model.module, part_batch(train, seed, 0, 0, count, job.collate))
+        (loss * count).backward()
     norm = float(torch.linalg.vector_norm(model.grads, dtype=torch.float64))
     model.grads.zero_()
     return norm / count
@@ -559,7 +589,8 @@ def accumulate_coded_gradient(job: Job, model: FlatModel, train: Dataset, seed: 
                               micro_batch: Callable[[], int] = lambda: 256,
                               device: torch.device | str | None = None,
                               between: Optional[Callable[[], None]] = None,
-                              observe: Optional[Callable[[int], None]] = None) -> LossTally:
+                              observe: Optional[Callable[[int], None]] = None,
+                              version: int = 0, block: Optional[int] = None) -> LossTally:
     """Add sum_j coefficients[j] * (summed per-sample gradient of parts[j]) at `model`'s
     parameters to `model.grads`, each part = (epoch, offset, count) into the order `seed` names
     (a seed, or a ShardOrder: `epoch_order`): a slot's coded gradient. The
@@ -571,6 +602,10 @@ def accumulate_coded_gradient(job: Job, model: FlatModel, train: Dataset, seed: 
     of `micro_batch()` samples (the worker sizes them from its speed); `between()` runs before each
     part and each micro-batch (the worker's cancel and pause checks: it may raise), and
     `observe(samples)` after each micro-batch. Batches go to `device`, by default the model's.
+
+    Each micro-batch runs with torch's generators seeded from (`seed`, `version`, epoch, its
+    first position), and `block` (the BuiltJob's `random_block`) fixes the micro-batches of a
+    job that draws randomness, so that every side draws alike (common/slot_random.py).
     """
     device = torch.device(device) if device is not None else model.params.device
     autocast = autocast_for(job, device)
@@ -587,12 +622,15 @@ def accumulate_coded_gradient(job: Job, model: FlatModel, train: Dataset, seed: 
         while position < count:
             if between is not None:
                 between()
-            chunk = indices[position:position + max(1, micro_batch())]
-            with autocast:
-                loss = job.loss(model.module, batch_to(gather(train, chunk, job.collate), device))
-            if coefficient != 0.0:
-                # loss is a batch mean; the slot wants the coded *sum* of per-sample gradients
-                (loss * (len(chunk) * coefficient)).backward()
+            end = micro_batch_end(offset + position, offset + count, micro_batch(), block) - offset
+            chunk = indices[position:end]
+            with seeded(micro_batch_seed(seed, version, epoch, offset + position), device):
+                with autocast:
+                    batch = batch_to(gather(train, chunk, job.collate), device)
+                    loss = job.loss(model.module, batch)
+                if coefficient != 0.0:
+                    # loss is a batch mean; the slot wants the coded *sum* of per-sample gradients
+                    (loss * (len(chunk) * coefficient)).backward()
             loss_sum += float(loss.detach()) * len(chunk)
             samples += len(chunk)
             position += len(chunk)
@@ -604,16 +642,18 @@ def accumulate_coded_gradient(job: Job, model: FlatModel, train: Dataset, seed: 
 def coded_gradient(job: Job, model: FlatModel, params: torch.Tensor, train: Dataset,
                    seed: EpochOrder,
                    parts: Sequence[Sequence[int]], coefficients: Sequence[float],
-                   micro_batch: int = 256) -> torch.Tensor:
+                   micro_batch: int = 256, version: int = 0,
+                   block: Optional[int] = None) -> torch.Tensor:
     """A slot's coded gradient at `params`, computed on the coordinator to check a worker's (its
-    third opinion): the worker's kernel, in micro-batches of `micro_batch` samples.
+    third opinion): the worker's kernel, in micro-batches of `micro_batch` samples (of `block`
+    for a job that draws randomness), at model version `version` (its randomness is keyed by it).
 
     `model` is a scratch copy: its parameters and gradients are overwritten.
     """
     model.load(params)
     model.grads.zero_()
     accumulate_coded_gradient(job, model, train, seed, parts, coefficients,
-                              micro_batch=lambda: micro_batch)
+                              micro_batch=lambda: micro_batch, version=version, block=block)
     return model.grads.detach().clone()
 
 
@@ -629,7 +669,8 @@ def local_change(job: Job, model: FlatModel, initial: torch.Tensor, train: Datas
                  part, coefficient: float, steps: int, device: torch.device | str = "cpu",
                  micro_batch: Callable[[], int] = lambda: 256,
                  between: Optional[Callable[[], None]] = None,
-                 observe: Optional[Callable[[int], None]] = None) -> LocalChange:
+                 observe: Optional[Callable[[int], None]] = None,
+                 version: int = 0, block: Optional[int] = None) -> LocalChange:
     """A local slot's result: `steps` inner steps of the job's optimizer, built afresh, over the
     samples of `part` = (epoch, offset, count), from `initial`; what a worker returns for the slot
     (worker/engine.py) and what the coordinator computes to settle a disputed one. One
@@ -637,7 +678,8 @@ def local_change(job: Job, model: FlatModel, initial: torch.Tensor, train: Datas
 
     Each step is cut into micro-batches of `micro_batch()` samples (the worker sizes them from its
     speed); `between()` runs before each (the worker's cancel and pause checks: it may raise), and
-    `observe(samples)` after each. `model` is overwritten: it ends at the last step.
+    `observe(samples)` after each. `model` is overwritten: it ends at the last step. `version`
+    and `block` as for `accumulate_coded_gradient`: every side draws the same randomness.
     """
     device = torch.device(device)
     model.load(initial)
@@ -655,11 +697,13 @@ def local_change(job: Job, model: FlatModel, initial: torch.Tensor, train: Datas
         while position < hi:
             if between is not None:
                 between()
-            chunk = indices[position:min(hi, position + max(1, micro_batch()))]
-            batch = batch_to(gather(train, chunk, job.collate), device)
-            with autocast:
-                loss = job.loss(model.module, batch)
-            (loss * (len(chunk) / (hi - lo))).backward()  # the step's mean loss
+            end = micro_batch_end(offset + position, offset + hi, micro_batch(), block) - offset
+            chunk = indices[position:end]
+            with seeded(micro_batch_seed(seed, version, epoch, offset + position), device):
+                batch = batch_to(gather(train, chunk, job.collate), device)
+                with autocast:
+                    loss = job.loss(model.module, batch)
+                (loss * (len(chunk) / (hi - lo))).backward()  # the step's mean loss
             loss_sum += float(loss.detach()) * len(chunk)
             samples += len(chunk)
             position += len(chunk)

@@ -45,6 +45,11 @@ class Job:
       class logits, `accuracy`, computed the same way. A job whose `evaluate` returns means has
       them computed on the coordinator only.
     - `eval_samples`: evaluate the first this many test samples (None: all).
+    - `draws_randomness`: whether computing the job draws from torch's generators (dropout,
+      augmentation in the data set, noise in the loss); None: found when the job is built
+      (common/slot_random.py). Such a job is computed in micro-batches of `random_block`
+      samples on every side, each with torch's generators seeded from the run's seed, the model
+      version and the samples' positions, so that a slot computed again draws alike.
     """
 
     name: str
@@ -70,3 +75,5 @@ class Job:
     pack: Optional[Callable[[], str]] = None
     evaluate_sums: Optional[Callable[[nn.Module, Any], dict[str, tuple[float, float]]]] = None
     eval_samples: Optional[int] = None
+    draws_randomness: Optional[bool] = None
+    random_block: int = 64

@@ -59,7 +59,9 @@ LIVENESS_RANGE = (1, 1000)
 # between peers that both read it, so that each can say what differs when fingerprints do: a
 # worker that reads it says so in hello.versions ("job_identity": JOB_IDENTITY_FORMAT), and only
 # then does the welcome carry the coordinator's and may its ready carry its own.
-JOB_IDENTITY_FORMAT = "1"
+# "2": `random_block` too (a job drawing randomness); a peer of "1" would refuse that key, so
+# it is sent neither, and only the fingerprints are compared
+JOB_IDENTITY_FORMAT = "2"
 MAX_IDENTITY_TENSORS = 4096  # parameters and buffers each; a larger model sends none
 MAX_TENSOR_DIMS = 16
 # ZMQ_MAXMSGSIZE for every socket: the peer is disconnected by ZeroMQ itself past this.
@@ -756,15 +758,17 @@ def is_sha256(name: Any) -> bool:
 def check_job_identity(identity: dict, where: str) -> None:
     """ProtocolError unless `identity` is a job's identity as common/job.py makes it: `name`,
     `params` and `buffers` ([name, shape, dtype] each, at most MAX_IDENTITY_TENSORS), `train`
-    and `test` (sample counts), `data` (manifest hashes of `train` and `test`, or None)."""
+    and `test` (sample counts), `data` (manifest hashes of `train` and `test`, or None),
+    `random_block` (the micro-batch of a job that draws randomness)."""
     def fail(what: str):
         raise ProtocolError("schema", f"{where}: {what}")
 
     def short(v) -> bool:
         return isinstance(v, str) and len(v) <= MAX_NAME and v.isprintable()
 
-    if not set(identity) <= {"name", "params", "buffers", "train", "test", "data"}:
-        fail("keys among name, params, buffers, train, test, data")
+    if not set(identity) <= {"name", "params", "buffers", "train", "test", "data",
+                             "random_block"}:
+        fail("keys among name, params, buffers, train, test, data, random_block")
     if not short(identity.get("name", "")):
         fail(f"name: a printable string of at most {MAX_NAME} characters")
     for key in ("params", "buffers"):
@@ -779,6 +783,9 @@ def check_job_identity(identity: dict, where: str) -> None:
     for key in ("train", "test"):
         if not (type(identity.get(key, 0)) is int and 0 <= identity.get(key, 0) < 2**62):
             fail(f"{key}: a sample count")
+    if not (type(identity.get("random_block", 1)) is int
+            and 1 <= identity.get("random_block", 1) < 2**31):
+        fail("random_block: a sample count")
     data = identity.get("data", {})
     if not (isinstance(data, dict) and set(data) <= {"train", "test"}
             and all(v is None or short(v) for v in data.values())):

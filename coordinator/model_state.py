@@ -151,12 +151,15 @@ class ModelState:
         if buffers is not None and self._scratch.buffers:
             self._scratch.load_buffers(buffers)  # where a forward reads them, as a worker's does
         job, train, seed, model = self.built.job, self.built.train, self.seed, self._scratch
+        # the slot's randomness is keyed by its version, and cut in the job's blocks, as on the
+        # worker (common/slot_random.py)
+        version, block = request.version, self.built.random_block
         if request.kind == "local":
             (part,), (coefficient,) = request.parts, request.coefficients
             return lambda: [local_change(job, model, params, train, seed, part, coefficient,
-                                         request.steps).change]
+                                         request.steps, version=version, block=block).change]
         return lambda: [coded_gradient(job, model, params, train, seed, request.parts,
-                                       request.coefficients)]
+                                       request.coefficients, version=version, block=block)]
 
     def evaluation(self) -> Callable[[], dict]:
         """A callable evaluating the model as it is now on the test set (run it in a thread:

@@ -102,13 +102,14 @@ class RealGradients:
         from ..common.tensors import finite_norm
 
         job, params = self.built.job, self.snapshots[task.version]
+        version, block = task.version, self.built.random_block  # the slot's randomness, as a worker's
         if task.kind == "local":
             (part,), (coefficient,) = task.parts, task.coefficients
             result = local_change(job, self.worker, params, self.built.train, self.seed, part,
-                                  coefficient, task.steps).change
+                                  coefficient, task.steps, version=version, block=block).change
         else:
             result = coded_gradient(job, self.worker, params, self.built.train, self.seed,
-                                    task.parts, task.coefficients)
+                                    task.parts, task.coefficients, version=version, block=block)
         return [result], finite_norm([result])
 
     def compute(self, request: Compute) -> list:

@@ -185,7 +185,7 @@ class Engine:
         tally = accumulate_coded_gradient(
             self.built.job, model, self.built.train, self.seed, work.parts, work.coefficients,
             micro_batch=lambda: self.micro_batch, device=self.device, between=gate.between,
-            observe=gate.observe)
+            observe=gate.observe, version=work.version, block=self.built.random_block)
         paused_s = gate.paused_s
         injected = self._injected_delay(time.perf_counter() - start - paused_s)
         if injected > 0:
@@ -256,7 +256,8 @@ class Engine:
         result = local_change(self.built.job, self.built.model, initial, self.built.train,
                               self.seed, part, coefficient, work.steps, self.device,
                               micro_batch=lambda: self.micro_batch, between=gate.between,
-                              observe=gate.observe)
+                              observe=gate.observe, version=work.version,
+                              block=self.built.random_block)
         paused_s = gate.paused_s
         injected = self._injected_delay(time.perf_counter() - start - paused_s)
         if injected > 0:

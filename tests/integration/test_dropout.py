@@ -1,0 +1,49 @@
+"""A job with dropout under verified replicas, with real processes: the honest workers' copies of a
+row agree (they draw the same masks), and when a sign-flipping worker's copy disagrees the slot
+computed again (by the coordinator, or by a third worker) matches the honest copy: the flipper is
+banned and no honest worker is ever suspected (common/slot_random.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .harness import final_metrics
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+EPOCHS = 2
+DROPOUT = ("--job", "digits", "--job-arg", "dropout=0.5")
+VERIFIED = ("--redundancy", "replicate:2", "--verify-replicas", "--ban-after", "2")
+
+
+@pytest.mark.parametrize("settle_on", ["coordinator", "workers"])
+def test_honest_workers_of_a_dropout_job_are_never_suspected(cluster, digits_train_size,
+                                                             settle_on):
+    ckpt = cluster.dir / "ckpt"
+    coordinator, honest = cluster.start_together(
+        [*DROPOUT, "--epochs", str(EPOCHS), "--checkpoint-dir", str(ckpt), "--settle-on",
+         settle_on, *VERIFIED], ["w1", "w2"])
+    evil = cluster.worker("evil", "--poison", "flip")
+    status = cluster.status()
+    assert status.follow(coordinator) == 0
+    last = status.last
+    final = final_metrics(ckpt / "metrics.jsonl")
+    counters, scheduler = final["counters"], final["scheduler"]
+    print(f"settled on {settle_on}: {final['metrics']}; scheduler {scheduler}; "
+          f"trust {last['trust']}; counters {counters}")
+    assert final["reason"] == "epochs"
+    assert final["samples"] == EPOCHS * digits_train_size  # training went on to the end
+    assert scheduler.get("replicas_agreed", 0) > 0, scheduler  # the honest copies agreed
+    # the flipper's copies disagreed, the recomputation matched the honest copy each time, and
+    # it was banned (--ban-after 2); no honest worker was ever refused or banned
+    assert counters.get("rejected_replica", 0) >= 2, counters
+    assert last["trust"]["banned"] == ["evil"], last["trust"]
+    assert set(last["trust"]["offenders"]) == {"evil"}, last["trust"]
+    assert not last["trust"]["suspected"], last["trust"]
+    if settle_on == "workers":  # computed again by the honest worker outside the dispute
+        assert counters.get("settled_by_workers", 0) >= 1, counters
+    for w in honest:
+        assert w.wait(timeout=30) == 0
+        assert "banned" not in w.output()
+    evil.wait(timeout=30)
+    cluster.assert_no_tracebacks()
