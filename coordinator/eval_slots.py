@@ -65,14 +65,24 @@ class EvalShape:
         if set(sums) != self.metrics:
             got = ", ".join(sorted(sums)[:8])[:120]
             return f"metrics [{got}] are not the job's [{', '.join(sorted(self.metrics))}]"
-        for name, (total, count) in sorted(sums.items()):
-            if not (math.isfinite(total) and math.isfinite(count) and count >= 0):
-                return f"{name} is [{total:g}, {count:g}]: not a sum over a count"
-            if name in self.per_sample and count != samples:
-                return f"{name} counted {count:g} times over a range of {samples} samples"
-            if is_fraction(name) and not 0 <= total <= count:
-                return f"{name} sums to {total:g} over {count:g} samples"
+        fault = impossible(sums)
+        if fault is not None:
+            return fault
+        for name in sorted(self.per_sample):
+            if sums[name][1] != samples:
+                return f"{name} counted {sums[name][1]:g} times over a range of {samples} samples"
         return None
+
+
+def impossible(sums: dict[str, tuple[float, float]]) -> Optional[str]:
+    """Why `sums` can be no evaluation's, whatever the job: a number that is not finite, a
+    negative count, a fraction summed outside [0, its count]; None when none is."""
+    for name, (total, count) in sorted(sums.items()):
+        if not (math.isfinite(total) and math.isfinite(count) and count >= 0):
+            return f"{name} is [{total:g}, {count:g}]: not a sum over a count"
+        if is_fraction(name) and not 0 <= total <= count:
+            return f"{name} sums to {total:g} over {count:g} samples"
+    return None
 
 
 @dataclass
@@ -85,15 +95,13 @@ class WorkerEvaluation:
     ranges: dict[int, list[int]]  # slot id -> its part
     sums: dict[int, dict[str, tuple[float, float]]] = field(default_factory=dict)
     compute_s: float = 0.0  # the answers' compute seconds, summed
-    shape: Optional[EvalShape] = None  # what an honest answer looks like; None: any finite one
+    shape: Optional[EvalShape] = None  # what an honest answer looks like; None: any possible one
 
     def fault(self, slot: int, sums: dict[str, tuple[float, float]]) -> Optional[str]:
         """Why `sums` cannot be an honest answer for `slot`'s range; None when it can."""
         if self.shape is not None:
             return self.shape.fault(sums, self.ranges[slot][2])
-        if not all(math.isfinite(v) for pair in sums.values() for v in pair):
-            return "a sum that is not finite"
-        return None
+        return impossible(sums)
 
     def answer(self, slot: int, sums: dict[str, tuple[float, float]],
                compute_s: float = 0.0) -> bool:

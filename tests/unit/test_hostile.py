@@ -275,3 +275,12 @@ def test_an_evaluations_compute_seconds_are_bounded_too():
                            1e6, 1.5)
     (done,) = [e for e in out if isinstance(e, Evaluated)]
     assert done.seconds == 0.5  # one worker: its 0.5 s out
+
+
+def test_without_a_shape_sums_no_evaluation_can_have_are_still_refused():
+    rounds, run = cores(shape=None)
+    task = planned(rounds, run, "evil")
+    for sums in ({"accuracy": (6.8e298, 4.0)}, {"accuracy": (-1.0, 4.0)},
+                 {"loss": (1.0, -4.0)}, {"loss": (math.nan, 4.0)}):
+        assert rounds.evaluation.fault(task.slot, sums) is not None, sums
+    assert rounds.evaluation.fault(task.slot, {"x": (-3.0, 7.0)}) is None  # any job's own
