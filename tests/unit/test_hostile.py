@@ -234,10 +234,10 @@ def test_one_identitys_flood_cannot_move_the_median():
     pull the median down until honest results looked like outliers (to settle on workers)."""
     policy = screen()
     for t in range(1000):
-        policy.judge("evil", 0.11 * 32.0, 32.0, 100.0 + t)  # each within 10x below
+        assert policy.judge("evil", 0.15 * 32.0, 32.0, 100.0 + t).ok  # each within 10x below
     assert 1.0 <= policy.median() <= 1.4
-    for i in range(8):  # honest results are not suspected
-        assert policy.judge(f"h{i}", 1.4 * 32.0, 32.0, 2000.0).ok
+    for i in range(8):  # honest results are not suspected (10.7x the flood's 0.15)
+        assert policy.judge(f"h{i}", 1.6 * 32.0, 32.0, 2000.0).ok
 
 
 def test_through_the_round_core_a_zero_gradient_is_settled_not_used_nor_credited():
