@@ -36,7 +36,7 @@ from ..common.errors import GradientRejected
 from .credits import shares
 from .effects import (Applied, Ban, Compute, Contribution, Effect, Evaluated, Event, Joined,
                       Refused, Replanned, Used)
-from .eval_slots import WorkerEvaluation
+from .eval_slots import EvalShape, WorkerEvaluation
 from .scheduler import Action, CompareCopies, Decoded, Drained, Evicted, Scheduler
 from .slots import Assign, CancelSlots, SlotWork, Stored
 from .trust import TrustPolicy
@@ -46,6 +46,14 @@ __all__ = ["RoundCore", "Backend", "Stored", "Applied", "Ban", "Compute", "Event
            "Used"]
 
 log = logging.getLogger("idlegrad.coordinator")
+
+
+def measured(reported_s: float, since: Optional[float], now: float) -> float:
+    """A worker's reported compute seconds for a slot, at most as long as the slot was out (dealt
+    at `since`, answered at `now`): its word is credited no further than the coordinator saw."""
+    if since is None:
+        return 0.0
+    return min(max(0.0, reported_s), max(0.0, now - since))
 
 
 class Backend(Protocol):
@@ -122,13 +130,15 @@ class RoundCore:
         self.evaluation = None  # its slots are withdrawn with the rest
         return self._interpret(self.scheduler.stop(), now)
 
-    def evaluate(self, parts: list[list[int]], samples: int, now: float) -> list:
+    def evaluate(self, parts: list[list[int]], samples: int, now: float,
+                 shape: Optional[EvalShape] = None) -> list:
         """Hand an evaluation of the model as it is now to workers: a side slot per part
-        ([0, offset, count] of the test set). At most one at a time: a second replaces the first."""
+        ([0, offset, count] of the test set); `shape`: what an honest answer looks like. At most
+        one at a time: a second replaces the first."""
         out = self._drop_evaluation(now) if self.evaluation is not None else []
         ids = self.scheduler.add_side(self.version, parts, now)
         self.evaluation = WorkerEvaluation(self.version, samples, now,
-                                           dict(zip(ids, (list(p) for p in parts))))
+                                           dict(zip(ids, (list(p) for p in parts))), shape=shape)
         self.counters["evaluations_planned"] += 1
         return self._dealt(out, now)
 
@@ -142,7 +152,9 @@ class RoundCore:
     def evaluated(self, worker_id: str, slot: int, version: int,
                   sums: dict[str, tuple[float, float]], compute_s: float, now: float) -> list:
         """A worker's sums for an evaluation slot (schema-checked: few metrics, finite). Taken
-        if the worker holds the slot; the last one completes the evaluation (`Evaluated`)."""
+        if the worker holds the slot and they are of the evaluation's shape (else refused: the
+        range goes to another, an offence of its sender); the last one completes the evaluation
+        (`Evaluated`). Its compute seconds count at most as long as the slot was out."""
         evaluation = self.evaluation
         if evaluation is None or slot not in evaluation.ranges:
             self.counters["eval_results_dropped"] += 1
@@ -152,15 +164,32 @@ class RoundCore:
             self.counters["eval_results_dropped"] += 1
             return self._dealt(self._interpret(self.scheduler.failed(worker_id, slot, now), now),
                                now)
+        since = self.scheduler.held_since(worker_id, slot)
+        fault = evaluation.fault(slot, sums) if since is not None else None
+        if fault is not None:
+            return self._dealt(self._refuse_answer(worker_id, slot, fault, now), now)
         accepted, actions = self.scheduler.side_result(worker_id, slot, now)
         out = []
         if not accepted:
             self.counters["eval_results_dropped"] += 1
-        elif evaluation.answer(slot, sums, compute_s):
+        elif evaluation.answer(slot, sums, measured(compute_s, since, now)):
             self.evaluation = None
             out.append(Evaluated(evaluation.version, evaluation.samples, evaluation.metrics(),
                                  evaluation.seconds(len(self.scheduler.workers))))
         return self._dealt(out + self._interpret(actions, now), now)
+
+    def _refuse_answer(self, worker_id: str, slot: int, fault: str, now: float) -> list:
+        """An evaluation answer that cannot be honest: its range goes to another worker, and it
+        is an offence of its sender (never the run's concern)."""
+        identity = self.identity(worker_id)
+        self.counters["eval_results_refused"] += 1
+        out: list[Effect] = [Event("rejected", f"evaluation answer from {worker_id} for slot "
+                                               f"{slot}: {fault}", worker_id, logging.WARNING),
+                             Refused(worker_id, identity, slot, "eval")]
+        out += self._interpret(self.scheduler.failed(worker_id, slot, now), now)
+        if self.trust.offence(identity, "eval", now):
+            out += self._ban(worker_id, now)
+        return out
 
     def seen(self, worker_id: str, state: Optional[str], now: float,
              shards: Optional[list[int]] = None) -> list:
@@ -237,6 +266,7 @@ class RoundCore:
     def _result(self, worker_id: str, slot: int, gradient: Any, norm: float, compute_s: float,
                 now: float, waited_s: float, samples: int, loss: float, buffers: Any) -> list:
         identity = self.identity(worker_id)
+        compute_s = measured(compute_s, self.scheduler.held_since(worker_id, slot), now)
         if slot in self.scheduler.side:  # a third worker's computation, to settle a dispute
             return self.settlement.answered(worker_id, identity, slot, gradient, norm, now)
         scale = self.scheduler.slot_scale(worker_id, slot)

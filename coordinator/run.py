@@ -10,6 +10,10 @@ why the run stops. Its drivers, the server and the simulator, call `tick` on the
 handed out) and `EvaluateHere`, an evaluation of the model as it is now that the driver makes
 off its event loop (a thread in the server) and answers with `evaluated`.
 
+Workers' sums never stop the run: an evaluation handed to workers that met the target (or named
+no metric the target reads) is confirmed by the coordinator's own evaluation of the model as it is
+then, whatever version it was of. A worker can make up sums of honest shape (eval_slots.py
+refuses the rest), and nothing but the coordinator's own evaluation tells them from true ones.
 A confirming evaluation's answer decides (met: the run stops on its target; not met: training
 goes on). The server applies no round while it runs (it awaits the thread), so the model the run
 stops with is the one confirmed; a driver that let training go on meanwhile would stop a few
@@ -22,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from .eval_slots import EvalShape
 from .evaluation import BAD_TARGET, CONFIRM, CONTINUE, TARGET, EvaluationPlan
 from .rounds import RoundCore
 from .target import Target
@@ -40,8 +45,11 @@ class EvaluateHere:
 
 class RunCore:
     def __init__(self, rounds: RoundCore, where: str, parts: list[list[int]],
-                 every: Optional[float] = None, target: Optional[Target] = None):
+                 every: Optional[float] = None, target: Optional[Target] = None,
+                 shape: Optional[EvalShape] = None):
+        """`shape`: what an honest worker's answer for a range looks like (None: any finite)."""
         self.rounds = rounds
+        self.shape = shape
         self.where = where  # WORKERS or COORDINATOR
         self.parts = parts  # the test set cut into evaluation slots' parts
         self.plan = EvaluationPlan(every, target)
@@ -72,7 +80,7 @@ class RunCore:
         if not self.rounds.scheduler.workers:
             self.plan.postpone(now)
             return []
-        return self.rounds.evaluate(self.parts, self.rounds.samples_applied, now)
+        return self.rounds.evaluate(self.parts, self.rounds.samples_applied, now, self.shape)
 
     def _here(self, confirming: bool) -> EvaluateHere:
         self.here = EvaluateHere(confirming)
@@ -82,12 +90,16 @@ class RunCore:
                   judge: bool = True) -> tuple[str, list]:
         """An evaluation of `version` is done (here, or the round core's `Evaluated`): what it
         means for the run (evaluation.py's outcomes), and what to start now. Without `judge`
-        (the run is stopping anyway) it is only recorded."""
+        (the run is stopping anyway) it is only recorded. The answer is the coordinator's own
+        when it asked for one (`EvaluateHere`): only one is in flight, here or on workers."""
+        mine = self.here is not None
         confirming = self.here is not None and self.here.confirming
         self.here = None
         outcome = self.plan.record(version, metrics, seconds, now, self.rounds.version)
         if not judge:
             return CONTINUE, []
+        if not mine and outcome in (CONFIRM, TARGET, BAD_TARGET):
+            return CONFIRM, [self._here(True)]  # the workers' word: the coordinator decides
         if outcome == CONFIRM:
             if not confirming:
                 return CONFIRM, [self._here(True)]

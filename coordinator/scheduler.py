@@ -236,6 +236,15 @@ class Scheduler:
             return None
         return sum(abs(c) * p[2] for p, c in zip(work.parts, work.coefficients))
 
+    def held_since(self, worker_id: str, slot_id: int) -> Optional[float]:
+        """When slot `slot_id` (a round's or a side one) was dealt to `worker_id`, if it holds it
+        now: the coordinator's own measure of how long its answer can have taken."""
+        worker = self.fleet.get(worker_id)
+        lease = self.leases.get(slot_id)
+        if worker is None or lease is None or slot_id not in worker.assigned:
+            return None
+        return lease.started.get(worker_id)
+
     def side_takers(self, slot_id: int) -> int:
         """Workers that could take side slot `slot_id` (neither excluded nor draining)."""
         return self.side_work.takers(slot_id)

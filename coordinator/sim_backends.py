@@ -15,7 +15,7 @@ from .staleness import StalenessRule
 
 class CostlessGradients:
     """No tensors: a decoded round is applied (version + 1) or replanned by the staleness rule,
-    and every result is honest (copies always agree). Its evaluation is synthetic: the one
+    and every result is honest (copies always agree, norms are the slot's size). Its evaluation is synthetic: the one
     metric, `version`, is the evaluated model's version, as sums (each test sample counts it),
     so the ranges an evaluation is cut into add up to it exactly when they come back whole."""
 
@@ -30,7 +30,9 @@ class CostlessGradients:
         self.version = 0
 
     def result(self, task) -> tuple[None, float]:
-        return None, 0.0
+        """No gradient, and a norm of 1 per unit of the slot's size (its samples, weighted by
+        the code's coefficients): every result is as honest to the norm screen as the rest."""
+        return None, float(sum(abs(c) * p[2] for p, c in zip(task.parts, task.coefficients)))
 
     def compute(self, request: Compute) -> None:
         return None

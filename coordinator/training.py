@@ -35,7 +35,7 @@ from .rates import AppliedRates
 from .config import Checked, CoordinatorConfig, naming_job_args
 from .credits import Credits
 from .effects import Event
-from .eval_slots import EVAL_SLOT_BATCHES, EvalChoice, choose, plan_ranges
+from .eval_slots import EVAL_SLOT_BATCHES, EvalChoice, EvalShape, choose, plan_ranges
 from .evaluation import BAD_TARGET, TARGET
 from .locality import Locality, group_for
 from .model_state import ModelState
@@ -151,7 +151,7 @@ class Training:
         # saved with the model, so that after a crash they are the checkpoint's, as the samples
         self.credits = Credits.from_state(state.get("credits") if state is not None else None)
         self.run = RunCore(self.core, self.eval_on, self.eval_parts(), config.eval_every,
-                           config.target)
+                           config.target, self._eval_shape())
         self.bad_messages: Counter[str] = Counter()  # by reason
         self.events: deque[dict] = deque(maxlen=self.EVENTS_KEPT)
         self.event_id = 0
@@ -219,6 +219,20 @@ class Training:
         """The test set's evaluated samples cut into evaluation slots' parts."""
         job = self.built.job
         return plan_ranges(eval_size(job, self.built.test), EVAL_SLOT_BATCHES * job.batch_size)
+
+    def _eval_shape(self) -> Optional[EvalShape]:
+        """What a worker's honest answer for a range of the test set looks like: the shape of
+        the job's own sums of one and of a few test samples, computed here (None when
+        evaluations stay here, or the job's code fails on them: any finite answer is taken)."""
+        job, test = self.built.job, self.built.test
+        few = min(8, eval_size(job, test))
+        if self.eval_on != "workers" or few < 1:
+            return None
+        try:
+            return EvalShape.of([(n, evaluation_sums(job, self.built.model.module, test, 0, n))
+                                 for n in sorted({1, few})])
+        except Exception:  # noqa: BLE001 - the job's own code: its evaluations will say
+            return None
 
     def _choose_eval_on(self) -> EvalChoice:
         job, wanted = self.built.job, self.config.eval_on

@@ -2,13 +2,17 @@
 passes in each result's gradient norm, its slot's size and the time.
 
 A gradient is refused when it is not finite, or when its norm is far outside the recent
-distribution: more than `norm_factor` times the running median of recent accepted norms. Norms
-are compared per unit of the slot's `scale` (sum over its parts of |coefficient| x samples), since
-a slot of twice the samples has about twice the gradient; a slot much smaller than the typical one
-gets sqrt(typical / scale) more room, which is how much larger its per-sample norm is when
-sampling noise dominates. The median is robust: up to half the recent results may be poisoned
-before it moves. It starts from a reference the coordinator computes itself, so the very first
-results are judged too.
+distribution: more than `norm_factor` times the running median of recent accepted norms, or less
+than the median over it; a zero gradient always is (whatever the median, and even with the
+factor 0), and so the screen cannot be switched off by feeding it zeros. Norms are compared per
+unit of the slot's `scale` (sum over its parts of |coefficient| x samples), since a slot of twice
+the samples has about twice the gradient; a slot much smaller than the typical one gets
+sqrt(typical / scale) more room above, a much larger one as much below, which is how far its
+per-sample norm moves when sampling noise dominates. The median is robust: up to half the recent
+results may be poisoned before it moves, and one identity holds at most `PER_IDENTITY` of the
+window (its next norm replaces its own oldest), so a flood from one key cannot move it; only
+norms above zero enter it. It starts from a reference the coordinator computes itself, so the
+very first results are judged too.
 
 A non-finite gradient is an offence of the sender's identity (its CURVE key, or its worker id
 without keys) at once. An outlier norm is only a suspicion: late in training a batch holding a few
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -90,10 +94,11 @@ class TrustPolicy:
     def __init__(self, config: TrustConfig = TrustConfig(), reference: Optional[float] = None):
         """`reference`: a per-unit norm the coordinator computed itself; it seeds the median."""
         self.config = config
-        self._norms = RollingMedian(config.window)  # accepted norm per unit of scale
-        self._scales = RollingMedian(config.window)
+        per_key = max(1, int(config.window * self.PER_IDENTITY))
+        self._norms = RollingMedian(config.window, per_key)  # accepted norm per unit of scale
+        self._scales = RollingMedian(config.window, per_key)
         if reference is not None and math.isfinite(reference) and reference > 0:
-            self._norms.add(reference)
+            self._norms.add(reference, REFERENCE)
         self._honest_outliers: deque[float] = deque(maxlen=16)  # their ratio to the median
         self.offenders: dict[str, Offender] = {}
         self.accepted = 0
@@ -103,6 +108,7 @@ class TrustPolicy:
     def median(self) -> Optional[float]:
         return self._norms.median()
 
+    PER_IDENTITY = 1 / 8  # of the median's window one identity's norms may hold
     HONEST_HEADROOM = 1.5  # the limit: this many times the largest recent honest outlier
     MAX_ADAPTED = 100.0  # ... but at most this many times `norm_factor`
 
@@ -125,6 +131,9 @@ class TrustPolicy:
         """A result's gradient: `norm` its L2 norm, `scale` its slot's size (> 0)."""
         if not math.isfinite(norm):
             return self._refuse(identity, "non-finite", "non-finite gradient", now)
+        if not norm > 0 and scale > 0:  # computed again, an honest zero is used after all
+            self.suspected += 1
+            return Verdict(False, "norm", "gradient norm 0 (a zero gradient)")
         if not scale > 0 or self.config.norm_factor == 0:
             self.accepted += 1
             return Verdict(True)
@@ -132,24 +141,31 @@ class TrustPolicy:
         median = self.median()
         if median is not None and median > 0:
             typical = self._scales.median() or scale
-            limit = self.factor() * median * math.sqrt(max(1.0, typical / scale))
-            if per_unit > limit:
+            factor = self.factor()
+            limit = factor * median * math.sqrt(max(1.0, typical / scale))
+            floor = median / (factor * math.sqrt(max(1.0, scale / typical)))
+            if per_unit > limit or per_unit < floor:
                 self.suspected += 1
+                bound = f"limit {limit / median:.3g}x" if per_unit > limit \
+                    else f"floor {floor / median:.3g}x"
                 return Verdict(False, "norm", f"gradient norm {per_unit:.3g} per sample is "
                                               f"{per_unit / median:.3g}x the recent median "
-                                              f"{median:.3g} (limit {limit / median:.3g}x)")
-        self.accept(norm, scale)
+                                              f"{median:.3g} ({bound})")
+        self.accept(norm, scale, identity=identity)
         return Verdict(True)
 
-    def accept(self, norm: float, scale: float, verified: bool = False) -> None:
-        """A gradient found honest: by the median, or (`verified`) a suspect that the
-        coordinator's own computation matched, which widens the screen to the spread it shows."""
-        if math.isfinite(norm) and scale > 0:
+    def accept(self, norm: float, scale: float, verified: bool = False,
+               identity: Optional[str] = None) -> None:
+        """A gradient of `identity` found honest: by the median, or (`verified`) a suspect that
+        the coordinator's own computation matched, which widens the screen to the spread it
+        shows (above or below). A zero norm says nothing of the spread: the median skips it."""
+        if math.isfinite(norm) and norm > 0 and scale > 0:
             median = self.median()
             if verified and median:
-                self._honest_outliers.append(norm / scale / median)
-            self._norms.add(norm / scale)
-            self._scales.add(scale)
+                ratio = norm / scale / median
+                self._honest_outliers.append(max(ratio, 1 / ratio))
+            self._norms.add(norm / scale, identity)
+            self._scales.add(scale, identity)
         self.accepted += 1
 
     def confirmed(self, identity: str, now: float, reason: str = "norm") -> bool:
@@ -211,21 +227,38 @@ class TrustPolicy:
         }
 
 
+REFERENCE = "(the coordinator's reference)"  # the key of the median's seed
+
+
 class RollingMedian:
     """The median of the last `window` values, kept sorted as they come and go: judging every
-    result must not sort the window each time."""
+    result must not sort the window each time. Each value comes from a key (an identity), which
+    holds at most `per_key` of the window: past that, its own oldest value makes room."""
 
-    def __init__(self, window: int):
-        self._recent: deque[float] = deque()
+    def __init__(self, window: int, per_key: Optional[int] = None):
+        self._recent: deque[tuple[Optional[str], float]] = deque()
         self._sorted: list[float] = []
+        self._held: Counter[Optional[str]] = Counter()
         self.window = max(1, window)
+        self.per_key = self.window if per_key is None else max(1, per_key)
 
-    def add(self, value: float) -> None:
-        if len(self._recent) == self.window:
-            old = self._recent.popleft()
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
-        self._recent.append(value)
+    def add(self, value: float, key: Optional[str] = None) -> None:
+        if self._held[key] >= self.per_key:
+            index = next(i for i, (k, _) in enumerate(self._recent) if k == key)
+            self._drop(index)
+        elif len(self._recent) == self.window:
+            self._drop(0)
+        self._recent.append((key, value))
+        self._held[key] += 1
         bisect.insort(self._sorted, value)
+
+    def _drop(self, index: int) -> None:
+        key, old = self._recent[index]
+        del self._recent[index]
+        del self._sorted[bisect.bisect_left(self._sorted, old)]
+        self._held[key] -= 1
+        if not self._held[key]:
+            del self._held[key]
 
     def median(self) -> Optional[float]:
         n = len(self._sorted)

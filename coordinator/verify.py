@@ -256,7 +256,7 @@ class Settlement:
         size = core.size(reference)
         if matches(off, size):
             core.counters["suspects_honest"] += 1
-            core.trust.accept(float(size), scale, verified=True)
+            core.trust.accept(float(size), scale, verified=True, identity=stored.identity)
             return self._honest_summary(now) + core.use(slot, stored, now)
         core.counters["suspects_wrong"] += 1
         banned = core.trust.confirmed(stored.identity, now)

@@ -324,7 +324,9 @@ def test_the_workers_samples_per_s_add_up_to_the_headers():
         for worker in "ab":
             slot = held.pop(worker)
             samples = core.scheduler.slots[slot].samples
-            perform(core.result(worker, slot, [torch.zeros(numel)], 0.0, 0.001, now,
+            norm = core.trust.median() * samples  # of an honest size (zero is suspected)
+            gradient = torch.full((numel,), norm / numel ** 0.5)
+            perform(core.result(worker, slot, [gradient], norm, 0.001, now,
                                 samples=samples, loss=1.0))
     snap = coordinator_snapshot(training, now)
     rows = [w["samples_per_s"] for w in snap["workers"]]

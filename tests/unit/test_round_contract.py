@@ -18,8 +18,8 @@ And the run core's (coordinator/run.py), evaluations on workers through the roun
 - no evaluation slot is answered after its evaluation closed: only the open evaluation takes
   sums, for its own slots;
 - the run stops at most once, and only on an evaluation that met the target (or named no metric
-  the target reads), of the model as it is then (a confirmation); once stopped, nothing more is
-  evaluated.
+  the target reads), of the model as it is then (a confirmation), made by the coordinator: the
+  workers' sums never stop it (they may be made up); once stopped, nothing more is evaluated.
 """
 
 from __future__ import annotations
@@ -197,6 +197,7 @@ def check_run_contract(trace: list, target) -> dict:
             outcome, start = entry.out
             here += sum(isinstance(e, EvaluateHere) for e in start)
             judged = entry.kwargs.get("judge", entry.args[4] if len(entry.args) > 4 else True)
+            mine = False  # the coordinator's own evaluation
             if judged:
                 evaluations += 1
                 if (version, metrics) in answers:
@@ -204,7 +205,9 @@ def check_run_contract(trace: list, target) -> dict:
                 else:
                     assert here > 0, f"an answer of version {version} used twice, or from nowhere"
                     here -= 1
+                    mine = True
             if outcome in (TARGET, BAD_TARGET):  # the run stops on it
+                assert mine, f"the run stopped ({outcome}) on the workers' sums"
                 stops += 1
                 assert entry.stopped_after == outcome
                 if outcome == TARGET:

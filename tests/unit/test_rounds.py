@@ -30,11 +30,11 @@ def test_a_result_is_used_then_applied_once():
     c = core()
     c.join("w", {}, "w", 0.0)
     (task,) = [a for a in c.ready("w", 1, 0.0) if isinstance(a, Assign)]
-    out = c.result("w", task.slot, None, 0.0, 0.1, 1.0, samples=8, loss=2.0)
+    out = c.result("w", task.slot, None, 8.0, 0.1, 1.0, samples=8, loss=2.0)
     assert [e.slot for e in out if isinstance(e, Used)] == [task.slot]
     (applied,) = [e for e in out if isinstance(e, Applied)]
     assert applied.samples == 8 and c.samples_applied == 8 and c.train_loss == 2.0
-    again = c.result("w", task.slot, None, 0.0, 0.1, 2.0)  # a duplicate: dropped, not counted
+    again = c.result("w", task.slot, None, 8.0, 0.1, 2.0)  # a duplicate: dropped, not counted
     assert not [e for e in again if isinstance(e, (Used, Applied))]
     assert c.counters["results_dropped"] == 1
 

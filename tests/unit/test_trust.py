@@ -53,7 +53,7 @@ def test_norms_are_per_sample_and_small_slots_get_room():
 
 
 def test_median_is_robust_to_a_minority_of_poison():
-    policy = TrustPolicy(TrustConfig(norm_factor=10, window=64))
+    policy = TrustPolicy(TrustConfig(norm_factor=10, window=64), reference=1.0)
     for i in range(200):
         if i % 5 == 0:
             policy.judge("evil", 1000 * 32.0, 32.0, float(i))

@@ -272,7 +272,8 @@ def test_copies_that_agree_withdraw_the_tasks_handed_out_with_them():
                 s.seen("e", time.monotonic(), "paused")
             await coordinator.perform(core.ready(w, 1, time.monotonic()))
         held = {w: next(iter(s.workers[w].assigned)) for w in ("a", "b")}
-        g = torch.randn(coordinator.training.model.model.numel) * 1e-3
+        g = torch.randn(coordinator.training.model.model.numel)  # of an honest norm per sample
+        g *= core.trust.median() * s.slot_scale("a", held["a"]) / float(g.norm())
         for w in ("a", "b"):
             if w == "b":
                 s.seen("e", time.monotonic(), "idle")  # hungry again: the next fill hands it the copy
