@@ -3,22 +3,34 @@
 Nobody can run ten thousand volunteers on one machine; but the scheduler (`scheduler.py`), the
 codes (`common/coding.py`), adaptive redundancy and the staleness rule (`aggregator.py`) are pure
 logic that takes `now`, so the same code can be driven by a discrete-event simulation: a heap of
-virtual events (a worker comes online, a task arrives, a computation ends, a result reaches the
-coordinator, a heartbeat, a tick) processed in time order. Nothing of the socket loops is used.
+virtual events (a worker comes online, a message reaches a worker or the coordinator, a
+computation ends, a session's tick, the coordinator's tick) processed in time order. Nothing of
+the socket loops is used.
 
 The model, and what it leaves out:
 
 - Workers (`WorkerSpec`): seconds per sample (from a distribution, a CSV or a preset), credits,
   one-way latency and bandwidth, fault injection as the real engine does it (a slowdown factor, a
   stall of S seconds with probability P per task), a per-task jitter, and sessions of
-  availability (from a churn model or a trace). A worker computes its tasks one after another in
-  arrival order, as the daemon does; a cancel drops a queued task or stops the running one. When
-  a session ends the worker vanishes silently (or says bye, for a fraction of departures): the
-  scheduler notices it by its silence. A new session is a new process: hello, ready, no cache.
-- Heartbeats are delivered every `liveness - 1` beats rather than every beat (a worker that is
-  online is never evicted by mistake, since that is still within the silence the scheduler
-  allows); an offline worker is therefore noticed up to one beat early. Results and readies
-  refresh liveness as in the server.
+  availability (from a churn model or a trace). Each worker's process is the daemon's own
+  session (`worker/session.py`, driven by `sim_worker.py` as `worker/daemon.py` drives it): its
+  handshake and resume rules, its queue of slots computed one after another in arrival order,
+  its credits, its unacknowledged results, its heartbeats and its judgement of a silent
+  coordinator; a cancel drops a queued slot or stops the running one. When a session of
+  availability ends the worker vanishes silently (or says bye, for a fraction of departures):
+  the scheduler notices it by its silence. A new one is a new process: a fresh session, hello.
+- The coordinator takes the sessions' messages as the server does (`server.py`'s handlers, the
+  same round core and run core entry points): a hello joins (or resumes the same process, its
+  slots kept, with a welcome naming them), a result is acknowledged (on the next task, or
+  alone), a heartbeat is answered, and a message on a connection it does not know (its worker
+  evicted, by an overloaded coordinator say) is refused with `hello_first`, so that worker says
+  hello again. Tasks and results travel as the decoded messages the daemon and the core see
+  (`SimTask`, `SimResult`: no tensors, no wire encoding).
+- A session heartbeats every `heartbeat_s`; one beat in `liveness - 1` (or one that tells new
+  shards) is delivered, the others are counted as coordinator time only (a worker that is online
+  is never evicted by mistake, since that is still within the silence the scheduler allows); an
+  offline worker is therefore noticed up to one beat early. Results and readies refresh
+  liveness as in the server.
 - The coordinator is one queue: each message it takes (result, hello, ready, heartbeat) costs CPU
   time (`CoordinatorCosts`), plus bytes over its throughput (gradients in, models out, the sum and
   the step of a round); a message waits while the coordinator is busy. Its load is the fraction
@@ -39,7 +51,8 @@ The model, and what it leaves out:
   slot's range of the test set (`common.job.evaluation_sums`). A job whose evaluation returns
   means is evaluated on the coordinator, at once. Evaluation slots' compute is counted apart
   from training's (it is not waste). The layout: the fleet and its data in `sim_fleet.py`, the
-  backends in `sim_backends.py`, the settings and figures in `sim_config.py`.
+  backends in `sim_backends.py`, the settings and figures in `sim_config.py`, the workers'
+  sessions driven in `sim_worker.py`.
 
 - Data (`shards` > 0): the training set is cut into equal shards of `shard_bytes`. A worker
   fetches the shards a task reads that it does not hold before computing it, one download after
