@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..common import protocol as proto
-from ..worker import session as S
+from ..worker.session import (Compute, CancelCompute, EvalAnswer, Join, Leave, NotComputed,
+                              Outcome, Reconnect, Rehello, ResultReady, Send, SendResult, Session)
 from .sim_fleet import SimWorker
 
 # events, in order of kind at equal times (simulator.py's own follow)
@@ -77,7 +78,7 @@ class WorkerSide:
         self.online += 1
         w.available += 1
         held = (lambda: w.held(self.now)) if self.data.sharded else (lambda: [])
-        w.process = S.Session(w.spec.credits, self._hello_of(w), held_shards=held)
+        w.process = Session(w.spec.credits, self._hello_of(w), held_shards=held)
         w.conn += 1
         w.beat_at = math.inf
         self._at(self.now + self.config.startup_s, _CONNECT, w, w.conn)
@@ -139,11 +140,11 @@ class WorkerSide:
             wanted = evaluation is not None and slot in evaluation.ranges \
                 and slot not in evaluation.sums
             sums = self.gradients.eval_sums(assign) if wanted else {}
-            outcome: S.Outcome = S.EvalAnswer(proto.EvalResult(
+            outcome: Outcome = EvalAnswer(proto.EvalResult(
                 slot=slot, version=assign.version, compute_s=compute,
                 sums={k: [s, n] for k, (s, n) in sums.items()}))
         else:
-            outcome = S.ResultReady(SimResult(slot, compute, assign))
+            outcome = ResultReady(SimResult(slot, compute, assign))
         self._drive(w, w.process.finished(self.now, slot, outcome))
 
     # performing the session's effects -------------------------------------------------------
@@ -155,29 +156,29 @@ class WorkerSide:
             session = w.process
             if session is None:
                 return
-            if isinstance(effect, S.Send):
+            if isinstance(effect, Send):
                 self._send(w, effect.message)
-            elif isinstance(effect, S.SendResult):
+            elif isinstance(effect, SendResult):
                 size = self.config.model_bytes  # a gradient is as large as the model
                 self._at(self.now + w.spec.latency_s + size / w.spec.bandwidth, _TO_COORDINATOR,
                          w, w.conn, effect.result, 1)
-            elif isinstance(effect, S.Compute):
+            elif isinstance(effect, Compute):
                 self._compute(w, effect.slot, effect.work)
-            elif isinstance(effect, S.CancelCompute):
+            elif isinstance(effect, CancelCompute):
                 if w.current is not None and w.current[0] == effect.slot:
                     self._lost(w)
                     w.current = None
-                    self._drive(w, session.finished(self.now, effect.slot, S.NotComputed()),
+                    self._drive(w, session.finished(self.now, effect.slot, NotComputed()),
                                 pump=False)
-            elif isinstance(effect, S.Join):  # the job is built at once
+            elif isinstance(effect, Join):  # the job is built at once
                 self._drive(w, session.welcomed(self.now, effect.welcome, FINGERPRINT),
                             pump=False)
-            elif isinstance(effect, S.Rehello):  # hello again, on the same connection
+            elif isinstance(effect, Rehello):  # hello again, on the same connection
                 self._drive(w, session.connect(self.now), pump=False)
-            elif isinstance(effect, S.Reconnect):  # a new connection
+            elif isinstance(effect, Reconnect):  # a new connection
                 w.conn += 1
                 self._drive(w, session.connect(self.now), pump=False)
-            elif isinstance(effect, S.Leave):
+            elif isinstance(effect, Leave):
                 self._end_process(w)
                 return
             # DropResult: nothing to free here
