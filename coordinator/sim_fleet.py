@@ -1,7 +1,7 @@
 """The simulator's fleet (simulator.py): who the workers are, when they are there, and the data
 they read. Worker specs (seconds per sample, credits, link, fault injection, jitter), fleets
 drawn from a distribution, a preset mix or a CSV; availability sessions from a churn model or a
-trace; a simulated worker's state (its queue, its link, its cache of shards); the training set,
+trace; a simulated worker's state (its process, its link, its cache of shards); the training set,
 local or in shards that workers fetch. Pure: no clock, no torch.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import csv
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -154,28 +154,33 @@ def parse_churn(text: str) -> Optional[Churn]:
 
 
 class SimWorker:
-    """A simulated worker's state: its connection and availability sessions, its queue of tasks
-    (computed one after another in arrival order, as the daemon does), its link and its cache of
+    """A simulated worker's state: its availability sessions, its process (the daemon's own
+    session, sim_worker.py) and connection, the slot it computes, its link and its cache of
     shards."""
 
-    __slots__ = ("spec", "online", "session", "available", "queue", "current", "started", "rng",
-                 "sessions", "shards", "link_free", "downloaded", "shards_said")
+    __slots__ = ("spec", "online", "available", "process", "conn", "current", "runs", "beat_at",
+                 "beats", "rng", "sessions", "shards", "link_free", "downloaded")
 
     def __init__(self, spec: WorkerSpec, sessions, rng):
         self.spec = spec
         self.online = False
-        self.session = 0  # the connection: a new hello starts a new one
         self.available = 0  # the availability session: ends only when the machine goes away
-        self.queue: deque = deque()  # (slot, samples, its Assign)
-        self.current = None
-        self.started = 0.0
+        self.process = None  # its worker.session.Session while a process runs
+        self.conn = 0  # its connection: messages of an older one reach nobody
+        self.current = None  # (slot, its Assign, when it started, its run) while computing
+        self.runs = 0  # computations started, each one's number
+        self.beat_at = math.inf  # when the session's next tick is queued
+        self.beats = 0  # heartbeats the session said since one was delivered
         self.rng = rng
         self.sessions = sessions
         # sharded data: shard -> when it is (or was) whole in the cache, least recently used first
         self.shards: OrderedDict[int, float] = OrderedDict()
         self.link_free = 0.0  # when its link finishes the downloads queued on it
         self.downloaded = 0  # bytes of shards fetched
-        self.shards_said: Optional[list[int]] = None  # as the scheduler last heard
+
+    def held(self, now: float) -> list[int]:
+        """The shards whole in its cache by `now` (what its heartbeats tell)."""
+        return [k for k, when in self.shards.items() if when <= now]
 
     def fetch(self, shards, now: float, shard_bytes: int, cap: Optional[int]) -> float:
         """Queue on the link the shards it lacks, one download after another; returns when all

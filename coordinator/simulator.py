@@ -3,22 +3,34 @@
 Nobody can run ten thousand volunteers on one machine; but the scheduler (`scheduler.py`), the
 codes (`common/coding.py`), adaptive redundancy and the staleness rule (`aggregator.py`) are pure
 logic that takes `now`, so the same code can be driven by a discrete-event simulation: a heap of
-virtual events (a worker comes online, a task arrives, a computation ends, a result reaches the
-coordinator, a heartbeat, a tick) processed in time order. Nothing of the socket loops is used.
+virtual events (a worker comes online, a message reaches a worker or the coordinator, a
+computation ends, a session's tick, the coordinator's tick) processed in time order. Nothing of
+the socket loops is used.
 
 The model, and what it leaves out:
 
 - Workers (`WorkerSpec`): seconds per sample (from a distribution, a CSV or a preset), credits,
   one-way latency and bandwidth, fault injection as the real engine does it (a slowdown factor, a
   stall of S seconds with probability P per task), a per-task jitter, and sessions of
-  availability (from a churn model or a trace). A worker computes its tasks one after another in
-  arrival order, as the daemon does; a cancel drops a queued task or stops the running one. When
-  a session ends the worker vanishes silently (or says bye, for a fraction of departures): the
-  scheduler notices it by its silence. A new session is a new process: hello, ready, no cache.
-- Heartbeats are delivered every `liveness - 1` beats rather than every beat (a worker that is
-  online is never evicted by mistake, since that is still within the silence the scheduler
-  allows); an offline worker is therefore noticed up to one beat early. Results and readies
-  refresh liveness as in the server.
+  availability (from a churn model or a trace). Each worker's process is the daemon's own
+  session (`worker/session.py`, driven by `sim_worker.py` as `worker/daemon.py` drives it): its
+  handshake and resume rules, its queue of slots computed one after another in arrival order,
+  its credits, its unacknowledged results, its heartbeats and its judgement of a silent
+  coordinator; a cancel drops a queued slot or stops the running one. When a session of
+  availability ends the worker vanishes silently (or says bye, for a fraction of departures):
+  the scheduler notices it by its silence. A new one is a new process: a fresh session, hello.
+- The coordinator takes the sessions' messages as the server does (`server.py`'s handlers, the
+  same round core and run core entry points): a hello joins (or resumes the same process, its
+  slots kept, with a welcome naming them), a result is acknowledged (on the next task, or
+  alone), a heartbeat is answered, and a message on a connection it does not know (its worker
+  evicted, by an overloaded coordinator say) is refused with `hello_first`, so that worker says
+  hello again. Tasks and results travel as the decoded messages the daemon and the core see
+  (`SimTask`, `SimResult`: no tensors, no wire encoding).
+- A session heartbeats every `heartbeat_s`; one beat in `liveness - 1` (or one that tells new
+  shards) is delivered, the others are counted as coordinator time only (a worker that is online
+  is never evicted by mistake, since that is still within the silence the scheduler allows); an
+  offline worker is therefore noticed up to one beat early. Results and readies refresh
+  liveness as in the server.
 - The coordinator is one queue: each message it takes (result, hello, ready, heartbeat) costs CPU
   time (`CoordinatorCosts`), plus bytes over its throughput (gradients in, models out, the sum and
   the step of a round); a message waits while the coordinator is busy. Its load is the fraction
@@ -39,7 +51,8 @@ The model, and what it leaves out:
   slot's range of the test set (`common.job.evaluation_sums`). A job whose evaluation returns
   means is evaluated on the coordinator, at once. Evaluation slots' compute is counted apart
   from training's (it is not waste). The layout: the fleet and its data in `sim_fleet.py`, the
-  backends in `sim_backends.py`, the settings and figures in `sim_config.py`.
+  backends in `sim_backends.py`, the settings and figures in `sim_config.py`, the workers'
+  sessions driven in `sim_worker.py`.
 
 - Data (`shards` > 0): the training set is cut into equal shards of `shard_bytes`. A worker
   fetches the shards a task reads that it does not hold before computing it, one download after
@@ -65,6 +78,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from ..common import coding
+from ..common import protocol as proto
 from ..common.permutation import epoch_blocks
 from .effects import Applied, Compute, Evaluated, Replanned, Used
 from .eval_slots import EVAL_SLOT_BATCHES, plan_ranges
@@ -74,11 +88,14 @@ from .locality import Locality, group_for
 from .rounds import RoundCore
 from .run import COORDINATOR, WORKERS, EvaluateHere, RunCore
 from .sampler import Sampler
-from .scheduler import Assign, CancelSlots, Evicted, Scheduler, SchedulerConfig
+from .effects import Ban
+from .scheduler import Assign, CancelSlots, Drained, Evicted, Scheduler, SchedulerConfig
 from .sim_backends import CostlessGradients, RealGradients
 from .sim_config import CoordinatorCosts, ModeResult, SimConfig
 from .sim_fleet import (FLEET_MIX, Churn, SimData, SimWorker, WorkerSpec, fleet_from_csv,
                         lognormal_fleet, mixed_fleet, parse_churn, sessions_from_trace)
+from .sim_worker import (_BEAT, _CONNECT, _DONE, _OFFLINE, _ONLINE, _TO_COORDINATOR, _TO_WORKER,
+                         FINGERPRINT, SimResult, SimTask, WorkerSide)
 from .staleness import StalenessRule
 from .target import Target
 from .trust import TrustConfig, TrustPolicy
@@ -88,17 +105,15 @@ __all__ = ["Churn", "CoordinatorCosts", "CostlessGradients", "FLEET_MIX", "ModeR
            "fleet_from_csv", "lognormal_fleet", "mixed_fleet", "parse_churn",
            "sessions_from_trace", "simulate"]
 
-# events, in order of kind at equal times
-_ONLINE, _OFFLINE, _HELLO, _READY, _TASK, _CANCEL, _DONE, _RESULT, _BYE, _BEAT, _TICK, _SAMPLE, \
-    _EVAL, _REJOIN, _NEXT_MESSAGE = range(15)
-_TO_COORDINATOR = (_HELLO, _READY, _RESULT, _BYE, _BEAT)
-# an evaluation slot's seconds per test sample, over a training slot's per sample: forward
-# passes only (as eval_slots.py sizes its slots)
-EVAL_COST = 1 / 3
+# the coordinator's events, after the workers' (sim_worker.py), in order of kind at equal times
+_TICK, _SAMPLE, _EVAL, _NEXT_MESSAGE = range(_BEAT + 1, _BEAT + 5)
+INSTANCE = "simulated"  # the coordinator process (one per simulation)
+COORDINATOR_BEAT = proto.Heartbeat(state="coordinator")
 
 
-class Simulation:
-    """One mode in virtual time: the round core and the run core driven by a fleet's events."""
+class Simulation(WorkerSide):
+    """One mode in virtual time: the round core and the run core driven by a fleet's events, the
+    workers' sessions (sim_worker.py) by the coordinator's messages."""
 
     def __init__(self, fleet: Sequence[WorkerSpec], config: SimConfig, mode: str,
                  gradients=None, target: Optional[Target] = None,
@@ -148,7 +163,17 @@ class Simulation:
         self.online = 0
         self.inbox: deque = deque()  # messages waiting for the busy coordinator
         self._waking = False
-        self.beat_every = config.heartbeat_s * max(1, config.liveness - 1)
+        # one heartbeat in this many is delivered (see the module's doc)
+        self.beats_per_delivery = max(1, config.liveness - 1)
+        self.welcome = proto.Welcome(
+            job="simulated", job_args={}, fingerprint=FINGERPRINT, seed=config.seed,
+            heartbeat_s=config.heartbeat_s, liveness=config.liveness, instance=INSTANCE)
+        self.routes: dict[str, int] = {}  # worker id -> the connection the coordinator knows
+        self.acks_due: dict[str, int] = {}  # worker id -> the slot of the result being taken
+        costs = config.costs
+        self._cost_of = {SimResult: (costs.per_message_s + config.model_bytes / costs.bytes_per_s,
+                                     "results"), proto.Heartbeat: (costs.per_message_s, "heartbeats"),
+                         proto.EvalResult: (costs.per_message_s, "evaluations")}
         # accounting
         self.samples_applied = 0
         self.rounds_decoded = self.rounds_applied = self.rounds_replanned = 0
@@ -191,7 +216,7 @@ class Simulation:
             if t > end:
                 break
             self.now = t
-            if kind in _TO_COORDINATOR and (self.coord_free > t or self.inbox):
+            if kind == _TO_COORDINATOR and (self.coord_free > t or self.inbox):
                 self.inbox.append((kind, data))  # it waits its turn
                 self._wake()
                 continue
@@ -217,127 +242,10 @@ class Simulation:
         self._wake()
 
     def _handlers(self):
-        return {_ONLINE: self._online, _OFFLINE: self._offline, _HELLO: self._hello,
-                _READY: self._ready, _TASK: self._task, _CANCEL: self._cancel, _DONE: self._done,
-                _RESULT: self._result_in, _BYE: self._bye, _BEAT: self._beat, _TICK: self._tick,
-                _SAMPLE: self._sample, _EVAL: self._run_tick, _REJOIN: self._rejoin,
+        return {_ONLINE: self._online, _OFFLINE: self._offline, _CONNECT: self._connect,
+                _TO_WORKER: self._deliver, _DONE: self._done, _TO_COORDINATOR: self._from_worker,
+                _BEAT: self._beat, _TICK: self._tick, _SAMPLE: self._sample, _EVAL: self._run_tick,
                 _NEXT_MESSAGE: self._next_message}
-
-    # worker side -----------------------------------------------------------------------------
-
-    def _next_session(self, w: SimWorker) -> None:
-        while w.sessions:
-            start, stop = w.sessions.popleft()
-            if stop > self.now:
-                self._at(max(start, self.now), _ONLINE, w, stop)
-                return
-
-    def _online(self, w: SimWorker, stop: float) -> None:
-        w.online = True
-        self.online += 1
-        w.session += 1
-        w.available += 1
-        self._at(self.now + self.config.startup_s + w.spec.latency_s, _HELLO, w, w.session)
-        if stop < math.inf:
-            self._at(stop, _OFFLINE, w, w.available)
-
-    def _offline(self, w: SimWorker, available: int) -> None:
-        if available != w.available or not w.online:
-            return
-        self._lost(w)  # with the machine
-        w.online, w.current = False, None
-        self.online -= 1
-        w.queue.clear()
-        w.session += 1
-        if w.rng.random() < self.config.bye_fraction:
-            self._at(self.now + w.spec.latency_s, _BYE, w)
-        self._next_session(w)
-
-    def _rejoin(self, w: SimWorker, session: int) -> None:
-        if session != w.session:
-            return
-        self._lost(w)
-        w.current = None
-        w.queue.clear()
-        w.session += 1
-        self._at(self.now + w.spec.latency_s, _HELLO, w, w.session)
-
-    def _task(self, w: SimWorker, session: int, task: tuple) -> None:
-        if session != w.session or not w.online:
-            return  # the worker it was sent to has gone (sent before the scheduler noticed)
-        if self.data.sharded:
-            self._fetch(w, task[2].prefetch)
-        w.queue.append(task)
-        if w.current is None:
-            self._start(w)
-
-    def _start(self, w: SimWorker) -> None:
-        if not w.queue:
-            return
-        task = w.queue.popleft()
-        spec, evaluation = w.spec, task[2].kind == "eval"
-        ready = (self._fetch(w, self.data.read(task[2].parts))
-                 if self.data.sharded and not evaluation else 0.0)
-        # an evaluation slot's test samples take forward passes only
-        cost = EVAL_COST if evaluation else 1.0
-        seconds = spec.s_per_sample * cost * task[1] * spec.slowdown + max(0.0, ready - self.now)
-        if spec.jitter:
-            seconds *= math.exp(spec.jitter * w.rng.standard_normal())
-        if spec.stall_p and w.rng.random() < spec.stall_p:
-            seconds += spec.stall_s
-        w.current, w.started = task, self.now
-        self._at(self.now + seconds, _DONE, w, w.session, task[0])
-
-    def _lost(self, w: SimWorker) -> None:
-        """The compute its running task has taken so far, counted (training or evaluation)."""
-        if w.current is None:
-            return
-        if w.current[2].kind == "eval":
-            self.eval_compute += self.now - w.started
-        else:
-            self.compute_total += self.now - w.started
-
-    def _fetch(self, w: SimWorker, shards) -> float:
-        return w.fetch(shards, self.now, self.config.shard_bytes, self.config.cache_shards)
-
-    def _done(self, w: SimWorker, session: int, slot: int) -> None:
-        if session != w.session or w.current is None or w.current[0] != slot:
-            return  # cancelled while it ran, or the session ended
-        task, compute = w.current, self.now - w.started
-        self._lost(w)
-        w.current = None
-        # a gradient is as large as the model; an evaluation's sums are a few numbers
-        size = 0 if task[2].kind == "eval" else self.config.model_bytes
-        transfer = w.spec.latency_s + size / w.spec.bandwidth
-        self._at(self.now + transfer, _RESULT, w, w.session, task, compute)
-        self._start(w)
-
-    def _cancel(self, w: SimWorker, session: int, slots: list[int]) -> None:
-        if session != w.session or not w.online:
-            return
-        gone = set(slots)
-        w.queue = deque(t for t in w.queue if t[0] not in gone)
-        if w.current is not None and w.current[0] in gone:
-            self._lost(w)
-            w.current = None
-            self._start(w)
-
-    def _beat(self, w: SimWorker, session: int) -> None:
-        if session != w.session:
-            return
-        self._charge(self.config.costs.per_message_s * self.beat_every / self.config.heartbeat_s,
-                     "heartbeats")
-        if self.data.sharded:  # the shards whole in its cache, when they changed
-            held = sorted(k for k, when in w.shards.items() if when <= self.now)
-            if held != w.shards_said:
-                w.shards_said = held
-                self.scheduler.holdings(w.spec.id, held)
-        t0 = time.perf_counter()
-        self.scheduler.seen(w.spec.id, self.now)
-        if self.now >= self.config.warmup_s:
-            self.beat_s += time.perf_counter() - t0
-            self.beats += 1
-        self._at(self.now + self.beat_every, _BEAT, w, session)
 
     # coordinator side ------------------------------------------------------------------------
 
@@ -346,48 +254,76 @@ class Simulation:
         self.coord_busy += seconds
         self.coord_by[what] = self.coord_by.get(what, 0.0) + seconds
 
-    def _hello(self, w: SimWorker, session: int) -> None:
-        if session != w.session:
-            return
-        self._charge(self.config.costs.per_message_s, "hellos")
-        self._perform(self._timed(self.core.join, w.spec.id, {"host": w.spec.id}, w.spec.id,
-                                  self.now))
-        # welcome out, ready back: a round trip later
-        self._at(self.now + 2 * w.spec.latency_s, _READY, w, session)
-        self._at(self.now + self.beat_every, _BEAT, w, session)
+    # the workers' messages, taken as the server takes them (server.py's handlers) ------------
 
-    def _ready(self, w: SimWorker, session: int) -> None:
-        if session != w.session or w.spec.id not in self.scheduler.workers:
-            return
-        self._charge(self.config.costs.per_message_s, "hellos")
-        self._perform(self._timed(self.core.ready, w.spec.id, w.spec.credits, self.now))
+    def _from_worker(self, w: SimWorker, conn: int, msg, beats: int = 1) -> None:
+        """A message of a worker's session (on connection `conn`): what it costs the
+        coordinator, then the round core's or the run core's entry point the server calls."""
+        wid = w.spec.id
+        seconds, what = self._cost_of.get(type(msg), (self.config.costs.per_message_s, "hellos"))
+        self._charge(seconds * beats, what)
+        if isinstance(msg, proto.Hello):
+            self._hello(w, conn, msg)
+        elif isinstance(msg, proto.Bye):
+            if self.routes.get(wid) == conn:
+                self._perform(self._timed(self.core.leave, wid, f"said bye: {msg.reason}"[:200],
+                                          self.now))
+        elif self.routes.get(wid) != conn:  # a connection it does not know (evicted, replaced)
+            self._tell(w, conn, proto.Reject(code="hello_first", reason="say hello first"))
+        elif isinstance(msg, SimResult):
+            self._result(w, conn, msg)
+        elif isinstance(msg, proto.Heartbeat):
+            t0 = time.perf_counter()
+            effects = self.core.seen(wid, msg.state, self.now, msg.shards)
+            if self.now >= self.config.warmup_s:
+                self.beat_s += time.perf_counter() - t0
+                self.beats += 1
+            self._perform(effects)
+            self._tell(w, conn, COORDINATOR_BEAT)
+        elif isinstance(msg, proto.Ready):
+            self._perform(self._timed(self.core.ready, wid, msg.credits, self.now))
+        elif isinstance(msg, proto.EvalResult):
+            sums = {name: (float(pair[0]), float(pair[1])) for name, pair in msg.sums.items()}
+            self._perform(self._timed(self.core.evaluated, wid, msg.slot, msg.version, sums,
+                                      msg.compute_s, self.now))
+        elif isinstance(msg, proto.Handback):
+            self._perform(self._timed(self.core.handback, wid, msg.slots, self.now))
 
-    def _bye(self, w: SimWorker) -> None:
-        self._charge(self.config.costs.per_message_s, "hellos")
-        self._perform(self._timed(self.core.leave, w.spec.id, "said bye", self.now))
+    def _hello(self, w: SimWorker, conn: int, msg: proto.Hello) -> None:
+        """The same process back (its instance is ours, before its eviction) keeps its slots;
+        else it joins, evicting its old session."""
+        wid = w.spec.id
+        resumed = wid in self.scheduler.workers and msg.instance == INSTANCE
+        if resumed:
+            self.scheduler.seen(wid, self.now)
+        else:
+            self._perform(self._timed(self.core.join, wid, {"host": msg.host}, wid, self.now))
+        self.routes[wid] = conn
+        holding = sorted(self.scheduler.workers[wid].assigned) if resumed else []
+        self._tell(w, conn, replace(self.welcome, holding=holding) if holding else self.welcome)
+        if resumed:  # tasks sent down its old connection may be lost
+            self._perform(self._timed(self.core.resend, wid, self.now))
 
-    def _result_in(self, w: SimWorker, session: int, task: tuple, compute: float) -> None:
+    def _result(self, w: SimWorker, conn: int, msg: SimResult) -> None:
         # Sent before its worker left, it still counts if the scheduler still expects it.
-        costs = self.config.costs
-        slot, _, assign = task
-        if assign.kind == "eval":
-            self._charge(costs.per_message_s, "evaluations")
-            evaluation = self.core.evaluation  # its sums are computed only if still wanted
-            wanted = evaluation is not None and slot in evaluation.ranges \
-                and slot not in evaluation.sums
-            sums = self.gradients.eval_sums(assign) if wanted else {}
-            self._perform(self._timed(self.core.evaluated, w.spec.id, slot, assign.version, sums,
-                                      compute, self.now))
-            return
-        self._charge(costs.per_message_s + self.config.model_bytes / costs.bytes_per_s, "results")
+        wid, slot = w.spec.id, msg.slot
+        self.acks_due[wid] = slot  # a task sent meanwhile carries the acknowledgement
         gradient, norm = None, 0.0
-        if self.scheduler.slot_scale(w.spec.id, slot) is not None:  # else it is dropped anyway
-            gradient, norm = self.gradients.result(assign)
+        if self.scheduler.slot_scale(wid, slot) is not None:  # else it is dropped anyway
+            gradient, norm = self.gradients.result(msg.assign)
         t0 = time.perf_counter()
-        effects = self.core.result(w.spec.id, slot, gradient, norm, compute, self.now)
+        effects = self.core.result(wid, slot, gradient, norm, msg.compute_s, self.now)
         if self.now >= self.config.warmup_s:
             self.sched_s += time.perf_counter() - t0
-        self._perform(effects, {slot: compute})
+        self._perform(effects, {slot: msg.compute_s})
+        if self.acks_due.pop(wid, None) is not None:
+            self._tell(w, conn, proto.Ack(slots=[slot]))
+
+    def _tell(self, w: SimWorker, conn: Optional[int], msg, size: int = 0) -> None:
+        """Send `msg` down connection `conn` once the coordinator is done with what it does."""
+        if conn is not None:
+            self._at(max(self.now, self.coord_free) + w.spec.latency_s + size / w.spec.bandwidth,
+                     _TO_WORKER, w, conn, msg)
 
     def _tick(self) -> None:
         t0 = time.perf_counter()
@@ -420,14 +356,13 @@ class Simulation:
                 size = self.config.model_bytes if effect.send_model else 0
                 if size:
                     self._charge(size / costs.bytes_per_s, "models out")
-                samples = sum(p[2] for p in effect.parts)
-                task = (effect.slot, samples, effect)
-                arrive = max(self.now, self.coord_free) + w.spec.latency_s + size / w.spec.bandwidth
-                self._at(arrive, _TASK, w, w.session, task)
+                ack = self.acks_due.pop(effect.worker, None)
+                self._tell(w, self.routes.get(effect.worker),
+                           SimTask(effect, [] if ack is None else [ack]), size)
             elif isinstance(effect, CancelSlots):
-                w = self.workers[effect.worker]
                 self.slots_cancelled += len(effect.slots)
-                self._at(self.now + w.spec.latency_s, _CANCEL, w, w.session, effect.slots)
+                self._tell(self.workers[effect.worker], self.routes.get(effect.worker),
+                           proto.Cancel(slots=effect.slots))
             elif isinstance(effect, Used):
                 self.used_compute[effect.slot] = (computed or {}).get(effect.slot, 0.0)
             elif isinstance(effect, (Applied, Replanned)):
@@ -440,11 +375,14 @@ class Simulation:
             elif isinstance(effect, EvaluateHere):
                 self._evaluate_here()
             elif isinstance(effect, Evicted):
-                w = self.workers[effect.worker]
-                if w.online and effect.reason != "rejoined":
-                    # Evicted while alive (an overloaded coordinator heard nothing in time): its
-                    # next message is refused and it handshakes again, as a new session.
-                    self._at(self.now + w.spec.latency_s, _REJOIN, w, w.session)
+                # forgotten: its next message is refused (hello first), and it says hello again
+                self.routes.pop(effect.worker, None)
+            elif isinstance(effect, Ban):
+                self._tell(self.workers[effect.worker], self.routes.pop(effect.worker, None),
+                           proto.Reject(code="banned", reason="banned"))
+            elif isinstance(effect, Drained):
+                self._tell(self.workers[effect.worker], self.routes.get(effect.worker),
+                           proto.Shutdown(reason="drained"))
 
     def _account(self, step) -> None:
         """A decoded round, applied or replanned."""

@@ -1,13 +1,16 @@
 """The job a welcome names, built on this machine from its own code: the device, the job's spec,
-the owner's memory limits (checked before and after building), the engine that computes it, and
-the models its tasks carry; and what this machine says of itself in its hello.
+the owner's memory limits (checked before and after building), the engine that computes it, the
+models its tasks carry, and the results its computations come to (for the session); and what this
+machine says of itself in its hello.
 Nothing executable crosses the network: a welcome names a built-in job or the one this worker
 was started with (`--job SPEC`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import socket
+from dataclasses import dataclass
 from typing import Optional
 
 import psutil
@@ -17,9 +20,11 @@ from .. import __version__
 from ..common import protocol as proto
 from ..common.errors import ConfigError, ProtocolError, Refused
 from ..common.tensors import blob_chunks, buffer_vector
-from ..common.job import BuiltJob, Job, build, epoch_order, model_bytes
+from ..common.job import BuiltJob, Job, build, epoch_order, job_differences, model_bytes
 from ..common.job_loading import builtin_job_names, load_job
-from .engine import Engine
+from . import session as S
+from .compress import ErrorFeedback, eval_message, result_message
+from .engine import Engine, Outcome, SnapshotRef, Work
 from .config import usable_cores
 from .idle import memory_left_mb
 
@@ -69,6 +74,35 @@ def build_engine(job: Job, welcome: proto.Welcome, config, device: torch.device,
     return built, engine
 
 
+class OtherJob(Refused):
+    """The job built here is not the coordinator's (another fingerprint)."""
+
+
+def check_same_job(built: BuiltJob, welcome: proto.Welcome) -> None:
+    """Another model under the job's name (another version of its code, or of idlegrad): its
+    gradients would be of no use, so say what differs (OtherJob) instead of joining."""
+    if built.fingerprint == welcome.fingerprint:
+        return
+    if welcome.job_identity is None:  # a coordinator that does not say
+        raise OtherJob(f"job fingerprint {built.fingerprint} here, {welcome.fingerprint} at the "
+                       "coordinator: refused to compute for another version of the job")
+    differs = job_differences(built.identity, welcome.job_identity, "here", "at the coordinator")
+    raise OtherJob(f"job {built.job.name!r} here is not the coordinator's "
+                   f"({'; '.join(differs) or 'fingerprints differ'}): start this worker with the "
+                   "coordinator's job and version")
+
+
+def refusal_message(exc: Exception, built: Optional[BuiltJob],
+                    welcome: proto.Welcome) -> tuple[proto.Message, bool]:
+    """What to tell a coordinator whose job this worker cannot run (`exc`), and whether to await
+    its answer: having built another job, what it built (a READY of no credits with its
+    identity), for the coordinator to say what differs; else a BYE that says why."""
+    if isinstance(exc, OtherJob) and welcome.job_identity is not None and built is not None:
+        return proto.Ready(credits=0, fingerprint=built.fingerprint,
+                           job_identity=proto.job_identity_or_none(built.identity)), True
+    return proto.Bye(reason=str(exc)[:500]), False
+
+
 def check_memory(job: Job, config, built: Optional[BuiltJob] = None) -> None:
     """Refuse a job the owner's memory limits have no room for. The coordinator chooses the
     job's arguments, so it chooses its size: before building, the model is measured on the
@@ -116,3 +150,44 @@ def task_model(task: proto.Task, model) -> tuple:
     if task.buffers is None:
         raise ProtocolError("tensor", "no buffers with the model")
     return params, buffer_vector(task.buffers, model.buffer_numel, model.counter_mask)
+
+
+def held_model(task: proto.Task, held: Optional[tuple], model) -> Optional[tuple]:
+    """The model a task computes on, as (version, parameters, buffers, snapshot): the one it
+    carries (checked against the built `model`: ProtocolError), the snapshot it names, or the
+    one `held` from an earlier task."""
+    if task.snapshot is not None:
+        return (task.version, None, None, SnapshotRef(task.snapshot, task.snapshot_bytes))
+    if task.model is not None:
+        params, buffers = task_model(task, model)
+        return (task.version, params, buffers, None)
+    return held
+
+
+def task_work(task: proto.Task, held: Optional[tuple], arrived: float) -> Optional[Work]:
+    """The work of `task` on the `held` model; None when that is not the model it names."""
+    if held is None or held[0] != task.version:
+        return None
+    _, params, buffers, snapshot = held
+    return Work(task.slot, task.version, params, task.parts, task.coefficients, task.kind,
+                task.steps, arrived=arrived, buffers=buffers, snapshot=snapshot)
+
+
+@dataclass
+class Kept:
+    """A result until acknowledged: its message, its gradient buffer, trackers of its sends."""
+    message: proto.Result
+    gradient: torch.Tensor
+    trackers: list = dataclasses.field(default_factory=list)
+
+
+def session_outcome(outcome: Outcome, work: Work, began: float,
+                    wire: ErrorFeedback) -> tuple[S.Outcome, float]:
+    """What the computation of `work` that began at `began` came to, for the session (an
+    evaluation's answer, or a result kept until acknowledged, as the coordinator wants it:
+    `wire`); its compute seconds."""
+    waited = max(0.0, began - work.arrived) if work.arrived is not None else 0.0
+    o = dataclasses.replace(outcome, waited_s=waited)
+    if o.sums is not None:
+        return S.EvalAnswer(eval_message(o)), o.compute_s
+    return S.ResultReady(Kept(result_message(o, wire), o.gradient)), o.compute_s

@@ -22,7 +22,7 @@ import socket as pysocket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Optional
 
 import torch
 import zmq
@@ -32,16 +32,16 @@ from ..common import protocol as proto
 from ..common.aio import on_stop_signals
 from ..common.blobs import BlobError
 from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
-from ..common.job import job_differences
 from ..common.security import KEYS_HINT, ClientKeys
 from . import session as S
-from .building import build_engine, hello_of, job_key, load_welcomed, pick_device, task_model
+from .building import (build_engine, check_same_job, held_model, hello_of, job_key, load_welcomed,
+                       pick_device, refusal_message, session_outcome, task_work)
 from .cache import CacheError, CacheTooSmall
-from .compress import ErrorFeedback, eval_message, result_message
+from .compress import ErrorFeedback
 from .config import usable_cores
 from .dataplane import DataPlane
-from .engine import Cancelled, Outcome, SnapshotRef, Work
-from .guest import Guest, watch
+from .engine import Cancelled, Outcome, Work
+from .guest import Guest, SharedCompute, watch
 from .idle import PolicyConfig, describe_policy
 from .link import ShapedSocket
 from .waiting import Waiting
@@ -77,14 +77,6 @@ class WorkerConfig:
 
 
 @dataclass
-class _Kept:
-    """A result until acknowledged: its message, its gradient buffer, trackers of its sends."""
-    message: proto.Result
-    gradient: torch.Tensor
-    trackers: list = dataclasses.field(default_factory=list)
-
-
-@dataclass
 class _Computing:
     slot: int
     work: Work
@@ -93,26 +85,12 @@ class _Computing:
     future: asyncio.Future
 
 
-class _OtherJob(Refused):
-    """The job built here is not the coordinator's (another fingerprint)."""
-
-
 class _Rehello(Exception):
     """The coordinator does not know this session: hand-shake again on the same socket."""
 
 
 class _Ended(Exception):
     """This connection is over: the coordinator is silent, or we said bye."""
-
-
-class SharedCompute(Protocol):
-    """The compute thread as the projects of one process share it (projects.ComputeSlot; named
-    here, since projects builds on this module)."""
-
-    def up(self, project: str) -> None: ...
-    def down(self, project: str) -> None: ...
-    def request(self, project: str) -> asyncio.Future: ...
-    def leave(self, project: str, computed_s: float) -> None: ...
 
 
 class Worker:
@@ -311,17 +289,13 @@ class Worker:
                 await self._while_fetching(sock, asyncio.to_thread(self.data.fetch_manifest, job))
             self._prepare(welcome, self.data.cache if job.data is not None else None, job)
         except (Refused, ConfigError) as exc:  # this worker cannot run that job
-            if isinstance(exc, _OtherJob) and welcome.job_identity is not None:
-                # the coordinator says what differs
-                await self._send(sock, proto.Ready(
-                    credits=0, fingerprint=self.built.fingerprint,
-                    job_identity=proto.job_identity_or_none(self.built.identity)))
-                try:  # its answer (the Reject that names the differences) shows it arrived
+            message, answered = refusal_message(exc, self.built, welcome)
+            await self._send(sock, message)
+            if answered:  # its answer (the Reject that names the differences) shows it arrived
+                try:
                     await asyncio.wait_for(sock.recv_multipart(copy=False), 2.0)
                 except asyncio.TimeoutError:
                     pass
-            else:
-                await self._send(sock, proto.Bye(reason=str(exc)[:500]))
             raise
         self.session.pause(time.monotonic(), self.paused)  # (the shared guest's, as it is now)
         await self._perform(sock, self.session.welcomed(time.monotonic(), welcome,
@@ -364,18 +338,7 @@ class Worker:
             self.engine.fetch = lambda work: self.data.fetch_for(self.engine, work)
             self._built_for = job_key(welcome)
         self._wire = ErrorFeedback(welcome.result_dtype)
-        if self.built.fingerprint != welcome.fingerprint:
-            # Another model under the job's name (another version of its code, or of idlegrad):
-            # its gradients would be of no use, so say what differs and leave instead of joining.
-            if welcome.job_identity is None:  # a coordinator that does not say
-                raise _OtherJob(f"job fingerprint {self.built.fingerprint} here, "
-                                f"{welcome.fingerprint} at the coordinator: refused to compute "
-                                "for another version of the job")
-            differs = job_differences(self.built.identity, welcome.job_identity,
-                                      "here", "at the coordinator")
-            raise _OtherJob(f"job {self.built.job.name!r} here is not the coordinator's "
-                            f"({'; '.join(differs) or 'fingerprints differ'}): start this worker "
-                            "with the coordinator's job and version")
+        check_same_job(self.built, welcome)
 
     async def _serve(self, sock) -> None:
         recv = asyncio.ensure_future(sock.recv_multipart(copy=False))
@@ -444,11 +407,7 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - the job's own code failed on this slot
             log.exception("slot %d failed: %s", c.slot, exc)
             return S.NotComputed(), 0.0
-        waited = max(0.0, c.began - c.work.arrived) if c.work.arrived is not None else 0.0
-        o = dataclasses.replace(outcome, waited_s=waited)
-        if o.sums is not None:
-            return S.EvalAnswer(eval_message(o)), o.compute_s
-        return S.ResultReady(_Kept(result_message(o, self._wire), o.gradient)), o.compute_s
+        return session_outcome(outcome, c.work, c.began, self._wire)
 
     async def _dispatch(self, sock, frames) -> None:
         now = time.monotonic()
@@ -466,19 +425,14 @@ class Worker:
         """The task's model decoded and its work built, for the session to decide on."""
         if task.snapshot is not None:  # the model by name: fetched when the slot is computed
             self.engine.store = self.data.ensure_cache()
-            self._model = (task.version, None, None, SnapshotRef(task.snapshot, task.snapshot_bytes))
-        elif task.model is not None:
-            try:
-                params, buffers = task_model(task, self.built.model)
-            except ProtocolError as exc:
-                return self.session.task(now, task.slot, None, refused=f"bad model: {exc}",
-                                         acks=task.acks)
-            self._model = (task.version, params, buffers, None)
-        if self._model is None or self._model[0] != task.version:
+        try:
+            self._model = held_model(task, self._model, self.built.model)
+        except ProtocolError as exc:
+            return self.session.task(now, task.slot, None, refused=f"bad model: {exc}",
+                                     acks=task.acks)
+        work = task_work(task, self._model, now)
+        if work is None:  # it names a version whose model we do not hold
             return self.session.task(now, task.slot, None, model_held=False, acks=task.acks)
-        _, params, buffers, snapshot = self._model
-        work = Work(task.slot, task.version, params, task.parts, task.coefficients, task.kind,
-                    task.steps, arrived=now, buffers=buffers, snapshot=snapshot)
         try:
             self.engine.check(work)
             refused = None

@@ -5,7 +5,8 @@ The probes are read every `sample_every` seconds, in a thread (`watch`, one task
 however many projects it serves); `apply` decides on a reading. A pause clears the gate: the engines
 stop at their next micro-batch boundary (well within a second) and sleep, and downloads under the
 gate stop between two blocks. Every change of state is logged, and written as a JSON line to
-`state_log` when one is configured.
+`state_log` when one is configured. (The compute thread the projects share is named here too:
+`SharedCompute`.)
 """
 
 from __future__ import annotations
@@ -17,12 +18,22 @@ import logging
 import os
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from .idle import Decision, IdlePolicy, Readings
 from .probes import Probes
 
 log = logging.getLogger("idlegrad.worker")
+
+
+class SharedCompute(Protocol):
+    """The compute thread as the projects of one process share it (projects.ComputeSlot; named
+    here, since projects builds on the daemon)."""
+
+    def up(self, project: str) -> None: ...
+    def down(self, project: str) -> None: ...
+    def request(self, project: str) -> asyncio.Future: ...
+    def leave(self, project: str, computed_s: float) -> None: ...
 
 
 class Guest:

@@ -92,6 +92,42 @@ def test_a_worker_evicted_while_alive_rejoins_and_still_leaves_on_time():
     assert s.online == 0 and not any(w.online for w in s.workers.values())
 
 
+def test_each_simulated_worker_is_the_daemons_session_and_its_results_are_acknowledged():
+    from idlegrad.worker.session import SERVING, Session
+
+    s = sim.Simulation(identical(4), config(), "none")
+    r = s.run()
+    sessions = [w.process for w in s.workers.values()]
+    assert all(isinstance(p, Session) and p.state == SERVING for p in sessions)
+    # every result the rounds applied was sent by a session (100 samples a slot), and the
+    # coordinator acknowledged them (on the next task, or alone): none are kept for resending
+    assert sum(p.results_sent for p in sessions) >= r.samples_applied // 100 > 0
+    assert all(len(p.unacked) <= 1 for p in sessions), [len(p.unacked) for p in sessions]
+
+
+def test_an_evicted_session_is_told_hello_first_and_joins_again_at_once():
+    # the coordinator forgets a live worker at 10 s: its next message (a result within the
+    # second) is refused with hello_first, and its session says hello again on the same
+    # connection, as the daemon's does; not 3 s later, when it would take the silence for an
+    # outage
+    s = sim.Simulation(identical(2), config(duration_s=20.0), "none")
+    joins = []
+    join, tick = s.core.join, s._tick
+    s.core.join = lambda worker, *rest: (joins.append((worker, s.now)), join(worker, *rest))[1]
+
+    def evicting_tick():
+        if 10.0 <= s.now < 10.5:
+            s._perform(s.core.leave("w0", "forgotten", s.now))
+        tick()
+
+    s._tick = evicting_tick
+    s._handlers = lambda: {**sim.Simulation._handlers(s), sim._TICK: s._tick}
+    s.run()
+    again = [t for w, t in joins if w == "w0" and t > 0.0]
+    assert len(again) == 1 and 10.0 <= again[0] <= 11.5, joins
+    assert "w0" in s.scheduler.workers and s.workers["w0"].process.state == "serving"
+
+
 def test_a_saturated_coordinator_is_the_bottleneck():
     # every message costs 0.05 s: at most 20 results a second, whatever the fleet could do
     costs = sim.CoordinatorCosts(per_message_s=0.05, bytes_per_s=math.inf)
