@@ -185,7 +185,8 @@ def header(snap: Optional[dict], connection: Union[str, Text] = "", lost: bool =
         title, gap, "job ", (shown(snap.get("job", "?")), "cyan"), gap, (shown(state), style), gap,
         "version ", (number(snap.get("version")), "bold"), gap,
         f"samples {number(snap.get('samples'))} ({epochs_done(snap.get('epoch'))} epochs)", gap,
-        (number(snap.get("samples_per_s"), 1), "bold"), " samples/s")
+        # a lost coordinator's last rate is not the fleet's now: no figure rather than a stale one
+        (number(None if lost else snap.get("samples_per_s"), 1), "bold"), " samples/s")
     line2 = [f"loss {number(snap.get('loss'))}"]
     if metric and metric in metrics:
         line2.append(f"{shown(metric)} {number(metrics[metric], 4)}")
