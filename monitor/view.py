@@ -469,6 +469,12 @@ def data_line(data: dict) -> str:
             f"{number(data.get('downloads_in_flight'))} downloads in flight")
 
 
+def data_panel_lines(data: dict) -> list[str]:
+    """The data plane in `top`'s narrow rounds panel: `data_line`, one clause a line."""
+    first, *rest = data_line(data).split("; ")
+    return [f"data: {first}", *rest]
+
+
 # credits ----------------------------------------------------------------------------------------
 
 CREDIT_COLUMNS: tuple[tuple[str, str], ...] = (
