@@ -295,7 +295,8 @@ def job_differences(here: dict, there: dict, here_is: str = "here",
             found.append(f"{kind} order differs")
         out.extend(found[:most])
         if len(found) > most:
-            out.append(f"and {len(found) - most} more {kind}s")
+            more = len(found) - most
+            out.append(f"and {more} more {kind}{'s' if more > 1 else ''}")
     for key, label in (("train", "training set"), ("test", "test set")):
         if here.get(key) != there.get(key):
             out.append(f"{label}: {pair(f'{here.get(key)} samples', f'{there.get(key)} samples')}")

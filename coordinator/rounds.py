@@ -377,7 +377,8 @@ class RoundCore:
 
     def _evicted(self, action: Evicted, now: float) -> list[Effect]:
         self.identities.pop(action.worker, None)
-        return [Event("leave", f"{action.worker} left ({action.reason}); {action.requeued} slots "
+        slots = "slot" if action.requeued == 1 else "slots"
+        return [Event("leave", f"{action.worker} left ({action.reason}); {action.requeued} {slots} "
                                "requeued", action.worker), action]
 
     def _apply(self, decoded: Decoded, now: float) -> list:

@@ -87,9 +87,10 @@ class MonitorApp(App):
     #header { height: 2; padding: 0 1; background: $boost; }
     #connection { height: 1; padding: 0 1; }
     #middle { height: 11; }
-    #chart { width: 1fr; height: 11; padding: 0 1; border-right: solid $primary-darken-2; }
-    #rounds { width: 44; height: 11; padding: 0 1; }
-    #leaderboard { width: 40; height: 11; padding: 0 1; border-left: solid $primary-darken-2; }
+    #middle.with-data { height: 16; }
+    #chart { width: 1fr; height: 100%; padding: 0 1; border-right: solid $primary-darken-2; }
+    #rounds { width: 44; height: 100%; padding: 0 1; }
+    #leaderboard { width: 40; height: 100%; padding: 0 1; border-left: solid $primary-darken-2; }
     #workers { height: 1fr; }
     #filter { dock: bottom; display: none; }
     #filter.shown { display: block; }
@@ -214,7 +215,9 @@ class MonitorApp(App):
         lines = view.rounds_lines(snap)
         data = snap.get("data") if snap else None
         if isinstance(data, dict):  # the data plane, as `idlegrad status` shows it
-            lines = [*lines, f"data: {view.data_line(data)}"]
+            lines = [*lines, *view.data_panel_lines(data)]
+        # the panel grows to hold the data plane's lines (the workers table gives way)
+        self.query_one("#middle").set_class(isinstance(data, dict), "with-data")
         self.query_one("#rounds", Static).update(Text.assemble(
             ("rounds and redundancy", "bold"), *(f"\n{line}" for line in lines)))
         self.query_one("#leaderboard", Static).update(Text.assemble(

@@ -185,7 +185,8 @@ def header(snap: Optional[dict], connection: Union[str, Text] = "", lost: bool =
         title, gap, "job ", (shown(snap.get("job", "?")), "cyan"), gap, (shown(state), style), gap,
         "version ", (number(snap.get("version")), "bold"), gap,
         f"samples {number(snap.get('samples'))} ({epochs_done(snap.get('epoch'))} epochs)", gap,
-        (number(snap.get("samples_per_s"), 1), "bold"), " samples/s")
+        # a lost coordinator's last rate is not the fleet's now: no figure rather than a stale one
+        (number(None if lost else snap.get("samples_per_s"), 1), "bold"), " samples/s")
     line2 = [f"loss {number(snap.get('loss'))}"]
     if metric and metric in metrics:
         line2.append(f"{shown(metric)} {number(metrics[metric], 4)}")
@@ -466,6 +467,12 @@ def data_line(data: dict) -> str:
             f"{_mib(data.get('bytes_from_coordinator'))} from here; "
             f"{number(data.get('cache_hits'))} cache hits, "
             f"{number(data.get('downloads_in_flight'))} downloads in flight")
+
+
+def data_panel_lines(data: dict) -> list[str]:
+    """The data plane in `top`'s narrow rounds panel: `data_line`, one clause a line."""
+    first, *rest = data_line(data).split("; ")
+    return [f"data: {first}", *rest]
 
 
 # credits ----------------------------------------------------------------------------------------

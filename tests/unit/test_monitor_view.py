@@ -113,6 +113,14 @@ def test_header_shows_the_essentials():
     assert "waiting" in view.header(None).plain
 
 
+def test_header_of_a_lost_coordinator_shows_no_current_rate():
+    # the walkthrough of issue 29 met "coordinator lost ... 5,248 samples/s": a rate from the
+    # last snapshot, read as if the fleet were still training at it
+    text = view.header(snapshot(), "lost", lost=True).plain
+    assert "coordinator lost" in text and "1,000 samples/s" not in text, text
+    assert "- samples/s" in text and "ETA" not in text and "training" not in text
+
+
 @pytest.mark.parametrize("seconds,text", [
     (None, "-"), (-1, "-"), (float("inf"), "-"), (0, "0s"), (59.4, "59s"), (61, "1m01s"),
     (3725, "1h02m")])

@@ -1179,3 +1179,6 @@ def test_job_differences_say_what_differs_from_each_side():
     many = {"params": [[f"p{i}", [i], "float32"] for i in range(10)]}
     said = job_differences(many, {})
     assert len(said) == 4 and said[-1] == "and 7 more parameters", said
+    # one over the limit is one more (singular), as a walkthrough met it: "and 1 more buffers"
+    four = {"buffers": [[f"b{i}", [i], "float32"] for i in range(4)]}
+    assert job_differences(four, {})[-1] == "and 1 more buffer"

@@ -99,3 +99,17 @@ def test_honest_outliers_are_nobodys_failure_and_are_summed_up_not_logged_one_by
     assert not [e for e in events if e.kind in ("suspected", "rejected")]
     (summary,) = [e for e in events if e.kind == "verified"]  # one, within the minute
     assert "computed again matched" in summary.text
+
+
+def test_a_leave_counts_its_requeued_slots_in_words():
+    # the walkthrough of issue 29 met "left (banned); 1 slots requeued"
+    from idlegrad.coordinator.effects import Event
+
+    c = core()
+    c.join("a", {}, "a", 0.0)
+    c.join("b", {}, "b", 0.0)
+    assert len([x for x in c.ready("a", 1, 0.0) if isinstance(x, Assign)]) == 1
+    said = [e.text for e in c.leave("a", "said bye", 1.0) if isinstance(e, Event)]
+    assert "a left (said bye); 1 slot requeued" in said, said
+    said = [e.text for e in c.leave("b", "said bye", 1.0) if isinstance(e, Event)]
+    assert "b left (said bye); 0 slots requeued" in said, said
