@@ -18,6 +18,7 @@ stops or the caller's condition holds. A test speaks for a worker (`say`) or for
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections import deque
 from typing import Callable, Optional
@@ -186,7 +187,9 @@ class Pair:
         self.workers: dict[bytes, Worker] = {}
         self._joining: list[Worker] = []  # added, not yet said hello
         self.wire = Wire(self.workers)
-        self.coordinator = Coordinator(config)
+        # One torch thread, as every process of the integration suite has (--threads 1): on a
+        # loaded machine the default's threads fight each other, ten times slower
+        self.coordinator = Coordinator(dataclasses.replace(config, threads=config.threads or 1))
         self.coordinator.transport = self.wire
         self.coordinator.clock = self.clock
         self.coordinator.open_logs()
@@ -287,6 +290,16 @@ class Pair:
             if worker.left is None:
                 await worker.perform(worker.session.tick(self.clock.now))
         await self._deliver()
+
+    def final(self) -> dict:
+        """The metrics log's last line (what `finish` wrote): the run's tallies."""
+        return self.coordinator.training.final_record(self.clock.now,
+                                                      self.coordinator.stop_reason)
+
+    def events(self, kind: str, worker: Optional[str] = None) -> list[dict]:
+        """The coordinator's events of `kind` (of `worker`), as its status shows them."""
+        return [e for e in self.coordinator.training.events
+                if e["kind"] == kind and (worker is None or e.get("worker") == worker)]
 
     def close(self) -> None:
         self.coordinator.close_logs()
