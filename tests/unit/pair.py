@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import threading
 from collections import deque
 from typing import Callable, Optional
@@ -88,11 +89,21 @@ class Worker:
         self.computing: Optional[tuple[int, Work]] = None
         self.cancelled = False  # the slot computing was cancelled: it ends not computed
         self.left: Optional[S.Leave] = None
+        self.dead = False  # killed: it hears, says and computes nothing more (`kill`)
         self.computed = 0  # slots computed here
 
     @property
     def now(self) -> float:
         return self.pair.clock.now
+
+    def kill(self) -> None:
+        """SIGKILL: gone without a word; what it held is the coordinator's to take back."""
+        self.dead = True
+        self.inbox.clear()
+
+    @property
+    def serving(self) -> bool:
+        return self.left is None and not self.dead
 
     async def connect(self) -> None:
         await self.perform(self.session.connect(self.now))
@@ -132,6 +143,8 @@ class Worker:
         """Everything the coordinator sent it so far, in order."""
         while self.inbox:
             msg = self.inbox.popleft()
+            if self.dead:
+                continue
             self.session.heard(self.now)
             if isinstance(msg, proto.Task):
                 await self.perform(self._task(msg))
@@ -238,7 +251,7 @@ class Pair:
             if self.coordinator.stop_reason is not None or until():
                 break
             for worker in list(self.workers.values()):
-                if worker.left is None and await worker.compute_one():
+                if worker.serving and await worker.compute_one():
                     await self._deliver()
             self.clock.now += self.step_s
             await self._tick()
@@ -276,7 +289,7 @@ class Pair:
         if c.scheduler.finished and c.stop_reason is None:
             c.stop_reason = "epochs"
         for worker in list(self.workers.values()):
-            if worker.left is None:
+            if worker.serving:
                 await worker.perform(worker.session.tick(now))
         await self._deliver()
 
@@ -287,7 +300,7 @@ class Pair:
         await self.coordinator.finish()
         await self._deliver()
         for worker in list(self.workers.values()):
-            if worker.left is None:
+            if worker.serving:
                 await worker.perform(worker.session.tick(self.clock.now))
         await self._deliver()
 
@@ -295,6 +308,11 @@ class Pair:
         """The metrics log's last line (what `finish` wrote): the run's tallies."""
         return self.coordinator.training.final_record(self.clock.now,
                                                       self.coordinator.stop_reason)
+
+    def metrics(self) -> list[dict]:
+        """The metrics log (config.metrics_path), a record a line."""
+        with open(self.coordinator.config.metrics_path) as fh:
+            return [json.loads(line) for line in fh if line.strip()]
 
     def events(self, kind: str, worker: Optional[str] = None) -> list[dict]:
         """The coordinator's events of `kind` (of `worker`), as its status shows them."""
