@@ -10,10 +10,9 @@ from idlegrad.coordinator.server import CoordinatorConfig
 from .pair import Pair
 
 
-def evaluations(pair: Pair) -> tuple[list[dict], dict]:
+def evaluations(records: list[dict]) -> tuple[list[dict], dict]:
     """The metrics log's evaluations during the run (each the workers'), and its final line.
     The coordinator's only evaluation is the last word: of the final model, after training."""
-    records = pair.metrics()
     final = records[-1]
     assert final.get("final") is True, final
     evals = [r for r in records[:-1] if r.get("metrics")]
@@ -24,6 +23,22 @@ def evaluations(pair: Pair) -> tuple[list[dict], dict]:
     during = [r for r in evals if r["eval_on"] != "coordinator"]
     assert {r["eval_on"] for r in during} <= {"workers"}
     return during, final
+
+
+def check_evaluated_on_workers(records: list[dict], samples: int) -> None:
+    """A run evaluated on workers (its metrics log `records`), which applied `samples`: the
+    workers' evaluations track the training, and the coordinator made none but the last."""
+    during, final = evaluations(records)
+    assert len(during) >= 2, "evaluations during the run"
+    assert all(set(r["metrics"]) == {"loss", "accuracy"} for r in during)
+    counters = final["counters"]
+    assert counters["evaluations_workers"] == len(during)
+    assert final["metrics"]["accuracy"] > 0.85, final
+    # the workers' evaluations track the training: the last is far better than the first
+    assert during[-1]["metrics"]["loss"] < 0.5 * during[0]["metrics"]["loss"], during
+    # evaluation slots are not training: the samples applied are the epochs' exactly
+    assert final["samples"] == samples
+    assert final["scheduler"]["side_answered"] >= 2
 
 
 def run(tmp_path, epochs: int, every: float) -> Pair:
@@ -39,17 +54,8 @@ def test_workers_evaluate_and_the_coordinator_does_not(tmp_path):
     pair.run()
     pair.close()
     assert all(w.left is not None and not w.left.refused for w in workers)
-    during, final = evaluations(pair)
-    assert len(during) >= 2, "evaluations during the run"
-    assert all(set(r["metrics"]) == {"loss", "accuracy"} for r in during)
-    counters = final["counters"]
-    assert counters["evaluations_workers"] == len(during)
-    assert final["metrics"]["accuracy"] > 0.85, final
-    # the workers' evaluations track the training: the last is far better than the first
-    assert during[-1]["metrics"]["loss"] < 0.5 * during[0]["metrics"]["loss"], during
-    # evaluation slots are not training: the samples applied are the epochs' exactly
-    assert final["samples"] == epochs * len(pair.coordinator.training.built.train)
-    assert final["scheduler"]["side_answered"] >= 2
+    check_evaluated_on_workers(pair.metrics(),
+                               epochs * len(pair.coordinator.training.built.train))
 
 
 def test_an_evaluation_survives_its_workers_death(tmp_path):
@@ -67,7 +73,7 @@ def test_an_evaluation_survives_its_workers_death(tmp_path):
     pair.run()
     pair.close()
     assert steady.left is not None and not steady.left.refused
-    during, final = evaluations(pair)
+    during, final = evaluations(pair.metrics())
     # the evaluation the victim held a slot of was completed, by the others, on the workers
     assert any(r["version"] == in_flight and r["eval_on"] == "workers" for r in during), during
     assert final["scheduler"]["side_requeued"] >= 1
