@@ -11,8 +11,9 @@ job takes what its gradients take to compute.
 `Pair.run` is the loop: it delivers what is in flight, lets each worker compute one slot, moves
 the clock, and does the coordinator's periodic work (the round core's tick at its cadence, the
 computations and evaluations off its loop, awaited at once, the run core's tick), until the run
-stops or the caller's condition holds. A test speaks for a worker (`say`) or for a raw peer
-(`frames`) between runs, and reads what travelled (`Pair.wire.sent`, `Worker.said`).
+stops or the caller's condition holds. Between runs a test speaks for a raw peer (`frames`),
+kills a worker (`Worker.kill`), adds one, and reads what travelled (`Pair.wire.sent`,
+`Worker.said`) and what the coordinator shows (its snapshot, `final`, `events`, `metrics`).
 """
 
 from __future__ import annotations
@@ -226,24 +227,11 @@ class Pair:
         them to the coordinator: routing id first."""
         asyncio.run(self.coordinator.handle([route, *frames]))
 
-    def say(self, worker: Worker, msg: proto.Message) -> None:
-        asyncio.run(worker.say(msg))
-
     def run(self, until: Callable[[], bool] = lambda: False, steps: int = 100_000,
             finish: bool = True) -> None:
         """Turns of the loop until the run stops (then, with `finish`, the coordinator's end
         of a run: work withdrawn, every worker sent home) or `until()` holds, at most `steps`."""
         asyncio.run(self._run(until, steps, finish))
-
-    def advance(self, seconds: float) -> None:
-        """Time passes with nobody computing; the coordinator and the workers tick."""
-        async def go():
-            end = self.clock.now + seconds
-            while self.clock.now < end:
-                self.clock.now = min(end, self.clock.now + self.step_s)
-                await self._deliver()
-                await self._tick()
-        asyncio.run(go())
 
     async def _run(self, until, steps: int, finish: bool) -> None:
         for _ in range(steps):
