@@ -182,7 +182,11 @@ class Worker:
         if self.cancelled:
             cancel.set()
         try:
-            o = self.engine.compute(work, cancel)
+            # In virtual time a slot takes one turn, whatever it took here: what the coordinator
+            # makes of compute times (speeds, deadlines, late slots) is then the same on any
+            # machine, under any load
+            o = dataclasses.replace(self.engine.compute(work, cancel),
+                                    compute_s=self.pair.step_s)
             outcome: S.Outcome = (S.EvalAnswer(eval_message(o)) if o.sums is not None
                                   else S.ResultReady(result_message(o, self.feedback)))
             self.computed += 1
@@ -202,8 +206,13 @@ class Pair:
         self._joining: list[Worker] = []  # added, not yet said hello
         self.wire = Wire(self.workers)
         # One torch thread, as every process of the integration suite has (--threads 1): on a
-        # loaded machine the default's threads fight each other, ten times slower
-        self.coordinator = Coordinator(dataclasses.replace(config, threads=config.threads or 1))
+        # loaded machine the default's threads fight each other, ten times slower. And where
+        # evaluations (and so settles) run is said, not measured: --eval-on auto times the job
+        # on this machine, and a loaded one could choose the other way (the small jobs the pair
+        # runs are evaluated on the coordinator under auto)
+        self.coordinator = Coordinator(dataclasses.replace(
+            config, threads=config.threads or 1,
+            eval_on="coordinator" if config.eval_on == "auto" else config.eval_on))
         self.coordinator.transport = self.wire
         self.coordinator.clock = self.clock
         self.coordinator.open_logs()
