@@ -58,6 +58,9 @@ class Coordinator:
         self._bad_logged = Throttle()  # bad messages, however hostile the peer
         self._refused_logged = Throttle()  # handshakes from keys not allowed
         self.transport = None  # ZmqTransport while serving; anything with its `send` in tests
+        # The loop's one clock (seconds, monotonic): a test driving the coordinator in process
+        # (tests/unit/pair.py) sets its own, virtual, and time passes when it says
+        self.clock = time.monotonic
         self.stop_reason: Optional[str] = None
         self._stopping: Optional[asyncio.Future] = None  # done once a signal asks to stop
         self.records = RunRecords(config.metrics_path, config.ledger_path,
@@ -71,7 +74,7 @@ class Coordinator:
     version = property(lambda self: self.training.version)
 
     def snapshot(self, cursor: int = 0) -> dict:
-        return coordinator_snapshot(self.training, time.monotonic(), cursor,
+        return coordinator_snapshot(self.training, self.clock(), cursor,
                                     stopping=self.stop_reason is not None,
                                     events_limit=EVENTS_PER_STATUS)
 
@@ -94,7 +97,7 @@ class Coordinator:
             f"CURVE, {self.gate.describe()}" if self.gate.secure else "no keys: unencrypted"))
         try:
             await self._loop(transport)
-            await self._finish()
+            await self.finish()
         finally:
             self.records.close()
             transport.close()
@@ -105,14 +108,14 @@ class Coordinator:
 
     def open_logs(self) -> None:
         self.records.open(version=self.version, samples=self.samples_applied, time=time.time())
-        self.training.started = time.monotonic()
+        self.training.started = self.clock()
 
     def _allow(self, key: bytes) -> bool:
         """The CURVE handshake's question, asked of the gate."""
         allowed = self.gate.handshake(key)
         if not allowed:
             self.counters["handshakes_refused"] += 1
-            if self._refused_logged.ready(time.monotonic()):
+            if self._refused_logged.ready(self.clock()):
                 self._event("refused", f"a handshake from key {short(key)}, which is in no key "
                                        "folder (copy its NAME.key into --allow-keys, "
                                        "--monitor-keys or --operator-keys and send SIGHUP)",
@@ -128,20 +131,20 @@ class Coordinator:
 
     async def _loop(self, transport: ZmqTransport) -> None:
         tick_every = self.config.heartbeat_s / 2
-        next_tick = time.monotonic() + tick_every
-        next_checkpoint = time.monotonic() + self.config.checkpoint_every
+        next_tick = self.clock() + tick_every
+        next_checkpoint = self.clock() + self.config.checkpoint_every
         recv = asyncio.ensure_future(transport.receive())
         self._stopping = asyncio.get_running_loop().create_future()
         run = self.training.run
         try:
             while self.stop_reason is None:
-                now = time.monotonic()
+                now = self.clock()
                 due = min(next_tick, next_checkpoint, run.next_at())
                 # chunks waiting to be served: look at the socket, and come straight back
                 wait = 0.0 if self.training.data.pending else max(0.0, due - now)
                 waiting = {recv, self._stopping} | self.offloop.futures()
                 await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
-                overslept = time.monotonic() - now - wait
+                overslept = self.clock() - now - wait
                 if overslept > self.config.heartbeat_s:  # stopped, suspended, or starved of CPU
                     self.scheduler.absent(overslept)
                     self._event("absent", f"the coordinator did not run for {overslept:.1f}s: "
@@ -150,11 +153,11 @@ class Coordinator:
                 if recv.done():
                     await self._handle_batch(recv.result())
                     recv = asyncio.ensure_future(transport.receive())
-                await self.perform(self.offloop.computed(time.monotonic()))
+                await self.perform(self.offloop.computed(self.clock()))
                 if self.training.data.pending:  # one pass, at most its byte budget
                     await self.training.data.serve(self.gate.routes, self._send_counted,
                                                    self._event)
-                now = time.monotonic()
+                now = self.clock()
                 if now >= next_tick:
                     # What arrived while the loop was not looking (a frozen or busy coordinator)
                     # is handled before silence is judged: workers knocking at the door are not
@@ -165,17 +168,17 @@ class Coordinator:
                         recv.cancel()  # a pending receive holds no message: nothing is lost
                         await self._handle_batch(None)
                     recv = asyncio.ensure_future(transport.receive())
-                    now = time.monotonic()
+                    now = self.clock()
                     await self.perform(self.core.tick(now))
                     next_tick = now + tick_every
                 evaluation = self.offloop.evaluated()
                 if evaluation is not None:
-                    await self._evaluated(evaluation, "coordinator")
+                    await self.evaluated(evaluation, "coordinator")
                 if self.stop_reason is None:  # the evaluation due, if one is (run.py)
-                    await self.perform(run.tick(time.monotonic()))
+                    await self.perform(run.tick(self.clock()))
                 if self.config.checkpoint_dir and now >= next_checkpoint:
                     self.save_checkpoint()
-                    next_checkpoint = time.monotonic() + self.config.checkpoint_every
+                    next_checkpoint = self.clock() + self.config.checkpoint_every
                 if self.scheduler.finished and self.stop_reason is None:
                     self.stop_reason = "epochs"
         finally:
@@ -198,36 +201,36 @@ class Coordinator:
                 await self.handle(frames)
                 if i % 32 == 31:  # let a settle's thread start and report (a flood never yields)
                     await asyncio.sleep(0)
-                    await self.perform(self.offloop.computed(time.monotonic()))
+                    await self.perform(self.offloop.computed(self.clock()))
         finally:
             transport.handling = False
 
-    async def _finish(self) -> None:
+    async def finish(self) -> None:
         if self.stop_reason != "interrupted":
             # Training is over: withdraw the work and send everyone home.
-            await self.perform(self.core.stop(time.monotonic()))
+            await self.perform(self.core.stop(self.clock()))
             for route in list(self.gate.routes.values()):
                 await self._send(route, proto.Shutdown(
                     reason=f"training finished ({self.stop_reason})"))
         if self.training.run.stale():
             # The last word of a run is the coordinator's: workers may all be gone by now.
-            await self._evaluated(self.training.evaluation()(), "coordinator")
+            await self.evaluated(self.training.evaluation()(), "coordinator")
         self.save_checkpoint()
-        self.records.metrics(self.training.final_record(time.monotonic(), self.stop_reason))
+        self.records.metrics(self.training.final_record(self.clock(), self.stop_reason))
         self._event("stop", f"stopped: {self.stop_reason}")
 
     def save_checkpoint(self) -> Optional[str]:
         self.records.sync()
-        path = self.training.save_checkpoint(time.monotonic())
+        path = self.training.save_checkpoint(self.clock())
         if path is not None:
             self.records.write("checkpoint", version=self.version)
         return path
 
-    async def _evaluated(self, result: tuple, source: str) -> None:
+    async def evaluated(self, result: tuple, source: str) -> None:
         """An evaluation is done: made here (in a thread, on a copy of the model), or by
         workers (`source`). What the run core makes of it may stop the run, or start the
         evaluation that confirms a target."""
-        start, record = self.training.evaluated(result, source, time.monotonic(),
+        start, record = self.training.evaluated(result, source, self.clock(),
                                                 judge=self.stop_reason is None)
         self.records.metrics(record)
         if self.stop_reason is None:
@@ -289,7 +292,7 @@ class Coordinator:
         bad = self.training.bad_messages
         bad[exc.reason] += 1
         who = self.gate.peers.get(route, route.hex()[:16])
-        if self._bad_logged.ready(time.monotonic()):
+        if self._bad_logged.ready(self.clock()):
             self._event("rejected", f"bad message from {who}: {exc} ({sum(bad.values())} so far)",
                         level=logging.WARNING)
 
@@ -300,7 +303,7 @@ class Coordinator:
         return worker_id
 
     async def _on_hello(self, route: bytes, msg: proto.Hello, key: Optional[bytes]) -> None:
-        now = time.monotonic()
+        now = self.clock()
         resumed = self.training.resumes(msg, self.gate.same_key(msg.worker_id, key))
         if resumed:
             self.counters["sessions_resumed"] += 1
@@ -327,9 +330,9 @@ class Coordinator:
             self._event("refused", f"{worker_id} built another job than this one: "
                                    f"{differs}"[:500], worker_id, logging.WARNING)
             await self._send(route, reject)
-            await self.perform(self.core.leave(worker_id, "wrong job", time.monotonic()))
+            await self.perform(self.core.leave(worker_id, "wrong job", self.clock()))
             return
-        await self.perform(self.core.ready(worker_id, msg.credits, time.monotonic()))
+        await self.perform(self.core.ready(worker_id, msg.credits, self.clock()))
 
     async def _on_result(self, route: bytes, msg: proto.Result, key) -> None:
         worker_id = self._worker_of(route)
@@ -339,7 +342,7 @@ class Coordinator:
         self._acks_due[worker_id] = msg.slot
         effects = []
         try:
-            model, now = self.training.model, time.monotonic()
+            model, now = self.training.model, self.clock()
             try:
                 grad = model.gradient_of(msg.gradient)
                 buffers = model.buffers_of(msg.buffers)
@@ -360,11 +363,11 @@ class Coordinator:
         worker_id = self._worker_of(route)
         sums = {name: (float(pair[0]), float(pair[1])) for name, pair in msg.sums.items()}
         await self.perform(self.core.evaluated(worker_id, msg.slot, msg.version, sums,
-                                               msg.compute_s, time.monotonic()))
+                                               msg.compute_s, self.clock()))
 
     async def _on_heartbeat(self, route: bytes, msg: proto.Heartbeat, key) -> None:
         worker_id = self._worker_of(route)
-        await self.perform(self.core.seen(worker_id, msg.state, time.monotonic(), msg.shards))
+        await self.perform(self.core.seen(worker_id, msg.state, self.clock(), msg.shards))
         self.training.data.report(worker_id, msg.cache)
         await self._send(route, proto.Heartbeat(state="coordinator"))
 
@@ -375,13 +378,13 @@ class Coordinator:
 
     async def _on_handback(self, route: bytes, msg: proto.Handback, key) -> None:
         worker_id = self._worker_of(route)
-        await self.perform(self.core.handback(worker_id, msg.slots, time.monotonic()))
+        await self.perform(self.core.handback(worker_id, msg.slots, self.clock()))
 
     async def _on_bye(self, route: bytes, msg: proto.Bye, key) -> None:
         worker_id = self.gate.peers.get(route)
         if worker_id is not None:
             await self.perform(self.core.leave(worker_id, f"said bye: {msg.reason}"[:200],
-                                               time.monotonic()))
+                                               self.clock()))
 
     async def _on_status(self, route: bytes, msg: proto.StatusRequest, key) -> None:
         await self._send(route, proto.Status(snapshot=self.snapshot(msg.cursor)))
@@ -395,7 +398,7 @@ class Coordinator:
         """An operator's command (operators.py): pause, resume, drain, ban or unban a worker,
         revoke an invitation."""
         ok, detail, effects = self.operators.command(action, worker, invitation,
-                                                     time.monotonic())
+                                                     self.clock())
         await self.perform(effects)
         return ok, detail
 
@@ -425,7 +428,7 @@ class Coordinator:
         self.counters["workers_revoked"] += 1
         await self._tell(worker_id, proto.Reject(code="revoked", reason=REVOKED))
         # evicted now: its slots go back to the pool, and nothing more from its connection is used
-        await self.perform(self.core.leave(worker_id, "key revoked", time.monotonic()))
+        await self.perform(self.core.leave(worker_id, "key revoked", self.clock()))
         self.gate.forget(worker_id)
 
     # what the core asks for -------------------------------------------------------------------
@@ -440,17 +443,17 @@ class Coordinator:
             elif isinstance(effect, Event):
                 self.training.record(effect)
             elif isinstance(effect, Applied):
-                self.training.applied(effect, time.monotonic())
+                self.training.applied(effect, self.clock())
                 self.records.write("applied", round=effect.round, version=effect.version,
                                    parts=[list(p) for p in effect.parts], t=time.time())
                 self.training.data.stepped(self.scheduler.version_in_use, self.version)
             elif isinstance(effect, Compute):
                 self.offloop.compute(effect)
             elif isinstance(effect, Evaluated):
-                await self._evaluated((effect.version, effect.samples, effect.metrics,
+                await self.evaluated((effect.version, effect.samples, effect.metrics,
                                        effect.seconds), "workers")
             elif isinstance(effect, EvaluateHere) and effect.confirming:
-                await self._evaluated(await self.offloop.confirm(), "coordinator")
+                await self.evaluated(await self.offloop.confirm(), "coordinator")
             elif isinstance(effect, EvaluateHere):
                 self.offloop.evaluate()
             elif isinstance(effect, Ban):

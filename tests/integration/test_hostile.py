@@ -1,12 +1,12 @@
 """Hostile input: garbage on the coordinator's socket while two workers train.
 
-A raw DEALER sends random bytes, truncated and malformed msgpack, wrong schemas, a wrong protocol
-version, lying length fields, and results from a peer that never said hello; raw TCP peers send
-bytes that are not ZeroMQ at all, and a ZMTP frame whose announced length is absurd; one DEALER
-sends a frame over ZMQ_MAXMSGSIZE; a fake worker shakes hands properly and then answers its task
-with a NaN gradient. The coordinator counts and drops all of it, and training goes on to the end
+A raw DEALER sends random bytes and a wrong protocol version; raw TCP peers send bytes that are
+not ZeroMQ at all, and a ZMTP frame whose announced length is absurd; one DEALER sends a frame
+over ZMQ_MAXMSGSIZE. The coordinator counts and drops all of it, and training goes on to the end
 with every sample applied exactly once. The other way round, a fake coordinator welcomes a real
-worker with job arguments it must not take.
+worker with job arguments it must not take. (Every kind of bad message, a NaN gradient, one of
+the wrong size and another job's fingerprint from fake workers are fed to the coordinator's
+handler on the in-memory pair: tests/unit/test_hostile_messages.py.)
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import time
 from typing import Optional
 
 import msgpack
-import numpy as np
 import pytest
 import zmq
 
@@ -56,39 +55,6 @@ def recv(sock: zmq.Socket, kind: type, timeout: float = 10.0) -> Optional[proto.
     return None
 
 
-def garbage_frames() -> list[list[bytes]]:
-    """Bad messages, each counted once by the coordinator (as one bad message)."""
-    valid = proto.encode(hello("truncated"))[0]
-    desc = lambda numel, frames: {"dtype": "float32", "numel": numel, "frames": frames}
-    result = lambda gradient: {"v": proto.PROTOCOL_VERSION, "type": "result", "slot": 1,
-                               "version": 0, "samples": 1, "loss": 0.0, "compute_s": 0.1,
-                               "gradient": gradient}
-    rng = np.random.default_rng(7)
-    return [
-        *[[rng.bytes(int(n))] for n in (1, 7, 64, 1000, 65536)],  # random bytes
-        [b""],  # an empty header
-        [valid[: len(valid) // 2]],  # truncated msgpack
-        [packb([1, 2, 3])],  # not a map
-        [packb({"v": proto.PROTOCOL_VERSION, "type": "hello", "worker_id": 5})],  # wrong schema
-        [packb({"v": proto.PROTOCOL_VERSION, "type": "heartbeat", "state": "idle", "x": 1})],
-        [packb({"v": proto.PROTOCOL_VERSION, "type": "heartbeat", "state": "dancing"})],
-        [packb({"v": proto.PROTOCOL_VERSION, "type": "rm -rf /"})],  # unknown type
-        proto.encode(proto.Shutdown(reason="go home")),  # valid, but not for the coordinator
-        [packb(msgpack.ExtType(1, b"pickle?"))],  # ext types are refused
-        # huge fake length headers: msgpack containers and strings announcing gigabytes
-        [b"\xdd\xff\xff\xff\xff"],  # array32 of 4 G items
-        [b"\xdf\xff\xff\xff\xff" + b"\x00" * 16],  # map32 of 4 G pairs
-        [b"\xdb\x7f\xff\xff\xff" + b"x" * 100],  # str32 of 2 GiB
-        [b"\xc6\xff\xff\xff\xff" + b"x" * 100],  # bin32 of 4 GiB
-        # tensor descriptors that lie about what follows
-        [packb(result(desc(2**40, 1))), b"\x00" * 16],
-        [packb(result(desc(NUMEL, 1)))],  # a frame announced, none sent
-        [packb(result(desc(NUMEL, 10**6)))],  # a million frames announced
-        [packb(result({"dtype": "pickle", "numel": 1, "frames": 1})), b"\x00" * 4],
-        [packb(result(desc(1, 1))), b"\x00" * 4, b"extra"],  # a frame too many
-    ]
-
-
 def zmtp_huge_frame() -> bytes:
     """A valid ZMTP 3.0 NULL greeting and READY, then a frame announcing 2**62 bytes."""
     greeting = (b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00")
@@ -123,51 +89,13 @@ def test_hostile_input_is_counted_and_dropped_while_training_goes_on(cluster, di
         return sock
 
     try:
-        # 1. A fake worker that shakes hands properly, then answers its task with NaNs.
-        fake = dealer()
-        fake.send_multipart(proto.encode(hello("nan-worker")))
-        welcome = recv(fake, proto.Welcome)
-        assert welcome is not None, "no WELCOME for a proper HELLO"
-        fake.send_multipart(proto.encode(proto.Ready(credits=1, fingerprint=welcome.fingerprint)))
-        task = recv(fake, proto.Task)
-        assert task is not None and task.model is not None, "the fake worker got no task"
-        assert task.model.numel == NUMEL
-        nan = np.full(NUMEL, np.nan, dtype=np.float32)
-        fake.send_multipart(proto.encode(proto.Result(
-            slot=task.slot, version=task.version, samples=sum(p[2] for p in task.parts), loss=1.0,
-            compute_s=0.01, gradient=proto.Blob("float32", NUMEL, (nan.tobytes(),)))), copy=True)
-        # Its slot went back to the pool, so it is handed the next one: answer it with a
-        # gradient of the wrong size.
-        task2 = recv(fake, proto.Task)
-        if task2 is not None:
-            short = np.zeros(10, dtype=np.float32)
-            fake.send_multipart(proto.encode(proto.Result(
-                slot=task2.slot, version=task2.version, samples=1, loss=1.0, compute_s=0.01,
-                gradient=proto.Blob("float32", 10, (short.tobytes(),)))))
-        fake.send_multipart(proto.encode(proto.Bye(reason="done cheating")))
-
-        # 1b. One that announces another job's fingerprint (an old or hostile worker: ours
-        # leaves by itself) is refused before it gets a task.
-        wrong = dealer()
-        wrong.send_multipart(proto.encode(hello("wrong-job")))
-        assert recv(wrong, proto.Welcome) is not None
-        wrong.send_multipart(proto.encode(proto.Ready(credits=1, fingerprint="0" * 16)))
-        refusal = recv(wrong, proto.Reject)
-        assert refusal is not None and refusal.code == "job", refusal
-
-        # 2. Garbage from a DEALER that never said hello.
+        # 1. Random bytes from a DEALER that never said hello (every other kind of bad message,
+        # fed to the coordinator's handler as the socket hands it over: tests/unit/test_hostile_messages.py)
         attacker = dealer()
-        bad = garbage_frames()
-        for frames in bad:
-            attacker.send_multipart(frames)
-        # A well-formed RESULT with a NaN gradient, from a peer the coordinator does not know.
-        nan_result = proto.Result(slot=1, version=0, samples=32, loss=0.0, compute_s=0.1,
-                                  gradient=proto.Blob("float32", NUMEL, (nan.tobytes(),)))
-        attacker.send_multipart(proto.encode(nan_result))
-        reject = recv(attacker, proto.Reject)
-        assert reject is not None and reject.code == "hello_first", reject
+        for n in (1, 64, 65536):
+            attacker.send_multipart([os.urandom(n)])
 
-        # 3. A HELLO in a protocol version from the future gets a REJECT saying so.
+        # 2. A HELLO in a protocol version from the future gets a REJECT saying so.
         future = dealer()
         header = msgpack.unpackb(proto.encode(hello("from-the-future"))[0])
         header["v"] = proto.PROTOCOL_VERSION + 41
@@ -176,11 +104,11 @@ def test_hostile_input_is_counted_and_dropped_while_training_goes_on(cluster, di
         assert reject is not None and reject.code == "version", reject
         assert str(proto.PROTOCOL_VERSION) in reject.reason
 
-        # 4. A frame over ZMQ_MAXMSGSIZE: ZeroMQ itself drops the connection.
+        # 3. A frame over ZMQ_MAXMSGSIZE: ZeroMQ itself drops the connection.
         big = dealer()
         big.send_multipart([b"\x00" * (proto.SOCKET_MAX_MSG_BYTES + 1024)], copy=False)
 
-        # 5. Raw TCP: bytes that are not ZMTP, a ZMTP frame announcing 2**62 bytes, a peer that
+        # 4. Raw TCP: bytes that are not ZMTP, a ZMTP frame announcing 2**62 bytes, a peer that
         # connects and says nothing (kept open until the end).
         host, port = cluster.address.removeprefix("tcp://").rsplit(":", 1)
         silent = socket.create_connection((host, int(port)), timeout=5)
@@ -193,11 +121,9 @@ def test_hostile_input_is_counted_and_dropped_while_training_goes_on(cluster, di
                     pass  # the coordinator may hang up first: fine
 
         # The coordinator counted every bad message, answered status all along, and trains on.
-        expected_bad = len(bad) + 1  # + the future HELLO
-        after = status.wait_for(
-            lambda s: sum(s["bad_messages"].values()) >= expected_bad + (task2 is not None)
-            and s["counters"].get("gradients_rejected", 0) >= 1,
-            "the bad messages counted", timeout=30, alive=[coordinator])
+        expected_bad = 3 + 1  # + the future HELLO
+        after = status.wait_for(lambda s: sum(s["bad_messages"].values()) >= expected_bad,
+                                "the bad messages counted", timeout=30, alive=[coordinator])
     finally:
         for sock in sockets:
             sock.close(0) if isinstance(sock, zmq.Socket) else sock.close()
@@ -206,17 +132,8 @@ def test_hostile_input_is_counted_and_dropped_while_training_goes_on(cluster, di
     bad_counts = after["bad_messages"]
     print("bad messages counted:", bad_counts)
     # (>=: libzmq still speaks ZMTP 1.0, so raw TCP bytes can arrive as messages too)
-    assert sum(bad_counts.values()) >= expected_bad + (task2 is not None), bad_counts
-    for reason in ("msgpack", "schema", "type", "version", "frames", "oversize", "dtype",
-                   "unexpected"):
-        assert bad_counts.get(reason, 0) >= 1, (reason, bad_counts)
-    if task2 is not None:
-        assert bad_counts.get("tensor", 0) >= 1, bad_counts
-    assert after["counters"].get("hello_first", 0) >= 1
-    assert after["counters"]["gradients_rejected"] == 1
-    assert any("non-finite gradient from nan-worker" in e["text"]
-               for e in status.events_of("rejected")), status.events_of("rejected")
-    assert after["rounds"].get("slots_requeued", 0) >= 1
+    assert sum(bad_counts.values()) >= expected_bad, bad_counts
+    assert bad_counts.get("version", 0) >= 1, bad_counts
 
     # Training goes on past the attack and to the end, with nothing lost or applied twice.
     assert status.follow(coordinator) == 0

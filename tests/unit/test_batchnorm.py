@@ -1,18 +1,16 @@
-"""Model state beyond parameters, end to end: a BatchNorm MLP trained by a coordinator and four
-workers evaluates, from idlegrad's own checkpoint in eval mode, as well as the same model trained
-in one process on the same samples in the same order."""
+"""Model state beyond parameters (moved from the integration suite onto the in-memory pair,
+tests/unit/pair.py): a BatchNorm MLP trained by a coordinator and four workers evaluates, from
+idlegrad's own checkpoint in eval mode, as well as the same model trained in one process on the
+same samples in the same order. The buffers cross the wire both ways, encoded."""
 
 from __future__ import annotations
-
-import pytest
 
 from idlegrad.common.builtin_jobs import digits
 from idlegrad.common.job import build, evaluate, make_optimizer, part_batch
 from idlegrad.coordinator import checkpoint
+from idlegrad.coordinator.server import CoordinatorConfig
 
-from .harness import final_metrics
-
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+from .pair import Pair
 
 EPOCHS = 2
 WORKERS = 4
@@ -39,16 +37,16 @@ def trained_in_one_process(seed: int, samples: int) -> float:
     return evaluate(job, built.model.module, built.test)["accuracy"]
 
 
-def test_batchnorm_model_trained_by_four_workers_matches_one_process(cluster):
-    ckpt = cluster.dir / "ckpt"
-    coordinator, workers = cluster.start_together(
-        ["--job", "digits", "--job-arg", "norm=batch", "--epochs", str(EPOCHS), "--open-rounds", "1",
-         "--partitions", str(WORKERS), "--checkpoint-dir", str(ckpt)],
-        [f"w{i}" for i in range(WORKERS)])
-    assert cluster.status().follow(coordinator) == 0, "the coordinator did not exit 0"
-    for worker in workers:
-        assert worker.wait(timeout=30) == 0, f"{worker.name} did not exit 0"
-    assert final_metrics(ckpt / "metrics.jsonl")["reason"] == "epochs"
+def test_batchnorm_model_trained_by_four_workers_matches_one_process(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    pair = Pair(CoordinatorConfig(job="digits", job_args={"norm": "batch"}, epochs=EPOCHS,
+                                  open_rounds=1, partitions=WORKERS, checkpoint_dir=str(ckpt),
+                                  heartbeat_s=0.5, eval_every=3600))
+    workers = [pair.worker(f"w{i}") for i in range(WORKERS)]
+    pair.run()
+    pair.close()
+    assert all(w.left is not None and not w.left.refused and w.computed for w in workers)
+    assert pair.final()["reason"] == "epochs"
 
     state = checkpoint.load(str(ckpt))
     job = digits(norm="batch")
@@ -63,4 +61,3 @@ def test_batchnorm_model_trained_by_four_workers_matches_one_process(cluster):
     # Every round's four slots each ran one forward pass (a part of 8 samples, one micro-batch)
     # from the round's counter: the merged counter advanced once a step, as DDP's would
     assert int(state["buffers"]["1.num_batches_tracked"]) == state["version"] > 0
-    cluster.assert_no_tracebacks()

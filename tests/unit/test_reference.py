@@ -1,17 +1,18 @@
-"""The aggregation maths, checked number by number: a real coordinator with real workers, code
-none and one open round (synchronous rounds), ends with the parameters of a plain single-process
-run of the same rounds: the same initial model (seed), the same samples in each round (the
-sampler's plan over the seeded epoch permutations, which the ledger's `applied` records confirm),
-the job's own optimizer stepping on each round's mean gradient.
+"""The aggregation maths, checked number by number (moved from the integration suite onto the
+in-memory pair, tests/unit/pair.py): a coordinator with two workers, code none and one open round
+(synchronous rounds), ends with the parameters of a plain single-process run of the same rounds:
+the same initial model (seed), the same samples in each round (the sampler's plan over the
+seeded epoch permutations, which the ledger's `applied` records confirm), the job's own optimizer
+stepping on each round's mean gradient.
 
 A test of accuracy would pass with a gradient off by a constant factor, a sample dropped or
-counted twice, or a round applied with the wrong model version; this one does not.
+counted twice, or a round applied with the wrong model version; this one does not. The workers
+are real worker sessions computing with the job engine; their results cross the wire encoded.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
 
 from idlegrad.common.builtin_jobs import digits
@@ -19,8 +20,9 @@ from idlegrad.common.job import build, gather
 from idlegrad.common.permutation import part_indices
 from idlegrad.coordinator import checkpoint, ledger
 from idlegrad.coordinator.sampler import Sampler
+from idlegrad.coordinator.server import CoordinatorConfig
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+from .pair import Pair
 
 SEED = 7  # not the default: the seed must reach the model and every worker's sample order
 PARTITIONS = 2
@@ -51,22 +53,20 @@ def reference_parameters(rounds) -> torch.Tensor:
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach()
 
 
-def test_synchronous_rounds_equal_a_single_process_run(cluster, digits_train_size):
-    ckpt, ledger_path = cluster.dir / "ckpt", cluster.dir / "ledger.jsonl"
-    coordinator, workers = cluster.start_together(
-        ["--job", "digits", "--job-arg", f"batch_size={BATCH}", "--seed", str(SEED),
-         "--epochs", "1", "--redundancy", "none", "--open-rounds", "1",
-         "--partitions", str(PARTITIONS), "--no-speculate", "--checkpoint-dir", str(ckpt),
-         # the whole epoch takes a tenth of a second: without it the worker that joined first
-         # could compute every slot before the other joined (seen in CI)
-         "--min-workers", "2", "--ledger", str(ledger_path)], ["w1", "w2"])
-    assert coordinator.wait() == 0, coordinator.tail()
-    for worker in workers:
-        assert worker.wait(timeout=30) == 0, worker.tail()
-    cluster.assert_no_tracebacks()
+def test_synchronous_rounds_equal_a_single_process_run(tmp_path):
+    ckpt, ledger_path = tmp_path / "ckpt", tmp_path / "ledger.jsonl"
+    pair = Pair(CoordinatorConfig(
+        job="digits", job_args={"batch_size": BATCH}, seed=SEED, epochs=1, redundancy="none",
+        open_rounds=1, partitions=PARTITIONS, speculate=False, checkpoint_dir=str(ckpt),
+        min_workers=2, ledger_path=str(ledger_path), heartbeat_s=0.5, eval_every=3600))
+    workers = [pair.worker("w1"), pair.worker("w2")]
+    pair.run()
+    pair.close()
+    assert pair.coordinator.stop_reason == "epochs"
+    assert all(w.left is not None and not w.left.refused for w in workers)
 
     applied = [r for r in ledger.read(str(ledger_path)) if r["event"] == "applied"]
-    rounds = planned_rounds(digits_train_size, epochs=1)
+    rounds = planned_rounds(len(pair.coordinator.training.built.train), epochs=1)
     assert [sorted(tuple(p) for p in r["parts"]) for r in applied] == [sorted(p) for p in rounds]
     assert [r["version"] for r in applied] == list(range(1, len(rounds) + 1))
     # both workers computed: results came from the wire, not from one process's memory
