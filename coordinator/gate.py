@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ..common import protocol as proto
+from ..common.errors import ProtocolError
 
 # what a message asks to do; OWN: something about its own key (any listed key may)
 WORK, READ, OPERATE, OWN = "work", "read", "operate", "own"
@@ -96,6 +97,13 @@ OTHERS_CREDIT = Refusal("credits_refused", "role", "a worker key reads only its 
                                                    "--operator-keys may read another's")
 
 
+class NeedHello(ProtocolError):
+    """A message from a connection that has not said hello (or one this process evicted)."""
+
+    def __init__(self):
+        super().__init__("hello_first", "message from a peer that has not said hello")
+
+
 class Gate:
     def __init__(self, keys: Optional[KeyLists], is_banned: Callable[[str], bool]):
         """`keys`: who holds which role; None for a coordinator without keys."""
@@ -126,6 +134,13 @@ class Gate:
 
     def handshake(self, key: bytes) -> bool:
         return key in self._listed
+
+    def worker_of(self, route: bytes) -> str:
+        """The worker that said hello on `route`; NeedHello if none did."""
+        worker_id = self.peers.get(route)
+        if worker_id is None:
+            raise NeedHello()
+        return worker_id
 
     def listed(self, key: Optional[bytes]) -> bool:
         """Whether a message under `key` may be read at all."""

@@ -28,7 +28,7 @@ from .config import CoordinatorConfig, check
 from .effects import Applied, Ban, Compute, Evaluated, Event, Used
 from .offloop import OffLoop
 from .operators import Operators
-from .gate import BANNED, REVOKED, Gate
+from .gate import BANNED, REVOKED, Gate, NeedHello
 from .records import RunRecords
 from .run import EvaluateHere
 from .scheduler import Assign, CancelSlots, Drained, Evicted
@@ -58,9 +58,7 @@ class Coordinator:
         self._bad_logged = Throttle()  # bad messages, however hostile the peer
         self._refused_logged = Throttle()  # handshakes from keys not allowed
         self.transport = None  # ZmqTransport while serving; anything with its `send` in tests
-        # The loop's one clock (seconds, monotonic): a test driving the coordinator in process
-        # (tests/unit/pair.py) sets its own, virtual, and time passes when it says
-        self.clock = time.monotonic
+        self.clock = time.monotonic  # the loop's one clock (tests/unit/pair.py sets a virtual one)
         self.stop_reason: Optional[str] = None
         self._stopping: Optional[asyncio.Future] = None  # done once a signal asks to stop
         self.records = RunRecords(config.metrics_path, config.ledger_path,
@@ -281,7 +279,7 @@ class Coordinator:
             return
         try:
             await handler(self, route, msg, key)
-        except _NeedHello:
+        except NeedHello:
             # A worker of an earlier coordinator process (or one we evicted): it re-handshakes.
             self.counters["hello_first"] += 1
             await self._send(route, proto.Reject(code="hello_first", reason="say hello first"))
@@ -295,12 +293,6 @@ class Coordinator:
         if self._bad_logged.ready(self.clock()):
             self._event("rejected", f"bad message from {who}: {exc} ({sum(bad.values())} so far)",
                         level=logging.WARNING)
-
-    def _worker_of(self, route: bytes) -> str:
-        worker_id = self.gate.peers.get(route)
-        if worker_id is None:
-            raise _NeedHello()
-        return worker_id
 
     async def _on_hello(self, route: bytes, msg: proto.Hello, key: Optional[bytes]) -> None:
         now = self.clock()
@@ -323,7 +315,7 @@ class Coordinator:
             await self.perform(self.core.resend(msg.worker_id, now))
 
     async def _on_ready(self, route: bytes, msg: proto.Ready, key) -> None:
-        worker_id = self._worker_of(route)
+        worker_id = self.gate.worker_of(route)
         refusal = self.training.refusal(msg.fingerprint, msg.job_identity)
         if refusal is not None:
             reject, differs = refusal
@@ -335,7 +327,7 @@ class Coordinator:
         await self.perform(self.core.ready(worker_id, msg.credits, self.clock()))
 
     async def _on_result(self, route: bytes, msg: proto.Result, key) -> None:
-        worker_id = self._worker_of(route)
+        worker_id = self.gate.worker_of(route)
         # Taken (used, refused or dropped) once the core has judged it: the worker forgets it;
         # unacknowledged, it would be resent after a reconnect. A task sent to the worker
         # meanwhile carries the acknowledgement (`_send_task`).
@@ -360,24 +352,24 @@ class Coordinator:
                 await self._tell(worker_id, proto.Ack(slots=[slot]))
 
     async def _on_eval_result(self, route: bytes, msg: proto.EvalResult, key) -> None:
-        worker_id = self._worker_of(route)
+        worker_id = self.gate.worker_of(route)
         sums = {name: (float(pair[0]), float(pair[1])) for name, pair in msg.sums.items()}
         await self.perform(self.core.evaluated(worker_id, msg.slot, msg.version, sums,
                                                msg.compute_s, self.clock()))
 
     async def _on_heartbeat(self, route: bytes, msg: proto.Heartbeat, key) -> None:
-        worker_id = self._worker_of(route)
+        worker_id = self.gate.worker_of(route)
         await self.perform(self.core.seen(worker_id, msg.state, self.clock(), msg.shards))
         self.training.data.report(worker_id, msg.cache)
         await self._send(route, proto.Heartbeat(state="coordinator"))
 
     async def _on_fetch(self, route: bytes, msg: proto.Fetch, key) -> None:
-        refusal = self.training.data.fetch(self._worker_of(route), msg)
+        refusal = self.training.data.fetch(self.gate.worker_of(route), msg)
         if refusal is not None:
             await self._send(route, refusal)
 
     async def _on_handback(self, route: bytes, msg: proto.Handback, key) -> None:
-        worker_id = self._worker_of(route)
+        worker_id = self.gate.worker_of(route)
         await self.perform(self.core.handback(worker_id, msg.slots, self.clock()))
 
     async def _on_bye(self, route: bytes, msg: proto.Bye, key) -> None:
@@ -494,8 +486,3 @@ class Coordinator:
     def _event(self, kind: str, text: str, worker: Optional[str] = None,
                level: int = logging.INFO) -> None:
         self.training.event(kind, text, worker, level)
-
-
-class _NeedHello(ProtocolError):
-    def __init__(self):
-        super().__init__("hello_first", "message from a peer that has not said hello")

@@ -317,5 +317,5 @@ class Pair:
                 if e["kind"] == kind and (worker is None or e.get("worker") == worker)]
 
     def close(self) -> None:
-        self.coordinator.close_logs()
+        self.coordinator.records.close()
         self.coordinator.training.close()

@@ -5,8 +5,12 @@ what is checked is each message the coordinator puts on the wire, as encoded the
 
 from __future__ import annotations
 
+import torch
+
 from idlegrad.common import protocol as proto
+from idlegrad.coordinator.effects import Compute
 from idlegrad.coordinator.server import CoordinatorConfig
+from idlegrad.coordinator.slots import SlotWork
 
 from .pair import Pair
 
@@ -14,10 +18,15 @@ PARAMS = 100
 RAW = b"raw"
 
 
-def answer(task: proto.Task, size: int) -> list:
+def answer(pair: Pair, task: proto.Task, size: int) -> list:
+    """An honest result for `task`, computed as a worker would (a made-up gradient would be
+    suspected by the norm screen and computed again before its slot is settled)."""
+    work = SlotWork(version=task.version, parts=task.parts, coefficients=task.coefficients)
+    (computed,) = pair.coordinator.training.model.computation(Compute(slot=task.slot, work=work))()
+    gradient = computed.detach().to(torch.float32).numpy().astype("<f4").tobytes()
     return proto.encode(proto.Result(
         slot=task.slot, version=task.version, samples=sum(p[2] for p in task.parts), loss=0.5,
-        compute_s=0.01, gradient=proto.Blob("float32", size, (bytes(4 * size),))))
+        compute_s=0.01, gradient=proto.Blob("float32", size, (gradient,))))
 
 
 def replies(pair: Pair, since: int) -> list:
@@ -39,14 +48,14 @@ def test_a_task_carries_the_ack_of_the_result_it_answers():
 
     # Its one credit free again, the worker is handed the next slot, with the ack on it.
     sent = len(pair.wire.sent)
-    pair.frames(answer(task, size), RAW)
+    pair.frames(answer(pair, task, size), RAW)
     (reply,) = replies(pair, sent)
     assert isinstance(reply, proto.Task), reply
     assert reply.acks == [task.slot] and reply.slot != task.slot
 
     # A repeat of that result is taken (dropped) and answered by no task: a plain ack.
     sent = len(pair.wire.sent)
-    pair.frames(answer(task, size), RAW)
+    pair.frames(answer(pair, task, size), RAW)
     (reply2,) = replies(pair, sent)
     assert isinstance(reply2, proto.Ack) and reply2.slots == [task.slot], reply2
     assert pair.counters["results_dropped"] == 1
