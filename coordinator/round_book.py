@@ -251,11 +251,12 @@ class RoundBook:
               now: Optional[float] = None) -> list[Action]:
         actions: list[Action] = []
         used = {round_.slots[row]: w for row, w in weights.items()}
-        slot_samples = {}
+        slot_samples, rows = {}, {}
         for slot_id in round_.slots:
             lease = self.leases.leases[slot_id]
             if slot_id in used:
                 slot_samples[slot_id] = lease.samples
+                rows[slot_id] = lease.row
             if lease.state is not LeaseState.ARRIVED:
                 actions += self.cancel_holders(lease, now)
             self.leases.forget(slot_id)
@@ -266,7 +267,7 @@ class RoundBook:
         self.stats["rounds_decoded"] += 1
         actions.append(Decoded(
             round=round_.id, version=round_.version, parts=round_.parts, samples=round_.samples,
-            weights=used, slots=list(round_.slots), slot_samples=slot_samples))
+            weights=used, slots=list(round_.slots), slot_samples=slot_samples, rows=rows))
         return actions
 
     # speculation ------------------------------------------------------------------------------

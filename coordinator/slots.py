@@ -148,6 +148,8 @@ class Decoded:
     weights: dict[int, float]  # slot id -> decoding weight
     slots: list[int]  # every slot of the round: their stored gradients can be released
     slot_samples: dict[int, int] = field(default_factory=dict)  # of the slots in `weights`
+    # of the slots in `weights`: their code rows, (partition index, coefficient) pairs
+    rows: dict[int, tuple[tuple[int, float], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

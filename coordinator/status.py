@@ -157,6 +157,8 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
         "data": training.data.summary(),
         "eval_on": training.eval_on,
         "evaluation": evaluation_summary(core.evaluation, scheduler),
+        # the gradient noise scale, measured from the applied rounds (noise.py)
+        "noise": core.noise.summary(),
     }
     staleness = config.staleness
     stats = scheduler.stats
