@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,9 @@ class Lease:
     started: dict[str, float] = field(default_factory=dict)  # holder -> when it was assigned
     with_model: set[str] = field(default_factory=set)  # holders it was sent to with the model
     exclude: frozenset = frozenset()  # a side lease: workers that must not take it
+    # a sync round's slot sized to one worker: only it takes the slot while it is active and
+    # the slot has never been handed out (round_book.py, "slots sized to their worker")
+    reserved: Optional[str] = None
     samples: int = 0  # work.samples, kept: it is read on every answer and deadline
 
     def __post_init__(self):
