@@ -55,6 +55,9 @@ class Aggregator:
         self.schedule = schedule
         self.clip_norm = clip_norm
         self.clipped = 0  # steps whose gradient was clipped
+        # the last step's mean gradient's squared norm, before clipping and weighting (None when
+        # the round was not applied): the gradient noise scale's big-batch figure (noise.py)
+        self.mean_square: Optional[float] = None
         self._weigh = _weighing_for(optimizer)
 
     def weight_for(self, round_version: int) -> Optional[float]:
@@ -74,8 +77,11 @@ class Aggregator:
         consecutive chunks (the frames it arrived in): the sum is written straight into the
         model's gradient, with no intermediate tensor the size of the model.
 
-        `norms`, the terms' L2 norms when the caller has measured them (on arrival), bound the
-        sum's: when that bound is safely finite the sum is not read again to check it."""
+        `norms`: the terms' L2 norms when the caller has measured them (on arrival); unused
+        now that the sum's norm is always measured (the noise scale needs it), kept for the
+        callers. The sum's squared norm, before clipping and weighting, is left in
+        `mean_square`."""
+        self.mean_square = None
         weight = self.weight_for(round_version)
         if weight is None:
             return None
@@ -92,16 +98,14 @@ class Aggregator:
                 numel += chunk.numel()
             if numel != grads.numel():
                 raise GradientRejected(f"gradient of {numel} values, model has {grads.numel()}")
-        bound = math.inf
-        if norms is not None and len(norms) == len(terms):
-            bound = sum(abs(c) / samples * n for (_, c), n in zip(terms, norms))
-        # the check below sums squares in the gradient's own precision: the bound must too;
-        # clipping needs the norm anyway
-        checked = self.clip_norm is not None or not (bound * bound < torch.finfo(grads.dtype).max)
-        squares = _write_sum(grads, terms, samples, measure=checked)
+        # The sum's norm is measured as it is written (from cache, block by block): the check
+        # of finiteness, clipping and the noise scale all read it. Its squares are summed in
+        # the gradient's own precision: a sum that overflows there is refused.
+        squares = _write_sum(grads, terms, samples)
         if not math.isfinite(squares):
             grads.zero_()
             raise GradientRejected("non-finite gradient")
+        self.mean_square = squares
         if clip_(grads, self.clip_norm, math.sqrt(squares)):
             self.clipped += 1
         if weight != 1.0:

@@ -3,7 +3,8 @@
 Workers pull: the hungry ones (free credits) are served in the order they became hungry, one
 lease each per pass, so a round's slots spread over the fleet instead of filling the first
 worker's credits. A worker takes the oldest waiting round lease it may take, or opens a new round
-when none is waiting. What it may take: never a lease it holds, a copy of a row it holds, or a
+when none is waiting. What it may take: never a slot sized to another worker (`--sync`, round_book.py) while that one
+is active and has not taken it, never a lease it holds, a copy of a row it holds, or a
 second lease of a redundant round (one stopped worker must not hold two slots of one round); with
 verified replicas never a copy of a row whose held copy is its own; with locality first a lease
 whose shards it holds (or a round of its home block). Side leases go first, but to a worker only
@@ -128,6 +129,9 @@ class Dealer:
                     or (lease.round in mine and (self.config.sync or round_.code.tolerance > 0))):
                 skipped.append(lease_id)
                 continue
+            if self._reserved_for_another(lease, worker):
+                skipped.append(lease_id)
+                continue
             if local and not self._local_for(worker, lease):
                 skipped.append(lease_id)
                 continue
@@ -135,6 +139,16 @@ class Dealer:
             break
         pending.extendleft(reversed(skipped))
         return found
+
+    def _reserved_for_another(self, lease: Lease, worker: WorkerRecord) -> bool:
+        """Whether `lease` is a slot sized to another worker that may still take it: that
+        worker is active and the slot was never handed out. One that left, paused or is being
+        drained, or a slot it gave back, goes to whoever asks."""
+        owner_id = lease.reserved
+        if owner_id is None or owner_id == worker.id or lease.started:
+            return False
+        owner = self.fleet.get(owner_id)
+        return owner is not None and owner.active
 
     def _local_for(self, worker: WorkerRecord, lease: Lease) -> bool:
         """Whether the locality pass may give `lease` to `worker`."""

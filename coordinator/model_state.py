@@ -72,6 +72,10 @@ class ModelState:
                 self._buffer_snapshots.pop(version, None)
         return weight
 
+    @property
+    def mean_square(self) -> Optional[float]:
+        return self.aggregator.mean_square
+
     def merge_buffers(self, states: Sequence[tuple[torch.Tensor, int]], weight: float) -> None:
         model = self.model
         if model.buffers:

@@ -109,9 +109,18 @@ class RoundBook:
         if self.locality is not None and worker is not None:
             block = self.locality.block_for(worker.id, self.sampler.epoch,
                                             self.sampler.open_blocks())
-        parts = self.sampler.next_round(self.round_batch(k, worker), k, block)
+        sized: list[WorkerRecord] = []
+        shares = None
+        if self.config.sync and not self.sampler.replanning:
+            sized = self.fleet.active()
+            shares = self.slot_shares(sized)
+        parts = self.sampler.next_round(self.round_batch(k, worker), k, block, shares)
         if parts is None:
             return False
+        if shares is None or len(parts) != len(sized):
+            sized = []  # equal parts (nothing measured yet, or too few samples): anyone's
+        else:
+            self.stats["rounds_sized"] += 1
         code = coding.build(self.choose_code(len(parts)), len(parts))
         self.last_code = code.name
         self.stats["rounds_" + code.name.split(":")[0]] += 1
@@ -133,6 +142,8 @@ class RoundBook:
                 work = SlotWork(work.version, work.parts, work.coefficients, kind,
                                 inner_steps(work.samples, self.config.batch_size))
             lease = Lease(self.leases.take_id(), work, round_id, tuple(entries), index=row)
+            if sized:  # code none: row i is part i, cut for the i-th worker
+                lease.reserved = sized[row].id
             self.leases.add(lease)
             slot_ids[row] = lease.id
         for slot_id in slot_ids:
@@ -141,6 +152,27 @@ class RoundBook:
         self.rounds_at[self.version] += 1
         self.stats["rounds_opened"] += 1
         return True
+
+    def slot_shares(self, workers: list[WorkerRecord]) -> Optional[list[float]]:
+        """Slots sized to their worker (`--sync`): each worker's share of the round's batch, in
+        proportion to its measured samples per second, so that the round's slots finish
+        together instead of waiting for the slowest worker's equal part. A worker with too few
+        results of its own is predicted at the fleet's mean seconds per sample (speed.py); None
+        (equal parts) while the fleet has too few readings for that, or for fewer than two
+        workers. Only sync rounds are sized, and they are always code none: a row is one part,
+        decoded with weight 1 whatever its size (the step divides the sum by the round's
+        samples), and credits and buffers are shared by samples. Coded rounds (replicate,
+        cyclic) keep equal parts: their rows mix parts, and one row's copies go to several
+        workers."""
+        if len(workers) < 2:
+            return None
+        shares = []
+        for w in workers:
+            prediction = self.speed.prediction(w.speed)
+            if prediction is None or not prediction[0] > 0:
+                return None
+            shares.append(1.0 / prediction[0])
+        return shares
 
     def round_batch(self, k: int = 1, worker: Optional[WorkerRecord] = None) -> int:
         if self.task_mode.local:  # a slot as long as the worker opening the round should run
@@ -251,11 +283,12 @@ class RoundBook:
               now: Optional[float] = None) -> list[Action]:
         actions: list[Action] = []
         used = {round_.slots[row]: w for row, w in weights.items()}
-        slot_samples = {}
+        slot_samples, rows = {}, {}
         for slot_id in round_.slots:
             lease = self.leases.leases[slot_id]
             if slot_id in used:
                 slot_samples[slot_id] = lease.samples
+                rows[slot_id] = lease.row
             if lease.state is not LeaseState.ARRIVED:
                 actions += self.cancel_holders(lease, now)
             self.leases.forget(slot_id)
@@ -266,7 +299,7 @@ class RoundBook:
         self.stats["rounds_decoded"] += 1
         actions.append(Decoded(
             round=round_.id, version=round_.version, parts=round_.parts, samples=round_.samples,
-            weights=used, slots=list(round_.slots), slot_samples=slot_samples))
+            weights=used, slots=list(round_.slots), slot_samples=slot_samples, rows=rows))
         return actions
 
     # speculation ------------------------------------------------------------------------------

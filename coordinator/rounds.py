@@ -22,7 +22,10 @@ samples, round_version, in_use)` (the staleness weight used, None when too stale
 GradientRejected), `distance(a, b)` / `size(a)` over stored results, and, for a model with
 buffers, `merge_buffers(states, weight)`: the end states of the results an applied round used,
 each with the samples its slot covers, and the round's staleness weight (the rule is the
-backend's: coordinator/aggregator.py's `merge_buffers`).
+backend's: coordinator/aggregator.py's `merge_buffers`). A backend with tensors may say
+`mean_square`: the squared norm of the mean gradient its last `apply` stepped with, before
+clipping and weighting (None when it stepped with none); the noise scale (noise.py) is measured
+only where it does.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from .credits import shares
 from .effects import (Applied, Ban, Compute, Contribution, Effect, Evaluated, Event, Joined,
                       Refused, Replanned, Used)
 from .eval_slots import EvalShape, WorkerEvaluation
+from .noise import NoiseScale, round_estimate
 from .scheduler import Action, CompareCopies, Decoded, Drained, Evicted, Scheduler
 from .slots import Assign, CancelSlots, SlotWork, Stored
 from .trust import TrustPolicy
@@ -90,6 +94,7 @@ class RoundCore:
         self.settlement = Settlement(_Court(self))
         self.settlement.on_workers = settle_on_workers
         self.evaluation: Optional[WorkerEvaluation] = None  # the one handed to workers, if any
+        self.noise = NoiseScale()  # the gradient noise scale, from the applied rounds (noise.py)
         self._acts: dict[type, Callable[[Any, float], list]] = {
             Decoded: self._apply, CompareCopies: self.settlement.compare,
             Drained: self._drained, Evicted: self._evicted}
@@ -388,6 +393,7 @@ class RoundCore:
         norms = [store[s].norm for s in decoded.weights]
         credits = self._contributions(decoded)
         states = self._buffer_states(decoded)
+        observed = self._noise_slots(decoded)
         for slot in decoded.slots:
             store.pop(slot, None)
         staleness = self.backend.version - decoded.version
@@ -410,6 +416,10 @@ class RoundCore:
         else:
             self.samples_applied += decoded.samples
             self.rate.append((now, self.samples_applied))
+            mean_square = getattr(self.backend, "mean_square", None)  # optional (above)
+            if observed and mean_square is not None:
+                self.noise.observe(round_estimate(
+                    observed, [part[2] for part in decoded.parts], mean_square))
             out.append(Applied(decoded.round, self.backend.version, decoded.parts,
                                decoded.samples, staleness, weight, len(terms), decoded.slots,
                                credits))
@@ -419,6 +429,17 @@ class RoundCore:
     def _used(decoded: Decoded) -> list[int]:
         """The slots whose results a decoded round uses (a zero decoding weight uses none)."""
         return [s for s, w in decoded.weights.items() if w] or list(decoded.weights)
+
+    def _noise_slots(self, decoded: Decoded) -> list[tuple[float, tuple]]:
+        """The used results of a decoded round as the noise scale reads them: (the squared norm
+        of each, measured on arrival; its code row). None of a round of local tasks (their
+        results are parameter changes, not gradients) or whose rows are not known."""
+        if self.scheduler.task_mode.local:
+            return []
+        used = self._used(decoded)
+        if any(s not in decoded.rows for s in used):
+            return []
+        return [(self.store[s].norm ** 2, decoded.rows[s]) for s in used]
 
     def _buffer_states(self, decoded: Decoded) -> list[tuple[Any, int]]:
         """The buffers each result a decoded round uses ended with, weighted by the samples its

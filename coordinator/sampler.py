@@ -15,6 +15,7 @@ of an epoch is still planned exactly once before the next epoch begins.
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from typing import Callable, Optional, Sequence
 
@@ -47,11 +48,18 @@ class Sampler:
             self._open = {b: None for b, block in enumerate(self.blocks(self.epoch))
                           if block.end > block.start}
 
-    def next_round(self, batch_size: int, partitions: int,
-                   block: Optional[int] = None) -> Optional[list[Part]]:
+    @property
+    def replanning(self) -> bool:
+        """Whether the next round is a replanned one (its parts come back as they were cut)."""
+        return bool(self._replan)
+
+    def next_round(self, batch_size: int, partitions: int, block: Optional[int] = None,
+                   shares: Optional[Sequence[float]] = None) -> Optional[list[Part]]:
         """The parts of the next round, or None when the plan is exhausted. `block`: the block
         of the current epoch to plan from (shard-aware order; default: the first with samples
-        left); a block without samples left is ignored."""
+        left); a block without samples left is ignored. `shares`: one positive weight per part,
+        the parts cut in proportion to them (each of at least one sample; equal parts where the
+        batch has fewer samples than shares)."""
         if self._replan:
             return self._replan.popleft()
         if self.epochs is not None and self.epoch >= self.epochs:
@@ -64,7 +72,8 @@ class Sampler:
             span = self.blocks(self.epoch)[block]
             start, end = self._cursors.get(block, span.start), span.end
         count = min(batch_size, end - start)
-        parts = [(self.epoch, start + a, b - a) for a, b in _cuts(count, partitions)]
+        cuts = _cuts_by_shares(count, shares) if shares else None
+        parts = [(self.epoch, start + a, b - a) for a, b in cuts or _cuts(count, partitions)]
         self.offset += count
         if self.blocks is not None:
             assert block is not None  # chosen above, among the open blocks
@@ -148,3 +157,21 @@ def _cuts(count: int, partitions: int) -> list[tuple[int, int]]:
     k = max(1, min(partitions, count))
     bounds = [round(i * count / k) for i in range(k + 1)]
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+
+
+def _cuts_by_shares(count: int, shares: Sequence[float]) -> Optional[list[tuple[int, int]]]:
+    """Split range(count) into one contiguous piece per share, sized in proportion to the shares
+    (cumulative rounding: the sizes add up to `count` exactly), each of at least one sample.
+    None where that cannot be done (fewer samples than shares, a share not positive)."""
+    k = len(shares)
+    if k == 0 or count < k or not all(share > 0 for share in shares):
+        return None
+    total = math.fsum(shares)
+    bounds, cumulative = [0], 0.0
+    for i, share in enumerate(shares[:-1]):
+        cumulative += share
+        ideal = round(count * cumulative / total)
+        # at least one sample for this piece and for each piece after it
+        bounds.append(min(max(ideal, bounds[-1] + 1), count - (k - 1 - i)))
+    bounds.append(count)
+    return list(zip(bounds, bounds[1:]))

@@ -117,6 +117,10 @@ class RealGradients:
     def compute(self, request: Compute) -> list:
         return self.result(request)[0]
 
+    @property
+    def mean_square(self) -> Optional[float]:
+        return self.aggregator.mean_square
+
     def apply(self, terms, norms, samples: int, round_version: int, in_use) -> Optional[float]:
         weight = self.aggregator.apply_terms(terms, samples, round_version, norms)
         if weight is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,9 @@ class Lease:
     started: dict[str, float] = field(default_factory=dict)  # holder -> when it was assigned
     with_model: set[str] = field(default_factory=set)  # holders it was sent to with the model
     exclude: frozenset = frozenset()  # a side lease: workers that must not take it
+    # a sync round's slot sized to one worker: only it takes the slot while it is active and
+    # the slot has never been handed out (round_book.py, "slots sized to their worker")
+    reserved: Optional[str] = None
     samples: int = 0  # work.samples, kept: it is read on every answer and deadline
     side: bool = field(init=False)  # a side lease (round 0); kept: it is read on every deal
 
@@ -146,6 +149,8 @@ class Decoded:
     weights: dict[int, float]  # slot id -> decoding weight
     slots: list[int]  # every slot of the round: their stored gradients can be released
     slot_samples: dict[int, int] = field(default_factory=dict)  # of the slots in `weights`
+    # of the slots in `weights`: their code rows, (partition index, coefficient) pairs
+    rows: dict[int, tuple[tuple[int, float], ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -157,6 +157,8 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
         "data": training.data.summary(),
         "eval_on": training.eval_on,
         "evaluation": evaluation_summary(core.evaluation, scheduler),
+        # the gradient noise scale, measured from the applied rounds (noise.py)
+        "noise": core.noise.summary(),
     }
     staleness = config.staleness
     stats = scheduler.stats
@@ -168,6 +170,8 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
         "speculate": scheduler.config.speculating,
         "slots_speculated": stats["slots_speculated"],
         "slots_redundant": stats["slots_redundant"],
+        # --sync rounds cut to their workers' speeds (round_book.py `slot_shares`)
+        "rounds_sized": stats["rounds_sized"],
         "rounds_by_code": {k: stats["rounds_" + k] for k in ("none", "replicate", "cyclic")
                            if stats["rounds_" + k]},
         "open_rounds_limit": config.open_rounds,

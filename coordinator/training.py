@@ -389,6 +389,7 @@ class Training:
             "metrics": self.metrics, "workers": len(self.scheduler.workers),
             "samples_per_s": round(core.samples_per_s(now), 2),
             "bytes_per_sample": self.bytes_per_sample(), "task": str(self.task_mode),
+            "noise": core.noise.summary(),
             **({"data": self.data.summary()} if self.data.service is not None else {}),
             **({"snapshots": self.data.snapshots_summary()}
                if self.data.snapshots is not None else {}),

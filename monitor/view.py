@@ -195,6 +195,9 @@ def header(snap: Optional[dict], connection: Union[str, Text] = "", lost: bool =
     if seconds is not None:
         line2.append(f"ETA {duration(seconds)} ({why})")
     line2.append(f"workers {len(snap.get('workers') or [])}")
+    b_simple = noise_b_simple(snap)
+    if b_simple is not None:
+        line2.append(f"noise scale {number(b_simple, 1)}")
     line2.append(f"elapsed {duration(snap.get('elapsed_s'))}")
     text = Text.assemble(line1, "\n", gap.join(line2))
     if connection:
@@ -419,6 +422,37 @@ class EventLog:
         return list(self.lines)[-n:] if n > 0 else []
 
 
+def _finite(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def noise_b_simple(snap: Optional[dict]) -> Optional[float]:
+    """The snapshot's gradient noise scale B_simple (samples), if it holds a finite one."""
+    noise = snap.get("noise") if isinstance(snap, dict) else None
+    value = noise.get("b_simple") if isinstance(noise, dict) else None
+    return float(value) if _finite(value) else None
+
+
+def noise_line(snap: dict) -> str:
+    """The gradient noise scale for `idlegrad status`: B_simple, the round's batch beside it,
+    and how many rounds it is measured over (untrusted: every value checked)."""
+    noise = snap.get("noise")
+    if not isinstance(noise, dict):
+        return "-"
+    rounds = noise.get("rounds")
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds <= 0:
+        return "- (no round measured yet: it takes rounds of two or more partitions)"
+    b_simple, batch = noise_b_simple(snap), noise.get("batch")
+    if b_simple is None:
+        text = "- (noise swamps the gradient: larger than the batches measured can tell)"
+    else:
+        text = f"B_simple {number(b_simple, 1)} samples"
+        if _finite(batch) and batch > 0:
+            text += f" (batch {number(batch)}: {number(batch / max(b_simple, 1e-12), 2)}x)"
+    return f"{text}, over {number(rounds)} rounds"
+
+
 def summary_rows(snap: dict) -> list[tuple[str, str]]:
     """Key/value lines for `idlegrad status`."""
     metrics = snap.get("metrics") or {}
@@ -435,6 +469,7 @@ def summary_rows(snap: dict) -> list[tuple[str, str]]:
         ("ETA", f"{duration(seconds)} ({why})" if seconds is not None else "-"),
         ("elapsed", duration(snap.get("elapsed_s"))),
         ("workers", workers_count(snap)),
+        ("noise scale", noise_line(snap)),
     ]
     trust = snap.get("trust")
     if isinstance(trust, dict) and (trust.get("refused") or trust.get("banned")):

@@ -454,3 +454,16 @@ def test_write_sum_blocks_across_uneven_chunks(numel, block, data):
         assert not math.isfinite(aggregator._write_sum(out, terms, samples=2))
     finally:
         aggregator.BLOCK = saved
+
+
+def test_mean_square_is_the_rounds_mean_before_clipping_and_weighting():
+    """The noise scale's big-batch figure (noise.py): |sum / samples|^2 of what was applied, not
+    of the clipped or staleness-weighted gradient; None for a round not applied."""
+    model, opt, agg = make(rule=StalenessRule("inverse", max_staleness=4), version=2)
+    agg.clip_norm = 1e-3  # every step here is clipped
+    g, h = gradient(model, 1), gradient(model, 2)
+    assert agg.apply_terms([([g], 1.0), ([h], 2.0)], samples=4, round_version=1) == 0.5
+    assert agg.mean_square == pytest.approx(float(((g + 2 * h) / 4).square().sum()), rel=1e-6)
+    assert agg.clipped == 1
+    assert agg.apply(g, samples=4, round_version=-10) is None  # too stale
+    assert agg.mean_square is None

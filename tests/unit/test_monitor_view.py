@@ -209,6 +209,26 @@ def test_summary_shows_local_task_and_wire_bytes():
     assert rows["task"] == "local:10" and rows["wire"] == "2.0 KiB/sample"
 
 
+def test_the_noise_scale_in_the_summary_and_the_header():
+    rows = dict(view.summary_rows(snapshot()))
+    assert rows["noise scale"] == "-"  # an older coordinator
+    noise = {"b_simple": 640.0, "gradient_sq": 0.5, "trace": 320.0, "rounds": 42, "batch": 128}
+    snap = snapshot(noise=noise)
+    assert dict(view.summary_rows(snap))["noise scale"] == \
+        "B_simple 640.0 samples (batch 128: 0.20x), over 42 rounds"
+    assert "noise scale 640.0" in view.header(snap).plain
+    waiting = snapshot(noise=dict(noise, b_simple=None, rounds=0))
+    assert dict(view.summary_rows(waiting))["noise scale"].startswith("- (no round measured")
+    assert "noise scale" not in view.header(waiting).plain
+    swamped = dict(view.summary_rows(snapshot(noise=dict(noise, b_simple=None))))
+    assert swamped["noise scale"].startswith("- (noise swamps the gradient")
+    for hostile in ({"b_simple": "\x1b[2J", "rounds": True}, {"b_simple": float("inf"),
+                    "rounds": 3, "batch": "x"}, {"b_simple": 5.0, "rounds": 3, "batch": -1}, []):
+        row = dict(view.summary_rows(snapshot(noise=hostile)))["noise scale"]
+        assert "\x1b" not in row and "inf" not in row
+        assert "\x1b" not in view.header(snapshot(noise=hostile)).plain
+
+
 @pytest.mark.parametrize("value,text", [
     (None, "-"), (3, "3"), (12345, "12,345"), (0.25, "0.250"), (0.00012, "1.2e-04"), (0.0, "0.000"),
     (123.45, "123.5"), (4567.8, "4,568"), (float("nan"), "-"), (True, "True"), ("x", "x")])

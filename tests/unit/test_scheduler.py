@@ -145,7 +145,7 @@ def test_result_accepted_decodes_a_round_of_one_partition():
     decoded = of(Decoded, actions)
     assert decoded == [Decoded(round=x.round, version=0, parts=[(0, 0, 4)], samples=4,
                                weights={x.slot: 1.0}, slots=[x.slot],
-                               slot_samples={x.slot: 4})]
+                               slot_samples={x.slot: 4}, rows={x.slot: ((0, 1.0),)})]
     assert assigns(actions) == []  # the next round waits for the step
     # the freed credit is refilled once the step is applied, with the next round
     refill = assigns(s.applied(1, 1.0))

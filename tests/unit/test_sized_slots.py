@@ -1,0 +1,152 @@
+"""Slots sized to their worker (`--sync`): a round's batch cut in proportion to each worker's
+measured speed, each part dealt to its worker, so that the round's slots finish together. A fake
+clock: every worker computes its slot in (its seconds per sample) x (samples)."""
+
+from __future__ import annotations
+
+import pytest
+
+from idlegrad.coordinator.sampler import Sampler, _cuts_by_shares
+from idlegrad.coordinator.scheduler import Assign, Decoded
+from .scheduling import make
+
+SPEED = {"b": 0.03, "a": 0.01, "c": 0.02}  # seconds per sample: a is 3x faster than b
+
+
+def assigns(actions) -> list[Assign]:
+    return [a for a in actions if isinstance(a, Assign)]
+
+
+class SyncFleet:
+    """Workers with one credit each, answering in virtual time; each round's slots by worker."""
+
+    def __init__(self, workers, batch=120, **config):
+        self.s = make(n=100_000, batch=batch, sync=True, **config)
+        self.now = 0.0
+        self.held: dict[str, Assign] = {}
+        self.rounds: list[dict[str, int]] = []  # per round: worker -> samples of its slot
+        for w in workers:
+            self.s.join(w, {}, self.now)
+        for w in workers:
+            self._take(self.s.ready(w, 1, self.now))
+
+    def _take(self, actions) -> list[Decoded]:
+        for task in assigns(actions):
+            assert task.worker not in self.held  # sync: one slot a worker
+            self.held[task.worker] = task
+        return [a for a in actions if isinstance(a, Decoded)]
+
+    def round(self) -> float:
+        """Every held slot answered in order of finishing; the round's span (last - first start)."""
+        tasks = dict(self.held)
+        self.rounds.append({w: t.work.samples for w, t in tasks.items()})
+        start = self.now
+        finish = {w: start + SPEED[w] * t.work.samples for w, t in tasks.items()}
+        for w in sorted(finish, key=finish.get):
+            self.now = finish[w]
+            task = self.held.pop(w)
+            _, actions = self.s.result(w, task.slot, SPEED[w] * task.work.samples, self.now)
+            for decoded in self._take(actions):
+                self._take(self.s.applied(self.s.version + 1, self.now))
+                assert decoded.samples == sum(self.rounds[-1].values())
+        return self.now - start
+
+
+def test_cuts_by_shares_are_contiguous_proportional_and_never_empty():
+    assert _cuts_by_shares(120, [1.0, 3.0]) == [(0, 30), (30, 120)]
+    assert _cuts_by_shares(10, [1.0, 1000.0, 1.0]) == [(0, 1), (1, 9), (9, 10)]
+    assert _cuts_by_shares(2, [1.0, 1.0, 1.0]) is None  # fewer samples than shares: equal cut
+    assert _cuts_by_shares(9, [1.0, 0.0]) is None
+    sampler = Sampler(100, None)
+    assert sampler.next_round(60, 3, shares=[1.0, 2.0, 3.0]) == [(0, 0, 10), (0, 10, 20),
+                                                                 (0, 30, 30)]
+    assert sampler.next_round(60, 3) == [(0, 60, 13), (0, 73, 14), (0, 87, 13)]  # equal, the end
+
+
+def test_sync_slots_are_cut_to_each_workers_speed_and_the_round_finishes_together():
+    # b joined first: its part is row 0, which the faster a (hungry first) must skip
+    fleet = SyncFleet(["b", "a"])
+    spans = [fleet.round() for _ in range(8)]
+    assert fleet.rounds[0] == {"b": 120}  # a announced its credit after b opened the round
+    assert fleet.rounds[1] == {"a": 60, "b": 60}  # nothing measured yet: equal parts
+    last = fleet.rounds[-1]
+    assert sum(last.values()) == 120
+    assert last["a"] == pytest.approx(3 * last["b"], abs=2)  # 90 and 30
+    # equal parts wait for b: 60 x 0.03 = 1.8 s; sized ones finish together at about 0.9 s
+    assert spans[1] == pytest.approx(1.8)
+    assert spans[-1] == pytest.approx(0.9, abs=0.03)
+    assert fleet.s.stats["rounds_sized"] >= 5
+
+
+def test_a_newcomer_without_a_measurement_gets_the_fleets_mean():
+    fleet = SyncFleet(["a", "b"])
+    for _ in range(6):
+        fleet.round()
+    fleet.s.join("c", {}, fleet.now)  # joins between rounds: takes part from the next one
+    fleet._take(fleet.s.ready("c", 1, fleet.now))
+    fleet.round()  # the round that was open when c joined
+    fleet.round()
+    sized = fleet.rounds[-1]
+    assert set(sized) == {"a", "b", "c"}
+    # the fleet's readings are mostly a's and b's: c is predicted at their mean s/sample
+    times = list(fleet.s.speed.times)
+    mean = sum(times) / len(times)
+    rates = {"a": 1 / SPEED["a"], "b": 1 / SPEED["b"], "c": 1 / mean}
+    want = {w: 120 * r / sum(rates.values()) for w, r in rates.items()}
+    for w in "abc":
+        assert sized[w] == pytest.approx(want[w], abs=1.5)
+
+
+def test_a_slot_sized_to_a_worker_that_left_goes_to_whoever_asks():
+    from idlegrad.coordinator.slots import Lease, SlotWork
+
+    fleet = SyncFleet(["a", "b"])
+    dealer = fleet.s.scheduler.dealer
+    a = fleet.s.workers["a"]
+    lease = Lease(999, SlotWork(0, [[0, 0, 4]], [1.0]), round=1, reserved="b")
+    assert dealer._reserved_for_another(lease, a)  # b is active and has not taken it
+    lease.started["b"] = 0.0  # b took it once (then gave it back): anyone's
+    assert not dealer._reserved_for_another(lease, a)
+    lease.started.clear()
+    fleet.s.leave("b", fleet.now, "bye")
+    assert not dealer._reserved_for_another(lease, a)
+    assert not dealer._reserved_for_another(Lease(998, lease.work, round=1), a)
+
+
+def test_credits_of_a_sized_round_follow_each_workers_samples():
+    from idlegrad.coordinator.effects import Applied
+    from idlegrad.coordinator.rounds import RoundCore
+    from idlegrad.coordinator.sampler import Sampler
+    from idlegrad.coordinator.scheduler import Scheduler, SchedulerConfig
+    from idlegrad.coordinator.sim_backends import CostlessGradients
+    from idlegrad.coordinator.staleness import StalenessRule
+    from idlegrad.coordinator.trust import TrustConfig, TrustPolicy
+
+    core = RoundCore(Scheduler(SchedulerConfig(batch_size=120, sync=True),
+                               Sampler(100_000, None)),
+                     CostlessGradients(100_000, 120, StalenessRule()),
+                     TrustPolicy(TrustConfig(), reference=1.0))
+    now, held, applied = 0.0, {}, []
+
+    def perform(effects):
+        for e in effects:
+            if isinstance(e, Assign):
+                held[e.worker] = e
+            elif isinstance(e, Applied):
+                applied.append(e)
+
+    for w in ("b", "a"):
+        perform(core.join(w, {}, w, now))
+    for w in ("b", "a"):
+        perform(core.ready(w, 1, now))
+    for _ in range(8):
+        tasks = dict(held)
+        held.clear()
+        for w in sorted(tasks, key=lambda w: SPEED[w] * tasks[w].work.samples):
+            now += SPEED[w] * tasks[w].work.samples
+            perform(core.result(w, tasks[w].slot, None, 1.0, SPEED[w] * tasks[w].work.samples,
+                                now, samples=tasks[w].work.samples))
+    last = applied[-1]
+    earned = {c.identity: c.samples for c in last.credits}
+    assert earned["a"] + earned["b"] == last.samples == 120
+    assert earned["a"] == pytest.approx(90, abs=2) and earned["b"] == pytest.approx(30, abs=2)
