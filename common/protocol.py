@@ -198,11 +198,14 @@ class Fetch(Message):
 @dataclass(frozen=True)
 class Handback(Message):
     """Slots the worker cannot compute now, through no fault of its own (the data they need is
-    not in its cache, and its transfer cap is spent): the coordinator gives them to others."""
+    not in its cache, and its transfer cap is spent): the coordinator gives them to others.
+    With `error`, the job's own code failed on them here (what it raised, one printable line):
+    the coordinator gives them to others and counts the failure."""
 
     TYPE: ClassVar[str] = "handback"
     slots: list[int]
     reason: str = ""
+    error: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -928,6 +931,8 @@ def _semantic_checks(msg: Message) -> None:
     elif isinstance(msg, Handback):
         if len(msg.slots) > 1024 or any(s < 0 for s in msg.slots) or len(msg.reason) > MAX_NAME:
             raise ProtocolError("schema", "handback: at most 1024 slots >= 0, a short reason")
+        if msg.error is not None and not (len(msg.error) <= MAX_NAME and msg.error.isprintable()):
+            raise ProtocolError("schema", "handback.error: one short printable line")
     elif isinstance(msg, EvalResult):
         non_negative("slot", "version", "compute_s")
         if not msg.compute_s <= MAX_REPORTED_S:

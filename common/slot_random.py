@@ -52,10 +52,19 @@ def micro_batch_seed(order: EpochOrder, version: int, epoch: int, position: int)
 
 def micro_batch_end(position: int, end: int, wanted: int, block: Optional[int]) -> int:
     """Where the micro-batch starting at `position` ends (before `end`): after `wanted`
-    samples, or, for a job that draws randomness (`block`), at the next multiple of `block`."""
+    samples, or, for a job that draws randomness (`block`), at the next multiple of `block`.
+
+    No micro-batch holds a single sample unless the whole part does: a model in training mode
+    may refuse one (BatchNorm: "expected more than 1 value per channel"), and a worker's
+    speed-sized micro-batch may come down to 1 on a busy machine. So a micro-batch takes at
+    least two samples, and one that would leave a single sample behind takes it too."""
     if block is None:
-        return min(end, position + max(1, wanted))
-    return min(end, (position // block + 1) * block)
+        cut = position + max(2, wanted)
+    else:
+        cut = (position // block + 1) * block
+        if cut - position == 1:  # a part starting just before a block's end
+            cut += block
+    return end if end - cut <= 1 else cut
 
 
 @contextlib.contextmanager

@@ -88,6 +88,7 @@ class RoundCore:
         self.identities: dict[str, str] = {}  # worker id -> its identity
         self.identity_names: dict[str, str] = {}  # identity -> the worker id it last used
         self.counters: Counter[str] = Counter()
+        self._job_errors: dict[str, str] = {}  # worker -> the last error its job raised, as told
         self.samples_applied = samples_applied
         self.train_loss: Optional[float] = None
         self.rate: deque[tuple[float, int]] = deque(maxlen=512)  # (time, samples applied)
@@ -249,6 +250,22 @@ class RoundCore:
         """Slots a worker gives back, through no fault of its own: to others, no offence."""
         return self._dealt(self._interpret(self.scheduler.handback(worker_id, slots, now), now),
                            now)
+
+    def job_failed(self, worker_id: str, slots: list[int], error: str, now: float) -> list:
+        """The job's own code raised `error` on these slots at the worker: they go to others and
+        count as its failures (no offence: the job's code may fail anywhere). Said once per
+        worker and error, not once per slot."""
+        out: list[Effect] = []
+        for slot in slots:
+            if slot in self.scheduler.side:
+                continue  # an evaluation or a settlement: its deadline gives it to another
+            self.counters["slots_failed_in_job"] += 1
+            out += self._interpret(self.scheduler.failed(worker_id, slot, now), now)
+        if self._job_errors.get(worker_id) != error:
+            self._job_errors[worker_id] = error
+            out.append(Event("job_failed", f"the job's code failed on {worker_id}: {error!r} "
+                                           "(its slots go to others)", worker_id, logging.WARNING))
+        return self._dealt(out, now)
 
     def malformed(self, worker_id: str, slot: int, now: float) -> list:
         """A result whose gradient could not be read: the slot goes to someone else, and it is

@@ -369,8 +369,9 @@ class Coordinator:
             await self._send(route, refusal)
 
     async def _on_handback(self, route: bytes, msg: proto.Handback, key) -> None:
-        worker_id = self.gate.worker_of(route)
-        await self.perform(self.core.handback(worker_id, msg.slots, self.clock()))
+        worker_id, now = self.gate.worker_of(route), self.clock()
+        await self.perform(self.core.handback(worker_id, msg.slots, now) if msg.error is None
+                           else self.core.job_failed(worker_id, msg.slots, msg.error, now))
 
     async def _on_bye(self, route: bytes, msg: proto.Bye, key) -> None:
         worker_id = self.gate.peers.get(route)

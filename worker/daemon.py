@@ -406,7 +406,7 @@ class Worker:
             return self.data.failed(c.slot, exc, time.monotonic()), 0.0
         except Exception as exc:  # noqa: BLE001 - the job's own code failed on this slot
             log.exception("slot %d failed: %s", c.slot, exc)
-            return S.NotComputed(), 0.0
+            return S.NotComputed(error=f"{type(exc).__name__}: {exc}"), 0.0
         return session_outcome(outcome, c.work, c.began, self._wire)
 
     async def _dispatch(self, sock, frames) -> None:

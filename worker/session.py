@@ -40,6 +40,12 @@ CAPPED_RETRY_S = 60.0
 HANDBACK_REASON = "the daily transfer cap is spent and the data is not cached"
 
 
+def one_line(text: str) -> str:
+    """`text` as the wire takes an error: one printable line, at most proto.MAX_NAME long."""
+    line = "".join(c if c.isprintable() else " " for c in text)
+    return line if len(line) <= proto.MAX_NAME else line[:proto.MAX_NAME - 3] + "..."
+
+
 # effects: what the driver must do ---------------------------------------------------------------
 
 
@@ -118,7 +124,9 @@ class EvalAnswer:
 
 @dataclass(frozen=True)
 class NotComputed:
-    """Cancelled, or failed (the driver said why)."""
+    """Cancelled, or failed (the driver said why). `error`: the job's own code failed on the
+    slot (what it raised): the coordinator is told, so that the slot goes to others at once."""
+    error: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -381,6 +389,9 @@ class Session:
             return [Send(outcome.message)]
         if isinstance(outcome, Capped):
             return self._hand_back(now, [slot])
+        if isinstance(outcome, NotComputed) and outcome.error is not None:
+            return [Send(proto.Handback(slots=[slot], reason="the job failed",
+                                        error=one_line(outcome.error)))]
         return []
 
     # the machine --------------------------------------------------------------------------------

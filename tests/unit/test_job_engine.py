@@ -587,3 +587,33 @@ def test_a_loss_that_sums_over_the_batch_is_said_at_build_and_a_mean_is_not(tmp_
     assert warning(reduction="mean") is None
     config = CoordinatorConfig(job="digits")
     assert Training(config, check(config)).loss_warning is None
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("micro", [1, 31, 16])
+def test_a_batchnorm_job_computes_whatever_micro_batch_the_worker_picks(micro, dropout):
+    """The walkthrough of issue 29: a worker's speed-sized micro-batch came down to 1 on a busy
+    machine (or a 32-sample part was cut 31 + 1), BatchNorm refused the single sample, and every
+    slot after failed. No micro-batch holds one sample unless its whole part does."""
+    from idlegrad.common.job import accumulate_coded_gradient
+
+    def datasets():
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(200, 6, generator=g)
+        y = (x[:, 0] > 0).long()
+        return TensorDataset(x[:160], y[:160]), TensorDataset(x[160:], y[160:])
+
+    job = Job(name="bn", build_model=lambda: nn.Sequential(
+        nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout(dropout), nn.Linear(8, 2)),
+        build_datasets=datasets,
+        loss=lambda model, batch: nn.functional.cross_entropy(model(batch[0]), batch[1]),
+        build_optimizer=lambda params: torch.optim.SGD(params, lr=0.1), batch_size=32)
+    built = build(job)
+    sizes = []
+    for part in ([0, 0, 32], [0, 63, 67]):  # the second starts one sample before a block's end
+        built.model.grads.zero_()
+        accumulate_coded_gradient(job, built.model, built.train, 0, [part], [1.0],
+                                  micro_batch=lambda: micro, observe=sizes.append,
+                                  block=built.random_block)
+        assert torch.isfinite(built.model.grads).all() and built.model.grads.abs().sum() > 0
+    assert min(sizes) >= 2, sizes

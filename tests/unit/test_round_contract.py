@@ -48,6 +48,7 @@ from .fakes import RecordingTransport
 
 ENTRY_POINTS = ("join", "ready", "resend", "leave", "tick", "malformed", "result", "computed",
                 "seen", "control", "stop", "evaluate", "drop_evaluation", "evaluated", "handback",
+                "job_failed",
                 "expel")
 QUERIES = ("version", "identity", "samples_per_s", "trust_summary")
 

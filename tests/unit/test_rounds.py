@@ -113,3 +113,27 @@ def test_a_leave_counts_its_requeued_slots_in_words():
     assert "a left (said bye); 1 slot requeued" in said, said
     said = [e.text for e in c.leave("b", "said bye", 1.0) if isinstance(e, Event)]
     assert "b left (said bye); 0 slots requeued" in said, said
+
+
+def test_a_slot_the_jobs_code_failed_on_goes_to_another_worker_and_is_said_once():
+    # the walkthrough of issue 29: a BatchNorm job raising on a worker showed it "working", 0
+    # failed, 0 samples/s, for good
+    from idlegrad.coordinator.effects import Event
+
+    c = core()
+    c.join("a", {}, "a", 0.0)
+    (task,) = [x for x in c.ready("a", 1, 0.0) if isinstance(x, Assign)]
+    out = c.job_failed("a", [task.slot], "ValueError: one value per channel", 1.0)
+    (again,) = [x for x in out if isinstance(x, Assign)]  # requeued: the only worker takes it
+    assert again.worker == "a" and again.slot == task.slot
+    assert c.scheduler.workers["a"].failed == 1 and c.counters["slots_failed_in_job"] == 1
+    (said,) = [e for e in out if isinstance(e, Event)]
+    assert said.kind == "job_failed" and "one value per channel" in said.text
+    c.join("b", {}, "b", 1.0)
+    c.ready("b", 1, 1.0)
+    out = c.job_failed("a", [again.slot], "ValueError: one value per channel", 2.0)
+    assert not [e for e in out if isinstance(e, Event)]  # the same error, not said again
+    assert c.scheduler.workers["a"].failed == 2
+    # a slot it does not hold is no failure of its
+    assert c.job_failed("b", [10 ** 6], "boom", 3.0) is not None
+    assert c.scheduler.workers["b"].failed == 0

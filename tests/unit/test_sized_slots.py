@@ -144,8 +144,9 @@ def test_credits_of_a_sized_round_follow_each_workers_samples():
         held.clear()
         for w in sorted(tasks, key=lambda w: SPEED[w] * tasks[w].work.samples):
             now += SPEED[w] * tasks[w].work.samples
-            perform(core.result(w, tasks[w].slot, None, 1.0, SPEED[w] * tasks[w].work.samples,
-                                now, samples=tasks[w].work.samples))
+            perform(core.result(w, tasks[w].slot, None, float(tasks[w].work.samples),
+                                SPEED[w] * tasks[w].work.samples, now,
+                                samples=tasks[w].work.samples))
     last = applied[-1]
     earned = {c.identity: c.samples for c in last.credits}
     assert earned["a"] + earned["b"] == last.samples == 120

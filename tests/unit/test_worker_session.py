@@ -193,6 +193,24 @@ def test_a_slot_that_meets_the_cap_while_fetching_is_handed_back():
     assert session.capped(1.0) and not session.capped(500.0)
 
 
+def test_a_slot_the_jobs_code_fails_on_is_handed_back_with_what_it_raised():
+    """The coordinator is told at once (else it holds the slot until its deadline, and a job
+    that fails on every slot of a worker shows it 'working' for good)."""
+    session = S.Session(2, HELLO)
+    joined(session)
+    session.task(0.0, 5, "work5")
+    session.start(0.0)
+    error = "ValueError: Expected more than 1 value per channel\n\x1b[31m" + "x" * 400
+    (handback,) = sent(session.finished(1.0, 5, S.NotComputed(error=error)))
+    assert handback.slots == [5] and handback.error.startswith("ValueError: Expected more")
+    assert handback.error.isprintable() and len(handback.error) <= proto.MAX_NAME
+    proto.decode(proto.encode(handback))  # the coordinator's schema takes it
+    # a cancelled slot (no error) says nothing: the coordinator cancelled it
+    session.task(1.0, 6, "work6")
+    session.start(1.0)
+    assert sent(session.finished(2.0, 6, S.NotComputed())) == []
+
+
 def test_an_unknown_session_reply_says_hello_again():
     session = S.Session(2, HELLO)
     joined(session)
