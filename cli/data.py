@@ -73,7 +73,8 @@ def _pack(args) -> int:
     else:
         raise DataError(f"{args.source}: not a folder, .npz or .npy")
     print(f"{manifest.sha256}  {args.out}/manifest.json: {manifest.samples} samples in "
-          f"{len(manifest.shards)} shards of {manifest.shards[0].samples} samples")
+          f"{len(manifest.shards)} shard{'s' if len(manifest.shards) != 1 else ''} of "
+          f"{manifest.shards[0].samples} samples")
     return 0
 
 

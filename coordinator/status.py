@@ -140,7 +140,10 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
         "instance": training.instance,
         "state": "stopping" if stopping else "training",
         "version": training.version, "samples": core.samples_applied,
-        "epoch": round(training.sampler.progress, 4), "epochs": config.epochs,
+        # epochs of samples applied, as `samples` counts them (the sampler's progress counts
+        # samples planned: it runs ahead by the rounds open)
+        "epoch": round(core.samples_applied / max(1, len(training.built.train)), 4),
+        "epochs": config.epochs,
         "train_samples": len(training.built.train), "elapsed_s": round(training.elapsed(now), 3),
         "samples_per_s": round(total_rate, 2), "loss": core.train_loss,
         "metrics": training.metrics, "target": str(target) if target else None,

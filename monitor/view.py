@@ -496,7 +496,8 @@ def _mib(value: Any) -> str:
 
 def data_line(data: dict) -> str:
     """One line of the data plane from a snapshot's `data` (untrusted: every value shown)."""
-    return (f"{_mib(data.get('bytes'))} in {number(data.get('shards'))} shards; served "
+    shards = "shard" if data.get("shards") == 1 else "shards"
+    return (f"{_mib(data.get('bytes'))} in {number(data.get('shards'))} {shards}; served "
             f"{_mib(data.get('served_bytes'))}; workers fetched "
             f"{_mib(data.get('bytes_from_mirrors'))} from mirrors, "
             f"{_mib(data.get('bytes_from_coordinator'))} from here; "

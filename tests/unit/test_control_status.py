@@ -333,3 +333,23 @@ def test_the_workers_samples_per_s_add_up_to_the_headers():
     assert snap["samples_per_s"] == pytest.approx(core.samples_per_s(now), rel=0.1)
     assert sum(rows) == pytest.approx(snap["samples_per_s"], abs=0.02), (rows, snap["samples_per_s"])
     assert all(w["compute_samples_per_s"] > 10 * w["samples_per_s"] > 0 for w in snap["workers"])
+
+
+def test_the_snapshots_epochs_count_the_samples_it_counts():
+    """The walkthrough of issue 29 read "samples 0 (0.0400 epochs)": epochs counted the samples
+    planned (rounds open), samples those applied. Both count what was applied now."""
+    from idlegrad.coordinator.server import CoordinatorConfig
+
+    from .pair import Pair
+
+    pair = Pair(CoordinatorConfig(job="synthetic", job_args={"params": 100, "batch_size": 16},
+                                  partitions=2, epochs=2, eval_every=3600, heartbeat_s=0.5))
+    pair.worker("w1")
+    pair.run(until=lambda: len(pair.coordinator.scheduler.rounds) > 0, steps=50)
+    snap = pair.coordinator.snapshot()
+    assert snap["samples"] == 0 and snap["epoch"] == 0, snap["epoch"]
+    pair.run(until=lambda: pair.coordinator.samples_applied >= 64, steps=2000)
+    snap = pair.coordinator.snapshot()
+    assert snap["samples"] > 0
+    assert snap["epoch"] == pytest.approx(snap["samples"] / snap["train_samples"], abs=1e-4)
+    pair.close()

@@ -272,3 +272,11 @@ def test_epochs_read_as_fractions_not_in_scientific_notation():
     assert dict(view.summary_rows(snap))["samples"].endswith("(0.0044 epochs)")
     assert [view.epochs_done(e) for e in (0, 0.44, 3.25, 12.34, None)] == \
         ["0.00", "0.44", "3.25", "12.3", "-"]
+
+
+def test_the_data_line_counts_shards_in_words():
+    from idlegrad.monitor.view import data_line
+
+    assert " in 1 shard; " in data_line({"bytes": 2 ** 20, "shards": 1})
+    assert " in 3 shards; " in data_line({"bytes": 2 ** 20, "shards": 3})
+    assert "shards" in data_line({"shards": "<b>"})  # untrusted: shown, never a crash
