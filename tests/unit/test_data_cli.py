@@ -36,7 +36,7 @@ def test_pack_npy_pair_corpus_and_job(run_cli, tmp_path):
     np.save(tmp_path / "y.npy", np.zeros(6, np.int32))
     result = run_cli(["data", "pack", str(tmp_path / "x.npy"), "--targets", str(tmp_path / "y.npy"),
                       "--out", str(tmp_path / "a")])
-    assert result.code == 0 and "6 samples in 1 shards" in result.out
+    assert result.code == 0 and "6 samples in 1 shard of" in result.out
     x, y = ShardedDataset(str(tmp_path / "a" / "manifest.json"))[5]
     assert x.dtype == torch.float16 and x.shape == (2,) and y.dtype == torch.int32 and y.shape == ()
     (tmp_path / "txt").mkdir()
