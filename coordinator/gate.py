@@ -37,6 +37,7 @@ from typing import Callable, Optional
 
 from ..common import protocol as proto
 from ..common.errors import ProtocolError
+from . import names
 
 # what a message asks to do; OWN: something about its own key (any listed key may)
 WORK, READ, OPERATE, OWN = "work", "read", "operate", "own"
@@ -202,7 +203,7 @@ class Gate:
             if owner is not None and owner != key:
                 return Refusal("hello_identity", "identity",
                                f"worker name {hello_id!r} is bound to another key (the one that "
-                               "first joined under it): give this worker another --name")
+                               "first joined under it): give this worker another --id")
         elif key is not None and sender is not None and self.key_of.get(sender) != key:
             return Refusal("identity", reason="message under another key than its hello",
                            bad_message=True)
@@ -288,8 +289,12 @@ class Gate:
         self.peers[route] = worker_id
         if key is not None:
             self.key_of[worker_id] = key
-            if worker_id not in self.owners:
+            if worker_id in self.owners:  # the owner is back: its name is the last to go
+                self.owners[worker_id] = self.owners.pop(worker_id)
+            else:
                 self.owners[worker_id] = key
+                while len(self.owners) > names.MAX_NAMES:  # the longest unused goes first
+                    del self.owners[next(iter(self.owners))]
                 self.on_bind()
 
     def load_owners(self, owners: dict[str, bytes]) -> None:

@@ -2,7 +2,8 @@
 restarts: one small JSON file, `names.json`, mapping each worker name to the key (Z85) that first
 said hello under it. It lives where the bans do (bans.py: the --enrolled folder, else the
 checkpoint folder); with neither a name is bound until the coordinator stops. Written whole at
-each new binding (common/atomic.py); the decisions are the gate's. Without keys nothing is bound:
+each new binding (common/atomic.py); at most MAX_NAMES are kept, the least recently used
+forgotten first; the decisions are the gate's. Without keys nothing is bound:
 a name is then not authenticated at all (docs/architecture.md, "Threat model").
 """
 
@@ -16,6 +17,9 @@ from ..common import atomic
 from ..common.errors import ConfigError
 
 FILENAME = "names.json"
+# Bindings kept, the least recently used forgotten first: a worker's default name (HOST-PID) is
+# new at each start, and the file must not grow for ever (nor past what `load` reads back).
+MAX_NAMES = 100_000
 MAX_BYTES = 64 * 1024 * 1024
 
 
@@ -45,4 +49,5 @@ def load(path: Optional[str]) -> dict[str, bytes]:
 def save(path: str, names: dict[str, bytes]) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     text = {name: key.decode("ascii") for name, key in names.items()}
-    atomic.write_bytes(path, json.dumps({"names": text}, indent=0, sort_keys=True).encode())
+    # in the gate's order (the least recently used first), which `load` keeps
+    atomic.write_bytes(path, json.dumps({"names": text}, indent=0).encode())

@@ -131,14 +131,18 @@ class Settlement:
         size = max(a.norm, b.norm)
         # One party under two worker ids (one key, invitation or source) would agree with itself:
         # a third opinion decides.
-        if matches(off, size) and not (_kin(a) & _kin(b)):
+        agree, shared = matches(off, size), _kin(a) & _kin(b)
+        if agree and not shared:
             store[first] = replace(a, verified_by=(a.identity, b.identity))
             out = core.agreed(first, second, now)
             store.pop(second, None)  # not used: the first copy is
             return out
         out = core.disagreed(first, second, now)
         detail = (f"copies of slots {first} ({a.worker}) and {second} ({b.worker}) in round "
-                  f"{action.round} differ by {off / max(size, 1e-12):.3g} of their size")
+                  + (f"{action.round} agree, but their senders are of one kin "
+                     f"({', '.join(sorted(t.split(':', 1)[0] for t in shared))}: one party)"
+                     if agree else
+                     f"{action.round} differ by {off / max(size, 1e-12):.3g} of their size"))
         refused = self._refuse_banned(first, second, detail, now)
         if refused is not None:
             return out + refused

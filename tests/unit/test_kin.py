@@ -7,7 +7,7 @@ from __future__ import annotations
 
 
 from idlegrad.common.coding import parse_redundancy
-from idlegrad.coordinator.effects import Compute, Refused, Used
+from idlegrad.coordinator.effects import Applied, Compute, Event, Refused
 from idlegrad.coordinator.rounds import RoundCore
 from idlegrad.coordinator.sampler import Sampler
 from idlegrad.coordinator.scheduler import Assign, Scheduler, SchedulerConfig
@@ -75,8 +75,10 @@ def test_copies_of_one_kin_that_agree_are_no_second_opinion():
         core.scheduler.workers[worker].kin |= {"src:198.51.100.7"}
     out = answer(core, first.worker, first.slot, RIGHT, 1.0)
     out += answer(core, second.worker, second.slot, RIGHT, 1.1)
-    assert not [e for e in out if isinstance(e, Used)]  # not accepted on their word
+    assert not [e for e in out if isinstance(e, Applied)]  # not accepted on their word
     assert core.settlement.busy is not None and core.settlement.side_slot is not None
+    (event,) = [e for e in out if isinstance(e, Event) and e.kind == "replicas_disagreed"]
+    assert "one kin (src" in event.text
     side = core.scheduler.side[core.settlement.side_slot]
     assert {first.worker, second.worker} <= side.exclude
 

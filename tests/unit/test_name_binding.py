@@ -43,7 +43,7 @@ def test_a_name_stays_its_first_keys_after_the_owner_disconnects():
     assert refusal is not None and refusal.code == "identity"
     reply = refusal.reply(hello())
     assert isinstance(reply, proto.Reject) and "bound to another key" in reply.reason
-    assert "--name" in reply.reason  # what the refused worker can do about it
+    assert "--id" in reply.reason  # what the refused worker can do about it
     # the owner comes back, as often as it likes
     for route in (b"r3", b"r4"):
         assert gate.admit(OWNER, hello(), route) is None
@@ -107,3 +107,15 @@ def test_kin_holds_the_hellos_source_address_but_not_loopback():
     assert gate.kin("a", OWNER, b"r1") & gate.kin("b", THIEF, b"r2") == {"src:192.0.2.7"}
     assert not gate.kin("a", OWNER, b"r3") & gate.kin("b", THIEF, b"r4")
     assert gate.kin("a", OWNER, b"r3") == {"key:" + OWNER.decode()}
+
+
+def test_the_bindings_are_bounded_and_the_longest_unused_goes_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(names, "MAX_NAMES", 2)
+    gate, _ = coordinator_gate(tmp_path)
+    gate.connect("one", b"r1", OWNER)
+    gate.connect("two", b"r2", OWNER)
+    gate.connect("one", b"r3", OWNER)  # back: "two" is now the longest unused
+    gate.connect("three", b"r4", OWNER)
+    assert list(gate.owners) == ["one", "three"]
+    restarted, _ = coordinator_gate(tmp_path)
+    assert list(restarted.owners) == ["one", "three"]
