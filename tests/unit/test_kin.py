@@ -66,6 +66,20 @@ def test_the_second_copy_of_a_row_never_goes_to_the_first_copys_kin():
         assert not {"a", "b"} <= set(workers), dealt
 
 
+def test_a_requeued_copy_never_goes_to_the_held_copys_kin():
+    core, out = core_with({"a": INVITATION, "c": frozenset(), "b": INVITATION, "d": frozenset()})
+    dealt = rows(out)
+    (row_of_a,) = [r for r, w in dealt.items() if "a" in w]
+    assert sorted(dealt[row_of_a]) == ["a", "c"]
+    slot_of = {(a.worker, a.round): a.slot for a in assigns(out)}
+    out = answer(core, "a", slot_of["a", row_of_a], RIGHT, 1.0)  # a's copy is held
+    out += core.leave("c", "gone", 1.1)  # the other copy waits for a second opinion
+    (row_of_b,) = [r for r, w in dealt.items() if "b" in w]
+    out += answer(core, "b", slot_of["b", row_of_b], RIGHT, 1.2)  # b asks for work
+    assert "b" not in rows(out).get(row_of_a, []), rows(out)
+    assert core.scheduler.workers["b"].assigned  # b was dealt something else
+
+
 def test_copies_of_one_kin_that_agree_are_no_second_opinion():
     core, out = core_with({"a": frozenset(), "b": frozenset(), "c": frozenset(),
                            "d": frozenset()})
