@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from idlegrad.common.tensors import distance, finite_norm
 from idlegrad.coordinator.sampler import Sampler
 from idlegrad.coordinator.scheduler import CompareCopies, Decoded, Scheduler, SchedulerConfig
 
@@ -47,3 +48,33 @@ def make(n: int = 40, batch: int = 4, epochs=None, **config) -> Dealing:
     """A dealing scheduler over `n` samples (`epochs` of them; None: endless) in batches of
     `batch`, with `config` the rest of its SchedulerConfig."""
     return Dealing(Scheduler(SchedulerConfig(batch_size=batch, **config), Sampler(n, epochs)))
+
+
+class NoModel:
+    """A round core's backend without a model: each applied round steps the version; every
+    result is as far from another as from nothing (0)."""
+
+    version = 0
+
+    def apply(self, terms, norms, samples, round_version, in_use):
+        self.version += 1
+        return 1.0
+
+    def distance(self, a, b):
+        return 0.0
+
+    def size(self, a):
+        return 0.0
+
+    def merge_buffers(self, states, weight):
+        pass
+
+
+class VectorBackend(NoModel):
+    """NoModel whose results are lists of tensors, compared for real (settlements)."""
+
+    def distance(self, a, b):
+        return distance(a, b)
+
+    def size(self, a):
+        return finite_norm(a)

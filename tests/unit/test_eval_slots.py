@@ -19,7 +19,7 @@ from idlegrad.coordinator.rounds import RoundCore
 from idlegrad.coordinator.sampler import Sampler
 from idlegrad.coordinator.scheduler import (Assign, CancelSlots, Decoded, Evicted, Scheduler,
                                             SchedulerConfig)
-from .scheduling import Dealing
+from .scheduling import Dealing, NoModel
 from idlegrad.coordinator.trust import TrustConfig, TrustPolicy
 
 
@@ -240,23 +240,6 @@ def test_dropping_an_evaluation_cancels_its_slots():
 
 
 # the round core ---------------------------------------------------------------------------------
-
-
-class NoModel:
-    version = 0
-
-    def apply(self, terms, norms, samples, round_version, in_use):
-        self.version += 1
-        return 1.0
-
-    def distance(self, a, b):
-        return 0.0
-
-    def size(self, a):
-        return 0.0
-
-    def merge_buffers(self, states, weight):
-        pass
 
 
 def test_the_core_combines_worker_sums_into_the_evaluation_of_its_version():

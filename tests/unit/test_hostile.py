@@ -30,7 +30,7 @@ from idlegrad.coordinator.server import Coordinator, CoordinatorConfig
 from idlegrad.coordinator.target import Target
 from idlegrad.coordinator.trust import TrustConfig, TrustPolicy
 
-from .test_eval_slots import NoModel
+from .scheduling import NoModel
 from .test_round_contract import ScriptedFleet
 
 CLASSIFICATION = EvalShape(frozenset({"loss", "accuracy"}), frozenset({"loss", "accuracy"}))

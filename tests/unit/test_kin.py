@@ -12,7 +12,8 @@ from idlegrad.coordinator.rounds import RoundCore
 from idlegrad.coordinator.sampler import Sampler
 from idlegrad.coordinator.scheduler import Assign, Scheduler, SchedulerConfig
 from idlegrad.coordinator.trust import TrustConfig, TrustPolicy
-from .test_settle_on_workers import RIGHT, WRONG, VectorBackend, assigns
+from .scheduling import VectorBackend
+from .test_settle_on_workers import RIGHT, WRONG, assigns
 
 INVITATION = frozenset({"inv:0123456789abcdef"})
 

@@ -16,7 +16,7 @@ from idlegrad.coordinator.scheduler import Assign, Scheduler, SchedulerConfig
 from idlegrad.coordinator.target import Target
 from idlegrad.coordinator.trust import TrustConfig, TrustPolicy
 
-from .test_eval_slots import NoModel
+from .scheduling import NoModel
 
 
 def rounds_core() -> RoundCore:

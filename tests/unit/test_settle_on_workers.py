@@ -9,32 +9,16 @@ from __future__ import annotations
 import torch
 
 from idlegrad.common.coding import parse_redundancy
-from idlegrad.common.tensors import distance, finite_norm
 from idlegrad.coordinator.effects import Compute, Refused, Used
 from idlegrad.coordinator.rounds import RoundCore
 from idlegrad.coordinator.sampler import Sampler
 from idlegrad.coordinator.scheduler import Assign, CancelSlots, Scheduler, SchedulerConfig
 from idlegrad.coordinator.trust import TrustConfig, TrustPolicy
 
+from .scheduling import VectorBackend
+
 RIGHT = [torch.full((4,), 2.0)]  # norm 4: an honest slot of 4 samples at reference norm 1
 WRONG = [torch.full((4,), -2.0)]  # the same size, sign-flipped
-
-
-class VectorBackend:
-    version = 0
-
-    def apply(self, terms, norms, samples, round_version, in_use):
-        self.version += 1
-        return 1.0
-
-    def distance(self, a, b):
-        return distance(a, b)
-
-    def size(self, a):
-        return finite_norm(a)
-
-    def merge_buffers(self, states, weight):
-        pass
 
 
 def core_with(workers: dict[str, int], settle_on_workers: bool = True) -> tuple[RoundCore, list]:
