@@ -1,5 +1,6 @@
 """The operator's commands, apart from the socket they arrive on: pause, resume and drain (the
-round core's), ban and unban a worker (the gate's decision, kept in bans.json for the next run),
+round core's), ban and unban a worker (the gate's decision, kept in bans.json for the next run;
+so are the gate's bindings of worker names to keys, in names.json),
 revoke and mint invitations (the --enrolled store), a worker's credit row, and the key folders
 re-read on SIGHUP. Each answers with its reply and the round core's effects; the server sends the
 one and performs the others. No sockets, no threads; the wall clock only for the invitations'
