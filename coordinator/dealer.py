@@ -6,7 +6,8 @@ worker's credits. A worker takes the oldest waiting round lease it may take, or 
 when none is waiting. What it may take: never a slot sized to another worker (`--sync`, round_book.py) while that one
 is active and has not taken it, never a lease it holds, a copy of a row it holds, or a
 second lease of a redundant round (one stopped worker must not hold two slots of one round); with
-verified replicas never a copy of a row whose held copy is its own; with locality first a lease
+verified replicas never a copy of a row whose held copy is its own or its kin's (the same key,
+invitation or source address: fleet.py); with locality first a lease
 whose shards it holds (or a round of its home block). Side leases go first, but to a worker only
 while it holds none and its last lease was a round's, so side work interleaves with training
 instead of starving it; only when no round work is left does a worker take them back to back.
@@ -121,7 +122,8 @@ class Dealer:
                 if round_.verified.sender(lease_id) is not None:
                     lease.state = LeaseState.OUT  # answered by a holder it came back from: held
                     continue
-                if not round_.verified.may_take(worker.id, lease.row):
+                if (not round_.verified.may_take(worker.id, lease.row, worker.kin)
+                        or self._kin_computes(round_, lease, worker)):
                     skipped.append(lease_id)
                     continue
             if worker.assigned and (
@@ -139,6 +141,18 @@ class Dealer:
             break
         pending.extendleft(reversed(skipped))
         return found
+
+    def _kin_computes(self, round_, lease: Lease, worker: WorkerRecord) -> bool:
+        """Whether another copy of `lease`'s verified row is out with `worker`'s kin: the two
+        copies would not be two opinions."""
+        workers = self.fleet.workers
+        for other in round_.copies.get(lease.row, ()):
+            held = self.leases.leases.get(other)
+            if other != lease.id and held is not None and any(
+                    h != worker.id and h in workers and workers[h].kin & worker.kin
+                    for h in held.holders):
+                return True
+        return False
 
     def _reserved_for_another(self, lease: Lease, worker: WorkerRecord) -> bool:
         """Whether `lease` is a slot sized to another worker that may still take it: that

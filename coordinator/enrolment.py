@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import secrets
 import time
 from typing import Optional
@@ -43,6 +44,8 @@ from ..common.invitation import ID_RE, NAME_RE, Token, digest, enrol_address
 from .invitations import Invitation, Refusals, SourceLimit, judge, key_name
 
 log = logging.getLogger("idlegrad.coordinator.enrolment")
+_ENROLLED_WITH = re.compile(r"enrolled with invitation ([0-9a-f]{1,64})")
+_PUBLIC_KEY = re.compile(r'public-key = "([^"]{40})"')
 
 
 
@@ -123,6 +126,25 @@ class Store:
         atomic.write_bytes(os.path.join(self.invites, inv.id + ".used"), str(used + 1).encode())
         atomic.write_bytes(os.path.join(self.keys, name + security.PUBLIC_SUFFIX),
                      security.public_key_text(key, f"enrolled with invitation {inv.id}"))
+
+    def invitations(self) -> dict[bytes, str]:
+        """Each enrolled key's invitation, as its NAME.key file says (`enrol` writes it there):
+        keys of one invitation may be one volunteer (gate.py, `kin`)."""
+        out: dict[bytes, str] = {}
+        if not os.path.isdir(self.keys):
+            return out
+        for name in os.listdir(self.keys):
+            if not name.endswith(security.PUBLIC_SUFFIX):
+                continue
+            try:
+                with open(os.path.join(self.keys, name), "rb") as f:
+                    text = f.read(4096).decode("ascii", "replace")
+            except OSError:
+                continue
+            invitation, key = _ENROLLED_WITH.search(text), _PUBLIC_KEY.search(text)
+            if invitation is not None and key is not None:
+                out[key.group(1).encode("ascii")] = invitation.group(1)
+        return out
 
     def enrolled_keys(self) -> frozenset[bytes]:
         if not os.path.isdir(self.keys) or not any(
@@ -225,7 +247,7 @@ class Endpoint:
             return self._refuse(reason, key, now, msg.invitation, source)
         name = key_name(inv, used)
         self.store.enrol(inv, used, name, key)
-        self.owner.gate.enrol(key)
+        self.owner.gate.enrol(key, inv.id)
         counters["enrolled"] += 1
         self.owner.training.event("enrolled", f"key {short(key)} enrolled as {name} with "
                                               f"invitation {inv.id} (use {used + 1} of {inv.uses})")

@@ -46,6 +46,9 @@ class WorkerRecord:
     side_last: bool = False  # its last slot was a side slot: the next is a round's, if any
     side_samples: int = 0  # samples of the side slots it answered first (evaluated)
     settled: bool = False  # it has announced credits: its start-up (job, data, model) is over
+    # who it may be one party with: its identity, its key's invitation, its source address
+    # (gate.py, `kin`); a verified row's two copies, or a settlement and its parties, never share
+    kin: frozenset = frozenset()
 
     @property
     def free(self) -> int:

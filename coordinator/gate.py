@@ -16,8 +16,15 @@ coordinator) whoever can reach the socket is already on this machine: anyone may
 Enrolment by invitation happens elsewhere, on its own endpoint (enrolment.py): the key it
 enrols becomes a worker key here (`enrol`), as if its NAME.key had been added to --allow-keys.
 
-Without keys a worker's identity is its worker id; with keys it is its key, so a worker name is
-held by one key and bans apply to the key.
+Without keys a worker's identity is its worker id; with keys it is its key, and bans apply to
+the key. With keys a worker name is bound, for good, to the key that first said hello under it
+(`owners`, kept in names.json by the operators' room so that it holds across restarts): another
+key's hello under that name is refused ("identity"), saying why, and the owner's always works.
+Without keys names are not authenticated: whoever says a name is that worker.
+
+Each worker also has its kin (`kin`): its key, the invitation that key was enrolled with, and the
+source address of its hello. Two workers of one kin may be one party: a verified row's copies
+and a settlement's computation never come from the same kin (verify.py, rounds.py).
 
 Bans come from two places: the trust policy's (repeated bad gradients, for this run) and the
 operator's (`ban`, kept in `bans`; the server saves them, so they hold across restarts).
@@ -30,6 +37,7 @@ from typing import Callable, Optional
 
 from ..common import protocol as proto
 from ..common.errors import ProtocolError
+from . import names
 
 # what a message asks to do; OWN: something about its own key (any listed key may)
 WORK, READ, OPERATE, OWN = "work", "read", "operate", "own"
@@ -40,6 +48,7 @@ NEEDS: dict[type, str] = {
     proto.Bye: WORK, proto.Fetch: WORK, proto.Handback: WORK, proto.StatusRequest: READ,
     proto.Control: OPERATE, proto.Invite: OPERATE, proto.CreditRequest: OWN,
 }
+LOOPBACK = ("127.", "::1", "::ffff:127.")
 KEY_LENGTH = 40  # a public key in Z85
 _Z85 = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
 
@@ -111,7 +120,11 @@ class Gate:
         self._listed = self._every(keys)
         self.trust_banned = is_banned
         self.bans: dict[str, str] = {}  # identity -> the name it was banned under (the operator's)
-        self.key_of: dict[str, bytes] = {}  # worker id -> the key that holds it
+        self.key_of: dict[str, bytes] = {}  # worker id -> the key that holds it, while connected
+        self.owners: dict[str, bytes] = {}  # worker id -> the key that first used it, for good
+        self.on_bind: Callable[[], None] = lambda: None  # a new binding in `owners`: save them
+        self.invitation_of: dict[bytes, str] = {}  # enrolled key -> the invitation it came with
+        self.sources: dict[bytes, str] = {}  # routing id -> the source address of its hello
         self.routes: dict[str, bytes] = {}  # worker id -> its connection's routing id
         self.peers: dict[bytes, str] = {}  # routing id -> the worker id it said hello as
 
@@ -186,10 +199,11 @@ class Gate:
             return _ROLE_REFUSALS[need]
         sender = None if hello_id is not None else self.peers.get(route)
         if key is not None and hello_id is not None:
-            owner = self.key_of.get(hello_id)
+            owner = self.owners.get(hello_id, self.key_of.get(hello_id))
             if owner is not None and owner != key:
                 return Refusal("hello_identity", "identity",
-                               f"worker id {hello_id!r} belongs to another key")
+                               f"worker name {hello_id!r} is bound to another key (the one that "
+                               "first joined under it): give this worker another --id")
         elif key is not None and sender is not None and self.key_of.get(sender) != key:
             return Refusal("identity", reason="message under another key than its hello",
                            bad_message=True)
@@ -267,13 +281,42 @@ class Gate:
     def connect(self, worker_id: str, route: bytes, key: Optional[bytes]) -> None:
         """`worker_id` said hello on `route` (under `key`): its earlier connection is let go."""
         old = self.routes.get(worker_id)
-        if old is not None:
+        if old is not None and old != route:
             self.peers.pop(old, None)
+            self.sources.pop(old, None)
         self.peers.pop(route, None)
         self.routes[worker_id] = route
         self.peers[route] = worker_id
         if key is not None:
             self.key_of[worker_id] = key
+            if worker_id in self.owners:  # the owner is back: its name is the last to go
+                self.owners[worker_id] = self.owners.pop(worker_id)
+            else:
+                self.owners[worker_id] = key
+                while len(self.owners) > names.MAX_NAMES:  # the longest unused goes first
+                    del self.owners[next(iter(self.owners))]
+                self.on_bind()
+
+    def load_owners(self, owners: dict[str, bytes]) -> None:
+        self.owners = dict(owners)
+
+    def heard_from(self, route: bytes, source: str) -> None:
+        """A hello arrived on `route` from `source` (ZeroMQ's Peer-Address; "?" when unknown)."""
+        self.sources[route] = source
+
+    def kin(self, worker_id: str, key: Optional[bytes], route: bytes) -> frozenset[str]:
+        """Who `worker_id` (saying hello under `key` on `route`) may be one party with: its
+        identity, its key's invitation, its source address (each as far as known)."""
+        tags = {self.identity(worker_id, key)}
+        invitation = self.invitation_of.get(key) if key is not None else None
+        if invitation is not None:
+            tags.add("inv:" + invitation)
+        source = self.sources.get(route, "?")
+        # Loopback is the coordinator's own machine (the operator's workers, and every test):
+        # no volunteer comes from there. Without keys names prove nothing, sources included.
+        if self.secure and source != "?" and not source.startswith(LOOPBACK):
+            tags.add("src:" + source)
+        return frozenset(tags)
 
     def same_key(self, worker_id: str, key: Optional[bytes]) -> bool:
         return key is None or self.key_of.get(worker_id) == key
@@ -283,10 +326,13 @@ class Gate:
         route = self.routes.pop(worker_id, None)
         if route is not None:
             self.peers.pop(route, None)
+            self.sources.pop(route, None)
         self.key_of.pop(worker_id, None)
 
-    def enrol(self, key: bytes) -> None:
+    def enrol(self, key: bytes, invitation: Optional[str] = None) -> None:
         """`key` was enrolled by invitation: it may work from its next handshake on."""
+        if invitation is not None:
+            self.invitation_of[key] = invitation
         if self.keys is not None:
             self.keys = KeyLists(self.keys.workers | {key}, self.keys.monitors,
                                  self.keys.operators)

@@ -1,5 +1,6 @@
 """The operator's commands, apart from the socket they arrive on: pause, resume and drain (the
-round core's), ban and unban a worker (the gate's decision, kept in bans.json for the next run),
+round core's), ban and unban a worker (the gate's decision, kept in bans.json for the next run;
+so are the gate's bindings of worker names to keys, in names.json),
 revoke and mint invitations (the --enrolled store), a worker's credit row, and the key folders
 re-read on SIGHUP. Each answers with its reply and the round core's effects; the server sends the
 one and performs the others. No sockets, no threads; the wall clock only for the invitations'
@@ -14,7 +15,7 @@ from typing import Callable, Optional
 
 from ..common import protocol as proto
 from ..common.errors import ConfigError
-from . import bans, enrolment
+from . import bans, enrolment, names
 from .config import CoordinatorConfig, load_key_lists
 from .credits import Credits
 from .gate import BANNED, Gate, KeyLists
@@ -30,10 +31,29 @@ class Operators:
         self.public_key = public_key
         self.event = event
         self.bans_path = bans.path_for(config.enrolled, config.checkpoint_dir)
+        self.names_path = names.path_for(config.enrolled, config.checkpoint_dir)
         self.store: Optional[enrolment.Store] = None  # with --enrolled, while serving
+        gate.on_bind = self._save_names
 
     def load_bans(self) -> None:
+        """What the gate keeps across restarts: the operator's bans, which key holds which
+        worker name, and which invitation each enrolled key came with."""
         self.gate.load_bans(bans.load(self.bans_path))
+        if self.gate.secure:
+            self.gate.load_owners(names.load(self.names_path))
+            if self.config.enrolled:
+                self.gate.invitation_of.update(enrolment.Store(self.config.enrolled).invitations())
+
+    def _save_names(self) -> None:
+        """A worker name was bound to its first key: kept for the next run, so that no other
+        key takes it then either."""
+        if self.names_path is None:
+            return  # (bound until this coordinator stops, as the threat model says)
+        try:
+            names.save(self.names_path, self.gate.owners)
+        except OSError as exc:
+            self.event("names", f"cannot save the worker names in {self.names_path}: {exc}",
+                       level=logging.ERROR)
 
     def command(self, action: str, worker: Optional[str], invitation: Optional[str],
                 now: float) -> tuple[bool, str, list]:

@@ -239,13 +239,13 @@ class RoundBook:
                 actions += self.close(round_, weights, now)
         return actions
 
-    def hold(self, lease: Lease, worker_id: str) -> list[Action]:
+    def hold(self, lease: Lease, worker_id: str, kin: frozenset = frozenset()) -> list[Action]:
         """A verified round's copy arrived: kept until a copy from another worker is compared
         with it. The row's other copies keep computing (they are the second opinion); only this
         lease's other holders (a deadline handed it out twice) are cancelled."""
         round_ = self.rounds[lease.round]
         assert round_.verified is not None  # only a verified round's copies are held
-        round_.verified.hold(lease.row, lease.id, worker_id)
+        round_.verified.hold(lease.row, lease.id, worker_id, kin)
         self.stats["replicas_held"] += 1
         return self.cancel_holders(lease) + self.compare_next(round_, lease.row)
 

@@ -109,9 +109,17 @@ class RoundCore:
 
     # what happened (each call returns what the driver must do) ------------------------------
 
-    def join(self, worker_id: str, info: dict, identity: str, now: float) -> list:
+    def kin(self, worker_id: str) -> frozenset:
+        """Whom `worker_id` may be one party with (fleet.py): at least its identity."""
+        record = self.scheduler.workers.get(worker_id)
+        return record.kin if record is not None else frozenset({self.identity(worker_id)})
+
+    def join(self, worker_id: str, info: dict, identity: str, now: float,
+             kin: frozenset = frozenset()) -> list:
+        """`kin`: whom it may be one party with besides its identity (gate.py)."""
         # a reconnect evicts the worker's old session first (and forgets who that was)
         out = self._interpret(self.scheduler.join(worker_id, info, now), now)
+        self.scheduler.workers[worker_id].kin = frozenset(kin) | {identity}
         self.identities[worker_id] = identity
         if identity != worker_id:  # keys (a bounded set) are shown by the name they last used
             self.identity_names[identity] = worker_id
@@ -299,7 +307,7 @@ class RoundCore:
         else:
             verdict = None
         stored = Stored(gradient, norm, worker_id, identity, compute_s, waited_s, samples, loss,
-                        buffers=buffers)
+                        buffers=buffers, kin=self.kin(worker_id))
         if verdict is not None and verdict.reason == "norm":
             assert scale is not None  # only a finite norm, judged against its slot's scale
             return self.settlement.suspect(slot, stored, scale, verdict.detail, now)
@@ -537,13 +545,16 @@ class _Court:
     def third_worker(self, work: SlotWork, parties: frozenset, now: float) -> Optional[int]:
         core = self._core
         workers = core.scheduler.workers
-        exclude = frozenset(w for w in workers if core.identity(w) in parties)
+        exclude = frozenset(w for w in workers if core.kin(w) & parties)
         if len(workers) <= len(exclude):
             return None
         return core.scheduler.add_side_task(work, exclude, now)
 
     def takers(self, lease: int) -> int:
         return self._core.scheduler.side_takers(lease)
+
+    def kin(self, worker: str) -> frozenset:
+        return self._core.kin(worker)
 
     def withdraw(self, lease: int, now: float) -> list:
         return self._interpreted(self._core.scheduler.drop_side_slot(lease, now), now)

@@ -316,7 +316,7 @@ class Scheduler:
             self.stats["results_duplicate"] += 1
             return False, []
         if verified is not None:
-            return True, self.book.hold(lease, worker_id)
+            return True, self.book.hold(lease, worker_id, worker.kin)
         self.stats["results_used"] += 1
         return True, self.book.arrive(lease, now)
 

@@ -277,6 +277,8 @@ class Coordinator:
             if refusal.code is not None:
                 await self._send(route, refusal.reply(msg))
             return
+        if isinstance(msg, proto.Hello):  # its source address: its kin (gate.py)
+            self.gate.heard_from(route, enrolment.peer_address(frames[1]))
         try:
             await handler(self, route, msg, key)
         except NeedHello:
@@ -304,7 +306,8 @@ class Coordinator:
             await self.perform(self.core.join(msg.worker_id, {
                 "host": msg.host, "cores": msg.cores, "threads": msg.threads, "device": msg.device,
                 "memory_mb": msg.memory_mb, "versions": msg.versions, "job": msg.job},
-                self.gate.identity(msg.worker_id, key), now))
+                self.gate.identity(msg.worker_id, key), now,
+                self.gate.kin(msg.worker_id, key, route)))
         self.gate.connect(msg.worker_id, route, key)
         self._event("join", f"{msg.worker_id} {'came back' if resumed else 'joined'} from "
                             f"{msg.host} ({msg.device}, {msg.threads} threads)", msg.worker_id)

@@ -116,6 +116,7 @@ class Stored:
     # the model's buffers as the slot's computation left them (as the backend stores them), or
     # None when the model has none
     buffers: Any = None
+    kin: frozenset = frozenset()  # whom its sender may be one party with (fleet.py)
 
 
 # actions: what the scheduler asks its driver (the round core) to do ----------------------------

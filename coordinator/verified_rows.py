@@ -20,15 +20,18 @@ class VerifiedRows:
     def __init__(self) -> None:
         self._held: dict[Hashable, list[int]] = {}  # row -> held copies, in arrival order
         self._sender: dict[int, str] = {}  # held copy -> the worker whose result it is
+        self._kin: dict[int, frozenset] = {}  # held copy -> its sender's kin (fleet.py)
         self._row: dict[int, Hashable] = {}  # held copy -> its row
         self._disputed: set[Hashable] = set()  # rows whose first two copies await a verdict
 
-    def hold(self, row: Hashable, slot: int, sender: str) -> None:
-        """`sender`'s result for copy `slot` of `row` arrived: keep it for a comparison."""
+    def hold(self, row: Hashable, slot: int, sender: str, kin: frozenset = frozenset()) -> None:
+        """`sender`'s result for copy `slot` of `row` arrived: keep it for a comparison.
+        `kin`: whom the sender may be one party with (its key, invitation, source)."""
         if slot in self._sender:
             raise ValueError(f"copy {slot} is held already")
         self._held.setdefault(row, []).append(slot)
         self._sender[slot] = sender
+        self._kin[slot] = frozenset(kin)
         self._row[slot] = row
 
     def sender(self, slot: int) -> Optional[str]:
@@ -39,10 +42,12 @@ class VerifiedRows:
         """The held copies of `row`, in arrival order."""
         return list(self._held.get(row, ()))
 
-    def may_take(self, worker: str, row: Hashable) -> bool:
-        """Whether `worker` may compute a copy of `row`: a second opinion must come from a
-        worker whose result for that row is not held already."""
-        return not any(self._sender[slot] == worker for slot in self._held.get(row, ()))
+    def may_take(self, worker: str, row: Hashable, kin: frozenset = frozenset()) -> bool:
+        """Whether `worker` (of `kin`) may compute a copy of `row`: a second opinion must come
+        from a worker whose result for that row is not held already, nor its kin's (another
+        worker of the same key, invitation or source address is no second opinion)."""
+        return not any(self._sender[slot] == worker or self._kin[slot] & kin
+                       for slot in self._held.get(row, ()))
 
     def next_pair(self, row: Hashable) -> Optional[tuple[int, int]]:
         """The first two held copies of `row`, now in dispute until a verdict; None while the
@@ -70,4 +75,5 @@ class VerifiedRows:
         for slot in slots:
             row = self._row.pop(slot)
             del self._sender[slot]
+            self._kin.pop(slot, None)
             self._held[row].remove(slot)

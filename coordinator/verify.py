@@ -10,10 +10,17 @@ core's `Compute`), and judge by that third opinion:
 
 Where that computation runs (`--settle-on`): here (`Compute`, the driver computes it in a thread
 and calls `computed`), or on a third worker (`settle_on_workers`): a side slot of the scheduler
-computing the same slot at the same version, which no party to the dispute may take (by
-identity); its result comes back through the round core as the reference, and is judged exactly
-as the coordinator's own computation would be. With no worker outside the dispute to take it,
-now or later (`check`), the coordinator computes it after all.
+computing the same slot at the same version, which no party to the dispute may take, nor any
+worker of a party's kin (its key, the invitation it was enrolled with, its source address:
+fleet.py); its result comes back through the round core as the reference, and is judged exactly
+as the coordinator's own computation would be. A reference that blames nobody (a suspect that
+matches, copies that do) settles it; one that would refuse a result (an offence, and offences
+ban) needs a quorum: a second settler, of no party's kin nor the first settler's, whose result
+agrees with the first. Settlers that disagree are settled here. With no worker outside the
+dispute to take it, now or later (`check`), the coordinator computes it after all.
+
+Two copies agree only when their senders share no kin: copies of one key, invitation or source
+address that agree are no second opinion, and a third decides.
 
 One computation at a time, so hostile workers cannot make the coordinator compute more than one
 slot at once: a suspect arriving meanwhile goes back to the pool (no offence), a disagreement
@@ -47,6 +54,9 @@ class Court(Protocol):
     trust: TrustPolicy
 
     def distance(self, a: Any, b: Any) -> float: ...
+
+    def kin(self, worker: str) -> frozenset:
+        """Whom `worker` may be one party with (its identity, invitation, source address)."""
 
     def size(self, a: Any) -> float: ...
 
@@ -92,7 +102,9 @@ class Settlement:
         self.disputes: deque[CompareCopies] = deque()
         self.on_workers = False  # --settle-on workers: a third worker computes it
         self.side_slot: Optional[int] = None  # the side slot computing it, on workers
-        self._excluded: frozenset = frozenset()  # the identities it must not come from
+        self._excluded: frozenset = frozenset()  # the kin it must not come from
+        # a first settler's reference that would blame someone, awaiting a second's: (worker, it)
+        self._first: Optional[tuple[str, Any]] = None
         self._honest = 0  # honest outliers since the last summary event
         self._summary_at = -math.inf
 
@@ -117,15 +129,20 @@ class Settlement:
         a, b = store[first], store[second]
         off = core.distance(a.gradient, b.gradient)
         size = max(a.norm, b.norm)
-        # One identity under two worker ids would agree with itself: a third opinion decides.
-        if matches(off, size) and a.identity != b.identity:
+        # One party under two worker ids (one key, invitation or source) would agree with itself:
+        # a third opinion decides.
+        agree, shared = matches(off, size), _kin(a) & _kin(b)
+        if agree and not shared:
             store[first] = replace(a, verified_by=(a.identity, b.identity))
             out = core.agreed(first, second, now)
             store.pop(second, None)  # not used: the first copy is
             return out
         out = core.disagreed(first, second, now)
         detail = (f"copies of slots {first} ({a.worker}) and {second} ({b.worker}) in round "
-                  f"{action.round} differ by {off / max(size, 1e-12):.3g} of their size")
+                  + (f"{action.round} agree, but their senders are of one kin "
+                     f"({', '.join(sorted(t.split(':', 1)[0] for t in shared))}: one party)"
+                     if agree else
+                     f"{action.round} differ by {off / max(size, 1e-12):.3g} of their size"))
         refused = self._refuse_banned(first, second, detail, now)
         if refused is not None:
             return out + refused
@@ -146,6 +163,7 @@ class Settlement:
         """The computation in flight is done: `reference` as the backend compares results, or
         `error` (the job's code failed here, or the slot's model is no longer kept)."""
         busy, self.busy = self.busy, None
+        self._first = None
         if busy is None:
             return []
         if busy[0] == "suspect":
@@ -182,12 +200,12 @@ class Settlement:
         return [request]
 
     def _parties(self) -> frozenset:
-        """The identities whose results the computation in flight judges."""
+        """The kin of those whose results the computation in flight judges."""
         store, busy = self.core.store, self.busy
         assert busy is not None  # asked while a computation is in flight
         if busy[0] == "suspect":
-            return frozenset({busy[2].identity})
-        return frozenset(store[s].identity for s in busy[1:] if s in store)
+            return _kin(busy[2])
+        return frozenset().union(*(_kin(store[s]) for s in busy[1:] if s in store))
 
     def _compute_elsewhere(self, request, now: float) -> list:
         """Hand the computation to a worker outside the dispute; here if there is none."""
@@ -208,6 +226,7 @@ class Settlement:
         if slot is None or self.core.takers(slot):
             return []
         self.side_slot = None
+        self._first = None
         core = self.core
         out = core.withdraw(slot, now)
         core.counters["settled_here_no_third"] += 1
@@ -236,14 +255,64 @@ class Settlement:
 
     def _judged_by(self, worker_id: str, identity: str, reference: Any, norm: float,
                    now: float) -> list:
+        core = self.core
         self.side_slot = None
-        if identity in self._excluded:
+        kin = core.kin(worker_id) | {identity}
+        if kin & self._excluded:
             return self.computed(None, "computed by a party to the dispute", now)
         if not math.isfinite(norm):
             return self.computed(None, "the third worker's result is not finite", now)
-        self.core.counters["settled_by_workers"] += 1
-        return [Event("settled", f"slot settled by {worker_id}'s computation", worker_id)
+        first, self._first = self._first, None
+        if first is None and self._blames(reference):
+            self._first = (worker_id, reference)  # one settler does not refuse anyone
+            return self._second_opinion(kin, now)
+        if first is not None:
+            off = core.distance(first[1], reference)
+            if not matches(off, core.size(reference)):
+                core.counters["settlers_disagreed"] += 1
+                return [Event("settlers_disagreed", f"{first[0]} and {worker_id} computed the "
+                                                    "slot differently: settling it here")
+                        ] + self._compute_here(now)
+            core.counters["settlement_quorums"] += 1
+        core.counters["settled_by_workers"] += 1
+        by = f"{first[0]}'s and {worker_id}'s computations" if first else f"{worker_id}'s computation"
+        return [Event("settled", f"slot settled by {by}", worker_id)
                 ] + self.computed(reference, None, now)
+
+    def _blames(self, reference: Any) -> bool:
+        """Whether settling by `reference` would refuse a result of the dispute."""
+        core, store, busy = self.core, self.core.store, self.busy
+        assert busy is not None  # asked while a computation is in flight
+        size = core.size(reference)
+        if busy[0] == "suspect":
+            return not matches(core.distance(busy[2].gradient, reference), size)
+        return any(not matches(core.distance(store[s].gradient, reference), size)
+                   for s in busy[1:] if s in store)
+
+    def _second_opinion(self, first_kin: frozenset, now: float) -> list:
+        """The first settler's reference would refuse someone: a second settler, of neither
+        the parties' kin nor the first's, must agree; here if there is none."""
+        core = self.core
+        assert self.busy is not None  # a settlement is in flight
+        request = core.compute_request(self.busy[1])
+        if request is None:
+            return self.computed(None, "its round has closed", now)
+        parties = self._excluded | first_kin
+        self.side_slot = core.third_worker(request.work, parties, now)
+        if self.side_slot is None:
+            self._first = None
+            core.counters["settled_here_no_quorum"] += 1
+            return [request]
+        self._excluded = parties
+        core.counters["settlement_second_opinions"] += 1
+        return []
+
+    def _compute_here(self, now: float) -> list:
+        assert self.busy is not None  # a settlement is in flight
+        request = self.core.compute_request(self.busy[1])
+        if request is None:
+            return self.computed(None, "its round has closed", now)
+        return [request]
 
     def _settle_suspect(self, busy: tuple, reference: Any, error: Optional[str],
                         now: float) -> list:
@@ -339,3 +408,8 @@ class Settlement:
             if slot not in correct[:1]:
                 core.store.pop(slot, None)
         return core.settled(first, second, correct, now)
+
+
+def _kin(stored: Stored) -> frozenset:
+    """Whom a result's sender may be one party with: at least its identity."""
+    return stored.kin | {stored.identity}

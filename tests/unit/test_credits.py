@@ -213,3 +213,27 @@ def test_a_disagreement_settled_verifies_the_right_copy_and_refuses_the_wrong_on
     workers = credits.table()["workers"]
     assert (workers["b"]["verified"], workers["b"]["samples"]) == (1, 8)
     assert (workers["a"]["verified"], workers["a"]["samples"], workers["a"]["refused"]) == (0, 0, 1)
+
+
+def test_results_used_in_a_round_thrown_away_as_too_stale_earn_nothing():
+    """Credit is for applied work: a verified row whose copies agreed, and were used in their
+    round, earns neither copy anything (samples, compute, verified slot) when the round is then
+    too stale to apply; the next round that is applied earns as usual."""
+    core, credits = core_of("replicate:2", partitions=1, verify=True, stale=True), Credits()
+    a, b = join(core, credits, ["a", "b"])
+    answer(core, credits, a, 1.0)
+    effects = answer(core, credits, b, 1.0)
+    assert any(isinstance(e, Used) for e in effects)  # the row was used in its round ...
+    assert any(isinstance(e, Replanned) for e in effects)  # ... which was thrown away
+    workers = credits.table()["workers"]
+    for worker in ("a", "b"):
+        assert (workers[worker]["samples"], workers[worker]["compute_s"],
+                workers[worker]["verified"]) == (0, 0.0, 0)
+    assert credits.samples == 0 == core.samples_applied
+    core.backend.stale = False  # the replanned samples, computed again, are applied
+    tasks = [e for e in effects if isinstance(e, Assign)]
+    for task in tasks:
+        answer(core, credits, task, 1.0, now=2.0)
+    assert credits.samples == core.samples_applied == 8
+    workers = credits.table()["workers"]
+    assert sum(workers[w]["verified"] for w in ("a", "b")) == 2

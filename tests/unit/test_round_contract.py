@@ -50,7 +50,7 @@ ENTRY_POINTS = ("join", "ready", "resend", "leave", "tick", "malformed", "result
                 "seen", "control", "stop", "evaluate", "drop_evaluation", "evaluated", "handback",
                 "job_failed",
                 "expel")
-QUERIES = ("version", "identity", "samples_per_s", "trust_summary")
+QUERIES = ("version", "identity", "kin", "samples_per_s", "trust_summary")
 
 
 def test_the_contract_wraps_every_entry_point_of_the_round_core():

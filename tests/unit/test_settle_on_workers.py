@@ -1,14 +1,15 @@
 """`--settle-on workers` as pure logic: a disagreement between two verified copies is computed by a
-third worker (never one of the two senders), whose result decides which copy was wrong; the wrong
-copy's sender is refused as when the coordinator computes it. With no worker outside the dispute,
-now or later, the coordinator computes it after all."""
+third worker (never one of the two senders), whose result decides which copy was wrong once a
+second settler agrees (or, with none, the coordinator: tests/unit/test_kin.py); the wrong copy's
+sender is refused as when the coordinator computes it. With no worker outside the dispute, now or
+later, the coordinator computes it after all."""
 
 from __future__ import annotations
 
 import torch
 
 from idlegrad.common.coding import parse_redundancy
-from idlegrad.coordinator.effects import Compute, Event, Refused, Used
+from idlegrad.coordinator.effects import Compute, Refused, Used
 from idlegrad.coordinator.rounds import RoundCore
 from idlegrad.coordinator.sampler import Sampler
 from idlegrad.coordinator.scheduler import Assign, CancelSlots, Scheduler, SchedulerConfig
@@ -52,7 +53,7 @@ def copies_of_one_row(effects) -> tuple[Assign, Assign]:
     return first, second
 
 
-def test_a_third_worker_settles_a_disagreement_and_the_wrong_copy_is_refused():
+def test_a_third_worker_settles_a_disagreement_and_the_wrong_copy_is_refused_once_confirmed():
     core, out = core_with({"a": 1, "b": 1, "c": 2})
     first, second = copies_of_one_row(out)
     assert {first.worker, second.worker} <= {"a", "b", "c"}
@@ -74,10 +75,14 @@ def test_a_third_worker_settles_a_disagreement_and_the_wrong_copy_is_refused():
     assert settle.parts == first.parts and settle.coefficients == first.coefficients
     assert settle.version == first.version
     out = core.result(third, settle.slot, [t.clone() for t in RIGHT], 4.0, 0.1, 2.0, samples=4)
+    # it blames the second copy: one settler's word refuses nobody, and with no fourth worker
+    # for a second opinion (tests/unit/test_kin.py has one) the coordinator confirms it
+    assert not [e for e in out if isinstance(e, Refused)]
+    (compute,) = [e for e in out if isinstance(e, Compute)]
+    assert compute.slot == first.slot and core.counters["settled_here_no_quorum"] == 1
+    out = core.computed([t.clone() for t in RIGHT], None, 2.1)
     refused = [e for e in out if isinstance(e, Refused)]
     assert [(r.worker, r.reason) for r in refused] == [(second.worker, "replica")]
-    assert any(isinstance(e, Event) and e.kind == "settled" for e in out)
-    assert core.counters["settled_by_workers"] == 1
     assert core.trust.offenders[second.worker].reasons["replica"] == 1
     assert core.settlement.busy is None and not core.scheduler.side
 
