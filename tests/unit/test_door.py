@@ -28,7 +28,10 @@ def test_a_source_past_its_share_is_told_to_wait_and_spends_nothing_of_the_windo
     assert budget.charge("third", NOW + 53)[0] == DROP  # the window's bound, spent by many
     verdict, wait_s = budget.charge("flood", NOW + 54)
     assert verdict == WAIT and wait_s == pytest.approx(6.0)  # until its first leaves the window
-    assert budget.charge("flood", NOW + 61)[0] == DROP  # heard again, but the window is spent
+    # its first refusal left the window at NOW + 60: heard again, and spends the slot it freed
+    assert budget.charge("flood", NOW + 61)[0] == ANSWER
+    assert budget.charge("fourth", NOW + 61.5)[0] == ANSWER  # the window's fifth
+    assert budget.charge("fifth", NOW + 61.6)[0] == DROP  # the window is full again
     assert budget.charge("later", NOW + 200)[0] == ANSWER  # the window moved on
 
 
