@@ -150,7 +150,7 @@ def test_a_many_frame_or_oversized_enrolment_is_refused_and_charged_to_its_sourc
     header = proto.encode(proto.Enrol(invitation="0123456789abcdef", secret="s"))[0]
     frames = [b"route", Frame(header, key, "10.0.0.1"), b"", b""]
     reply = desk.handle(frames, NOW)
-    assert isinstance(reply, proto.Enrolled) and not reply.ok and "frames" in reply.reason
+    assert isinstance(reply, proto.Enrolled) and not reply.ok and "an enrol is one" in reply.reason
     big = proto.encode(proto.Enrol(invitation="0123456789abcdef", secret="s" * 4096))[0]
     assert len(big) > ENROL_MAX_BYTES
     reply = desk.handle([b"route", Frame(big, key, "10.0.0.1")], NOW + 1)
