@@ -579,6 +579,12 @@ def _fields(schema) -> list[_FieldSpec]:
 
 
 _FIELDS = {kind: _fields(schema) for kind, schema in _SCHEMAS.items()}
+# ZMQ_MAXMSGSIZE bounds a frame, not a message: a message of many frames is refused by its count
+# and by the sum of its frames before anything is read (decode).
+MAX_MESSAGE_FRAMES = 1 + max(
+    sum(MAX_BLOB_FRAMES if blob == TENSOR else 1 for _, _, blob, _, _ in fields if blob)
+    for fields in _FIELDS.values())
+MAX_MESSAGE_BYTES = MAX_HEADER_BYTES + (MAX_MESSAGE_FRAMES - 1) * MAX_FRAME_BYTES
 # header fields whose default is None: left out of the header at None, so that a field added
 # this way reaches no peer that would refuse it as unknown until it is used
 _LEFT_OUT_WHEN_NONE = {
@@ -628,10 +634,17 @@ def _frame_bytes(frame) -> memoryview:
     return memoryview(buf)
 
 
-def decode(frames: Sequence) -> Message:
-    """[header, blob frames...] -> Message, or ProtocolError. Never anything else."""
+def decode(frames: Sequence, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
+    """[header, blob frames...] -> Message, or ProtocolError. Never anything else. `max_bytes`:
+    the most all the frames together may hold (an endpoint that hears only small messages says
+    so)."""
     if not frames:
         raise ProtocolError("empty", "no frames")
+    if len(frames) > MAX_MESSAGE_FRAMES:
+        raise ProtocolError("oversize", f"{len(frames)} frames, at most {MAX_MESSAGE_FRAMES}")
+    total = sum(_frame_bytes(f).nbytes for f in frames)
+    if total > max_bytes:
+        raise ProtocolError("oversize", f"a message of {total} bytes, at most {max_bytes}")
     raw = _frame_bytes(frames[0])
     if raw.nbytes > MAX_HEADER_BYTES:
         raise ProtocolError("oversize", f"header of {raw.nbytes} bytes")

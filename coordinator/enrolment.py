@@ -19,8 +19,13 @@ enrolment, so an invitation minted or revoked by `idlegrad invite` on this machi
 signal. An operator elsewhere mints and revokes through the running coordinator (`invite`, and
 `control` "revoke"), which writes the same files.
 
-Each source address may have a few refused enrolments a minute (invitations.SourceLimit); past
-that it is told to wait, unread, and the window's overall bound (`Refusals`) is left to others.
+A stranger with no token may reach this endpoint; what a flood of them costs is bounded (the
+decisions are door.py's): a valid token is checked first and never charged; a refusal is charged
+to its source address before the window's overall bound; each connection has a deadline and a
+byte budget, and their number is capped well under the process's file descriptors. The
+connections are watched through the socket's monitor (accepted, disconnected), and one is cut by
+shutting down a duplicate of its file descriptor: ZeroMQ sees the end of the stream and drops it,
+with whatever part of a message it had buffered.
 """
 
 from __future__ import annotations
@@ -31,23 +36,28 @@ import logging
 import os
 import re
 import secrets
+import socket
+import struct
 import time
 from typing import Optional
 
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 from ..common import atomic, security
 from ..common import protocol as proto
 from ..common.errors import ConfigError, ProtocolError
 from ..common.invitation import ID_RE, NAME_RE, Token, digest, enrol_address
-from .invitations import Invitation, Refusals, SourceLimit, judge, key_name
+from .door import ANSWER, DROP, Connections, RefusalBudget, connection_cap
+from .invitations import Invitation, SourceLimit, judge, key_name
 
 log = logging.getLogger("idlegrad.coordinator.enrolment")
 _ENROLLED_WITH = re.compile(r"enrolled with invitation ([0-9a-f]{1,64})")
 _PUBLIC_KEY = re.compile(r'public-key = "([^"]{40})"')
-
-
+ENROL_MAX_BYTES = 4096  # an enrol message in all (its one frame is bounded by ZMQ_MAXMSGSIZE too)
+WATCH_S = 0.05  # how often open connections are looked at (deadline, bytes received)
+_TCP_INFO_BYTES_RECEIVED = 128  # offset of tcpi_bytes_received in Linux's struct tcp_info
 
 
 class Store:
@@ -185,57 +195,25 @@ def token(coordinator: str, server_key: bytes, inv: Invitation, secret: str) -> 
     return Token(coordinator, server_key, inv.id, secret).encode()
 
 
-class Endpoint:
-    """The enrolment ROUTER of a running coordinator (`owner`: its gate, counters, events)."""
+class Desk:
+    """What the enrolment endpoint answers each message (no sockets: the store's files, and
+    `owner`'s gate, counters and events)."""
 
     def __init__(self, owner, store: Store):
         self.owner, self.store = owner, store
-        self.refusals = Refusals()
-        self.sources = SourceLimit()
-        self.address = enrol_address(owner.config.bind)
-        self.ctx = zmq.asyncio.Context()
-        from .transport import _authenticator  # any key may finish this handshake
-
-        self.auth = _authenticator(self.ctx, lambda key: True)
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, 4096)
-        self.sock.setsockopt(zmq.LINGER, 200)
-        self.sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)  # half-open connections are shed
-        self.sock.curve_publickey, self.sock.curve_secretkey = owner.keypair
-        self.sock.curve_server = True
-        try:
-            self.sock.bind(self.address)
-        except zmq.ZMQError as exc:
-            self.close()
-            raise ConfigError(f"cannot bind the enrolment endpoint {self.address}: {exc}") from None
-        self.task = asyncio.ensure_future(self._serve())
-
-    async def _serve(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            try:
-                reply = self.handle(frames, time.time())
-            except Exception as exc:  # never takes the coordinator down
-                log.error("enrolment failed: %s", exc)
-                reply = proto.Enrolled(ok=False, reason="the coordinator could not enrol the key")
-            if reply is not None:
-                await self.sock.send_multipart([frames[0], *proto.encode(reply)])
+        self.budget = RefusalBudget()
 
     def handle(self, frames: list, now: float) -> Optional[proto.Message]:
-        counters = self.owner.counters
-        if not self.refusals.open(now):
-            counters["enrolments_dropped"] += 1
-            return None
+        """The answer to one received message (None: none). The token is checked before any
+        budget: a valid one enrols however many forged ones are refused meanwhile."""
         from .transport import short, user_id
 
         key = user_id(frames[1]) if len(frames) > 1 else None
         source = peer_address(frames[1]) if len(frames) > 1 else "?"
-        wait_s = self.sources.wait(source, now)
-        if wait_s > 0:
-            counters["enrolments_throttled"] += 1
-            return proto.Enrolled(ok=False, reason=SourceLimit.told(source, wait_s))
         try:
-            msg = proto.decode(frames[1:])
+            if len(frames) != 2:  # the routing id and one header: an enrol has no blob
+                raise ProtocolError("frames", f"{len(frames) - 1} frames, an enrol is one")
+            msg = proto.decode(frames[1:], max_bytes=ENROL_MAX_BYTES)
             if not isinstance(msg, proto.Enrol) or key is None:
                 raise ProtocolError("unexpected", "only enrol is heard here")
         except ProtocolError as exc:
@@ -245,33 +223,168 @@ class Endpoint:
         reason = judge(inv, used, msg.secret, now, self.store.revoked(msg.invitation))
         if reason is not None:
             return self._refuse(reason, key, now, msg.invitation, source)
+        assert inv is not None  # judge refuses no invitation
         name = key_name(inv, used)
         self.store.enrol(inv, used, name, key)
         self.owner.gate.enrol(key, inv.id)
-        counters["enrolled"] += 1
+        self.owner.counters["enrolled"] += 1
         self.owner.training.event("enrolled", f"key {short(key)} enrolled as {name} with "
                                               f"invitation {inv.id} (use {used + 1} of {inv.uses})")
         return proto.Enrolled(ok=True, name=name)
 
     def _refuse(self, reason: str, key, now: float, inv_id: str = "?",
-                source: str = "?") -> proto.Message:
-        self.refusals.refused(now)
-        self.sources.refused(source, now)
-        self.owner.counters["enrolments_refused"] += 1
-        # one line each: the window's bound (Refusals) already caps how many
+                source: str = "?") -> Optional[proto.Message]:
+        counters = self.owner.counters
+        verdict, wait_s = self.budget.charge(source, now)
+        if verdict == DROP:
+            counters["enrolments_dropped"] += 1
+            return None
+        if verdict != ANSWER:
+            counters["enrolments_throttled"] += 1
+            return proto.Enrolled(ok=False, reason=SourceLimit.told(source, wait_s))
+        counters["enrolments_refused"] += 1
+        # one line each: the window's overall bound (RefusalBudget) already caps how many
         who = key[:8].decode("ascii", "replace") + "..." if key else "?"
         self.owner.training.event("refused", f"enrolment of key {who} from {source} with "
                                              f"invitation {inv_id} refused: {reason}",
                                   level=logging.WARNING)
         return proto.Enrolled(ok=False, reason=reason)
 
+
+class Endpoint:
+    """The enrolment ROUTER of a running coordinator (`owner`: its gate, counters, events)."""
+
+    def __init__(self, owner, store: Store):
+        self.owner, self.store = owner, store
+        self.desk = Desk(owner, store)
+        self.connections = Connections(connection_cap())
+        self.fds: dict[int, socket.socket] = {}  # ZeroMQ's fd of a connection: our duplicate
+        self.address = enrol_address(owner.config.bind)
+        self.ctx = zmq.asyncio.Context()
+        from .transport import _authenticator  # any key may finish this handshake
+
+        self.auth = _authenticator(self.ctx, lambda key: True)
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, ENROL_MAX_BYTES)
+        self.sock.setsockopt(zmq.LINGER, 200)
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)  # half-open connections are shed
+        self.sock.curve_publickey, self.sock.curve_secretkey = owner.keypair
+        self.sock.curve_server = True
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+        try:
+            self.sock.bind(self.address)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ConfigError(f"cannot bind the enrolment endpoint {self.address}: {exc}") from None
+        self.task = asyncio.ensure_future(self._serve())
+        self.watch = asyncio.ensure_future(self._watch())
+
+    async def _serve(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            try:
+                reply = self.desk.handle(frames, time.time())
+            except Exception as exc:  # never takes the coordinator down
+                log.error("enrolment failed: %s", exc)
+                reply = proto.Enrolled(ok=False, reason="the coordinator could not enrol the key")
+            if reply is not None:
+                await self.sock.send_multipart([frames[0], *proto.encode(reply)])
+
+    # connections --------------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        """Follow the connections through the monitor; cut those past their deadline, over
+        their bytes or over the cap."""
+        while True:
+            try:
+                # with nothing open there is no deadline to keep: wake for events only, mostly
+                if await self.monitor.poll(int((WATCH_S if self.fds else 1.0) * 1000)):
+                    while True:
+                        self._event(await self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                pass
+            except Exception as exc:  # never takes the coordinator down
+                log.error("enrolment connections: %s", exc)
+            now = time.monotonic()
+            for fd in self.connections.due(now):
+                self._cut(fd, "enrolment_connections_expired")
+            for fd, sock in list(self.fds.items()):
+                if self.connections.received(fd, _bytes_received(sock)):
+                    self._cut(fd, "enrolment_connections_oversize")
+
+    def _event(self, frames: list) -> None:
+        event = zmq.utils.monitor.parse_monitor_message(frames)
+        fd = event["value"]
+        if event["event"] != zmq.EVENT_ACCEPTED:  # disconnected, closed: forget it
+            self.connections.closed(fd)
+            dup = self.fds.pop(fd, None)
+            if dup is not None:
+                dup.close()
+            return
+        try:
+            dup = socket.socket(fileno=os.dup(fd))
+        except OSError:  # no descriptor to spare: cut it through ZeroMQ's own
+            _shut(fd)
+            self.owner.counters["enrolment_connections_refused"] += 1
+            return
+        try:
+            peer = dup.getpeername()
+        except OSError:  # gone already
+            dup.close()
+            return
+        self.fds[fd] = dup
+        source = str(peer[0] if isinstance(peer, tuple) else peer or "local")[:64]
+        for victim in self.connections.opened(fd, source, time.monotonic()):
+            self._cut(victim, "enrolment_connections_refused")
+
+    def _cut(self, fd: int, counter: str) -> None:
+        self.owner.counters[counter] += 1
+        dup = self.fds.pop(fd, None)
+        if dup is not None:
+            try:
+                dup.shutdown(socket.SHUT_RDWR)  # ZeroMQ reads the end, closes its own fd
+            except OSError:
+                pass
+            dup.close()
+
     def close(self) -> None:
-        task = getattr(self, "task", None)
-        if task is not None:
-            task.cancel()
+        for name in ("task", "watch"):
+            task = getattr(self, name, None)
+            if task is not None:
+                task.cancel()
+        for dup in getattr(self, "fds", {}).values():
+            dup.close()
+        self.sock.disable_monitor()
+        self.monitor.close(0)
         self.sock.close(0)
         self.auth.stop()
         self.ctx.term()
+
+
+def _bytes_received(sock: socket.socket) -> int:
+    """What the connection has received in all (Linux's TCP_INFO); 0 where it cannot say."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except (OSError, AttributeError):
+        return 0
+    if len(info) < _TCP_INFO_BYTES_RECEIVED + 8:
+        return 0
+    return struct.unpack_from("Q", info, _TCP_INFO_BYTES_RECEIVED)[0]
+
+
+def _shut(fd: int) -> None:
+    """Shut down ZeroMQ's own descriptor `fd` without closing it (ZeroMQ closes it)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
 
 
 def start(owner) -> Optional[Endpoint]:
