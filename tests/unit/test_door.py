@@ -110,7 +110,7 @@ class Owner:
         self.gate = self
         self.training = self
 
-    def enrol(self, key: bytes) -> None:
+    def enrol(self, key: bytes, invitation: str) -> None:
         self.enrolled.append(key)
 
     def event(self, kind: str, text: str, level=None) -> None:
