@@ -151,6 +151,9 @@ def test_a_write_cut_short_by_a_full_disk_leaves_one_torn_line_and_the_rest_whol
     appended.write('{"event": "applied", "version": 2, "parts": []}\n')
     appended.close()
     assert [r["version"] for r in read(path)] == [0, 1, 2]
+    with open(path) as fh:  # the torn piece on a line of its own, each record whole on its own
+        lines = fh.read().splitlines()
+    assert lines[1] == '{"event' and [json.loads(line)["version"] for line in lines[2:]] == [1, 2]
 
 
 def test_a_full_disk_under_the_checkpoint_folder_is_an_event_and_training_goes_on(tmp_path,
