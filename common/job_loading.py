@@ -101,6 +101,30 @@ def load_job(spec: str, args: Optional[dict[str, Any]] = None) -> Job:
     return job
 
 
+def names_a_path(value: Any) -> bool:
+    """Whether a job argument's value names a file or folder (`/data`, `~/x`, `./x`, `a/b`):
+    a path on the coordinator's machine, which on a worker's would name the owner's files."""
+    if not isinstance(value, str) or value.startswith(("http://", "https://")):
+        return False
+    return (value in (".", "..", "~") or value.startswith(("~", "./", "../"))
+            or "/" in value or os.sep in value or (os.altsep or "/") in value
+            or os.path.isabs(value))
+
+
+def local_path_args(args: dict[str, Any]) -> list[str]:
+    """The names of the arguments in `args` whose values name paths."""
+    return sorted(name for name, value in args.items() if names_a_path(value))
+
+
+def welcome_args(args: dict[str, Any], trains_on_pack: bool) -> dict[str, Any]:
+    """The job arguments workers are sent: a job that trains on a pack (its `data`, a manifest)
+    has no use on a worker for the coordinator's paths it was packed from (lm's corpus), so they
+    stay here. Any other path is sent, and a worker refuses it (worker/building.py)."""
+    if not trains_on_pack:
+        return dict(args)
+    return {name: value for name, value in args.items() if not names_a_path(value)}
+
+
 def parse_job_args(items: Iterable[str]) -> dict[str, Any]:
     """`key=value` strings -> kwargs; values become int, float or bool where they read as one.
 

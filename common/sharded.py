@@ -7,6 +7,7 @@ bytes.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Optional, Protocol
 
@@ -49,6 +50,8 @@ class ShardedDataset(Dataset):
             raise BlobError(f"samples {first} to {first + count} of a pack of {total}")
         self.first, self.count = first, count
         self._maps: dict[int, list[np.ndarray]] = {}
+        # shard -> its map, and its file's stat when the store handed it out, checked
+        self._marks: dict[int, tuple[np.memmap, str, Optional[tuple]]] = {}
         self._tuple = manifest.decode.get("sample") != "tensor" or len(manifest.fields) != 1
 
     @classmethod
@@ -64,7 +67,7 @@ class ShardedDataset(Dataset):
         if not (0 <= first and 0 <= count and first + count <= self.count):
             raise BlobError(f"samples {first} to {first + count} of a data set of {self.count}")
         other = ShardedDataset(self.manifest, self.store, self.first + first, count)
-        other._maps = self._maps
+        other._maps, other._marks = self._maps, self._marks
         return other
 
     def __len__(self) -> int:
@@ -108,7 +111,32 @@ class ShardedDataset(Dataset):
                                .reshape((shard.samples, *f.shape)))
                 offset += length
             self._maps[k] = columns
+            self._marks[k] = (raw, path, _file_mark(path))
         return columns
+
+    def corrupt_shards(self) -> list[str]:
+        """The opened shards whose bytes no longer hash to their names, each dropped (its map
+        forgotten, the store told to `discard` it: a cache fetches it again on the next read).
+        A map shows what is written into its file after it was made: a shard checked when it
+        came can be corrupted under a run, and a gradient computed on it is not to be sent. A
+        shard is hashed again only when its file's stat changed (a write, a replacement), so
+        this costs a stat per opened shard; what a stat cannot see (the disk's own rot) it
+        misses."""
+        bad = []
+        for k, (raw, path, mark) in list(self._marks.items()):
+            now = _file_mark(path)
+            if now == mark:
+                continue
+            shard = self.manifest.shards[k]
+            if hashlib.sha256(memoryview(raw)).hexdigest() == shard.sha256:  # what is read
+                self._marks[k] = (raw, path, now)
+                continue
+            bad.append(shard.sha256)
+            del self._maps[k], self._marks[k]
+            discard = getattr(self.store, "discard", None)
+            if discard is not None:
+                discard(shard.sha256)
+        return bad
 
     def __getitem__(self, index):
         index = int(index)
@@ -125,5 +153,14 @@ class ShardedDataset(Dataset):
 
     def __getstate__(self):  # a copy in another process maps its own shards
         state = dict(self.__dict__)
-        state["_maps"] = {}
+        state["_maps"], state["_marks"] = {}, {}
         return state
+
+
+def _file_mark(path: str) -> Optional[tuple]:
+    """What changes with a file's bytes: its inode, size and change times (None: gone)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)

@@ -3,9 +3,10 @@ applied, across coordinator restarts (`--ledger FILE`), and its audit.
 
 Every coordinator process appends to the same file: a `start` record (its instance and the
 version it resumed at), `sent` per task, `ack` per result taken (`used` or not), `applied` per
-optimizer step (the round's parts, the version it made), `checkpoint` per save. Lines are flushed
-as they are written, so a kill -9 loses at most the line being written; the next writer starts
-on a fresh line, so that torn line costs nothing else. Flushed is not on disk: `sync()` is for
+optimizer step (the round's parts, the version it made), `checkpoint` per save. Lines are written
+as they come (`AppendFile`, one write each), so a kill -9 loses at most the line being written;
+the next writer starts on a fresh line, so that torn line costs nothing else. A full disk stops
+no coordinator: the lines wait in memory and are written once it takes them again. Flushed is not on disk: `sync()` is for
 the coordinator to call right before it saves a checkpoint, so that a power loss cannot leave a
 checkpoint newer than the ledger (the audit would miss the steps in between).
 
@@ -19,32 +20,106 @@ appearances. Pure: records in, counts out.
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
+
+log = logging.getLogger("idlegrad.coordinator.ledger")
 
 
 # json.dumps escapes every quote inside a string, so this only ever occurs where a record begins
 RECORD_START = '{"event": '
 
 
-class LedgerWriter:
-    def __init__(self, path: str, instance: str):
+class AppendFile:
+    """A file of lines appended to, that a full disk (or any refused write) never stops: a line
+    the disk refuses waits in memory, at most MAX_PENDING of them (the oldest dropped past that,
+    and counted), and goes out ahead of the next line once the disk takes it again. One line to
+    `report(kind, text, worker, level)` (the coordinator's events) when writing fails, one when
+    it works again. A write cut short leaves a torn line; the next begins on a fresh one."""
+
+    MAX_PENDING = 100_000
+
+    def __init__(self, path: str, what: str, report: Optional[Callable] = None):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._file = open(path, "a", buffering=1)
+        self.path, self.what, self.report = path, what, report
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._pending: deque[bytes] = deque()
+        self._torn = not _ends_a_line(path)  # a line torn by a kill -9: ours must not continue it
+        self.failing: Optional[str] = None  # why the last write failed, until one works
+        self.dropped = 0  # lines lost for good: more pending than MAX_PENDING
+
+    def write(self, line: str) -> None:
+        if len(self._pending) >= self.MAX_PENDING:
+            self._pending.popleft()
+            self.dropped += 1
+        self._pending.append(line.encode("utf-8"))
+        self._flush()
+
+    def _flush(self) -> bool:
+        while self._pending:
+            data = (b"\n" if self._torn else b"") + self._pending[0]
+            try:
+                written = os.write(self._fd, data)
+            except OSError as exc:
+                self._failed(exc)
+                return False
+            if written < len(data):
+                self._torn = written > 0 or self._torn
+                self._failed(OSError(f"{written} of {len(data)} bytes written"))
+                return False
+            self._torn = False
+            self._pending.popleft()
+        if self.failing is not None:
+            self.failing = None
+            self._report(logging.WARNING, f"{self.what} {self.path} is written again"
+                         + (f"; {self.dropped} lines were lost" if self.dropped else ""))
+        return True
+
+    def _failed(self, exc: OSError) -> None:
+        reason = exc.strerror or str(exc)
+        if self.failing is None:
+            self._report(logging.ERROR, f"cannot write {self.what} {self.path} ({reason}): "
+                         "training goes on, its lines are kept in memory and written later")
+        self.failing = reason
+
+    def _report(self, level: int, text: str) -> None:
+        if self.report is not None:
+            self.report("disk", text, None, level)
+        else:
+            log.log(level, "%s", text)
+
+    def sync(self) -> None:
+        """Put every line written so far on disk (fsync); what is pending stays pending."""
+        if self._flush():
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                self._failed(exc)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def close(self) -> None:
+        self._flush()
+        os.close(self._fd)
+
+
+class LedgerWriter:
+    def __init__(self, path: str, instance: str, report: Optional[Callable] = None):
+        self._file = AppendFile(path, "the ledger", report)
         self.instance = instance
-        if not _ends_a_line(path):  # a line torn by a kill -9: ours must not continue it
-            self._file.write("\n")
 
     def write(self, event: str, **fields) -> None:
         # `event` first: a record always begins with RECORD_START
         self._file.write(json.dumps({"event": event, "instance": self.instance, **fields}) + "\n")
 
     def sync(self) -> None:
-        """Put every record written so far on disk (flush and fsync)."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        """Put every record written so far on disk (fsync)."""
+        self._file.sync()
 
     def close(self) -> None:
         self._file.close()

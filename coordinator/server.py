@@ -62,7 +62,7 @@ class Coordinator:
         self.stop_reason: Optional[str] = None
         self._stopping: Optional[asyncio.Future] = None  # done once a signal asks to stop
         self.records = RunRecords(config.metrics_path, config.ledger_path,
-                                  self.training.instance)
+                                  self.training.instance, report=self.training.event)
 
     # what the command line and tests read
     scheduler = property(lambda self: self.core.scheduler)

@@ -24,6 +24,8 @@ import torch
 
 from ..common import protocol as proto
 from ..common.errors import CheckpointError, ConfigError, JobError
+from ..common.job_loading import welcome_args
+from ..common.text import shown
 from ..common.job import (build, build_schedule, epoch_order, eval_size, evaluate,
                           evaluation_sums, load_job, make_optimizer, reference_gradient_norm,
                           resolve_factory, summed_loss_warning, sums_evaluable)
@@ -57,6 +59,9 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 10, 10)
+
+
+MAX_EVENT_TEXT = 2000  # an event's text, cut past this: a few workers' ids and reasons
 
 
 class Training:
@@ -284,6 +289,8 @@ class Training:
 
     def event(self, kind: str, text: str, worker: Optional[str] = None,
               level: int = logging.INFO) -> None:
+        # ids, hosts and reasons in `text` came from the network: one line each, no escapes
+        text, worker = shown(text, MAX_EVENT_TEXT), None if worker is None else shown(worker)
         self.event_id += 1
         self.events.append({"id": self.event_id, "time": time.time(), "kind": kind,
                             "worker": worker, "text": text})
@@ -316,7 +323,8 @@ class Training:
         config = self.config
         return proto.Welcome(
             # the job's name, not the spec: no local paths to strangers
-            job=self.job.name, job_args=self.job_args, fingerprint=self.fingerprint,
+            job=self.job.name, job_args=welcome_args(self.job_args, self.job.data is not None),
+            fingerprint=self.fingerprint,
             seed=config.seed, heartbeat_s=config.heartbeat_s, liveness=config.liveness,
             instance=self.instance, holding=holding, result_dtype=config.result_dtype,
             blob_mirrors=list(config.blob_mirrors), shuffle_window=self.shuffle_window,
@@ -461,7 +469,7 @@ class Training:
         # Rounds still open are replanned on resume: their samples are not lost.
         sampler_state["replan"] = ([[list(p) for p in parts] for parts in self.scheduler.open_parts()]
                                    + sampler_state["replan"])
-        path = checkpoint.save(self.config.checkpoint_dir, {
+        state = {
             "job": self.built.job.name,
             "fingerprint": self.built.fingerprint,
             "version": self.version,
@@ -475,7 +483,14 @@ class Training:
             "elapsed": self.elapsed(now),
             "metrics": dict(self.metrics),
             "credits": self.credits.state_dict(),
-        })
+        }
+        try:
+            path = checkpoint.save(self.config.checkpoint_dir, state)
+        except OSError as exc:  # a full disk: the model is in memory, and the old checkpoint kept
+            self.event("disk", f"checkpoint of version {self.version} not saved in "
+                       f"{self.config.checkpoint_dir} ({exc.strerror or exc}): training goes on "
+                       "from memory, the next save tries again", level=logging.ERROR)
+            return None
         self.core.counters["checkpoints"] += 1
         self.event("checkpoint", f"version {self.version} saved")
         return path

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 import time
-import unicodedata
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from rich.text import Text
+
+from ..common.text import MAX_SHOWN, shown  # noqa: F401 (the view's, as before)
 
 # column key, title, width hint
 COLUMNS: tuple[tuple[str, str], ...] = (
@@ -38,29 +39,6 @@ STATE_ORDER = {"working": 0, "idle": 1, "draining": 2, "paused": 3}
 
 
 # formatting ------------------------------------------------------------------------------------
-
-# A worker id (128 at most) fits whole; a longer value would only push the rest off the screen.
-MAX_SHOWN = 200
-_JOINERS = frozenset("\u200c\u200d")  # zero-width (non-)joiners: emoji and scripts need them
-
-
-def _showable(char: str) -> bool:
-    # Cc: C0, DEL and C1 (ESC and CSI start terminal escapes); Cf: bidi overrides that reorder
-    # what is read; Zl, Zp: line breaks; Cs: lone surrogates, which no terminal can encode.
-    return (unicodedata.category(char) not in ("Cc", "Cf", "Cs", "Zl", "Zp")
-            or char in _JOINERS)
-
-
-def shown(value: Any, limit: int = MAX_SHOWN) -> str:
-    """A value from the network as one line of plain text: control and format characters become
-    U+FFFD, and past `limit` characters it is cut with an ellipsis."""
-    text = value if isinstance(value, str) else str(value)
-    if len(text) > limit:
-        text = text[:max(0, limit - 1)] + "\u2026"
-    if text.isprintable():
-        return text
-    return "".join(c if _showable(c) else "\ufffd" for c in text)
-
 
 def duration(seconds: Optional[float]) -> str:
     """1h02m, 3m05s, 42s; '-' for unknown."""

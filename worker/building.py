@@ -21,7 +21,8 @@ from ..common import protocol as proto
 from ..common.errors import ConfigError, ProtocolError, Refused
 from ..common.tensors import blob_chunks, buffer_vector
 from ..common.job import BuiltJob, Job, build, epoch_order, job_differences, model_bytes
-from ..common.job_loading import builtin_job_names, load_job
+from ..common.job_loading import builtin_job_names, load_job, local_path_args
+from ..common.text import shown
 from . import session as S
 from .compress import ErrorFeedback, eval_message, result_message
 from .engine import Engine, Outcome, SnapshotRef, Work
@@ -58,6 +59,11 @@ def load_welcomed(configured: Optional[str], welcome: proto.Welcome) -> Job:
     if configured is None and welcome.job not in builtin_job_names():
         raise Refused(f"the coordinator trains job {welcome.job!r}, which is not built in; "
                       "start this worker with --job SPEC naming that job's code on this machine")
+    paths = local_path_args(welcome.job_args)
+    if paths:  # before the job is built: building reads what its arguments name
+        raise Refused("the coordinator's job arguments name paths on this machine ("
+                      + ", ".join(f"{name}={shown(welcome.job_args[name])}" for name in paths)
+                      + "): refused before reading them; a job's data comes by manifest (--data)")
     return load_job(configured or welcome.job, welcome.job_args)
 
 

@@ -5,14 +5,20 @@ under the owner's cap.
   ROOT/partial/<sha> (a download under way, resumed with an HTTP Range request).
 - A blob's sha256 is checked when its download ends, and on its first hit in this process (a
   blob cached by an earlier run): a cached blob found corrupt then is dropped and fetched again.
-  Later hits trust the file this process checked (`_verified`: its inode and size), so a hit
-  costs no hashing; a file corrupted in place after its check is read as it is (a separate
-  issue: the verification is at download and first use).
+  Later hits trust the file this process checked while its stat is unchanged (`_verified`:
+  inode, size, modification and change times), so a hit costs no hashing, and a file written
+  since is hashed again. A shard corrupted on disk under a run's memory map is caught where it is
+  read: `ShardedDataset.corrupt_shards` (common/sharded.py), asked by the engine after each slot,
+  drops it (`discard`) before what was computed on it is sent.
 - Least recently used blobs go first when room is needed; a blob's last use is its file's
   modification time, so the order survives restarts without an index to keep consistent.
 - At most one download per blob at a time (a lock per name); sources are tried in order (mirrors
-  first); one that fails (refused, times out, serves bytes that do not hash to the name) is
-  skipped for a while (`SourceHealth`), so a bad mirror costs at most one retry per blob.
+  first, fetch.py); one that fails (refused, times out, announces a size not the blob's, goes
+  slower than `DownloadPace` allows, serves bytes that do not hash to the name) is skipped for a
+  while (`SourceHealth`), so a bad mirror costs at most one retry per blob.
+- A partial file is only a hint: one a source refuses to resume (as long as the blob or longer)
+  or that does not hash to the name once resumed is discarded and fetched from 0 from the same
+  source before the source is blamed, so bytes a hostile mirror left never block a blob.
 - The owner's network limits: a download rate cap and a daily transfer cap (UTC days), enforced
   here, per cache, in the fetching thread. Once the day's allowance is spent nothing is asked of
   any source (and nothing evicted) until the next UTC day: TransferCapReached at once.
@@ -36,8 +42,6 @@ import os
 import shutil
 import threading
 import time
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Protocol, Sequence
@@ -45,6 +49,9 @@ from typing import Callable, Iterable, Optional, Protocol, Sequence
 from ..common import atomic
 from ..common.blobs import blob_relpath, check_sha256, sha256_file
 from ..common.errors import ConfigError, IdlegradError
+from ..common.text import shown
+from .fetch import (CoordinatorSource, DownloadPace, HttpSource, ResumeRefused, Source,
+                    SourceFailed)
 
 try:
     import fcntl  # POSIX: a lock file shared by the worker processes of one machine
@@ -55,6 +62,7 @@ log = logging.getLogger("idlegrad.worker.cache")
 
 CHUNK = 64 << 10
 GB = 1 << 30
+MIN_MIRROR_BYTES_PER_S = 16 << 10  # 128 kbit/s: a 64 MB shard within about 70 minutes
 
 
 class CacheError(IdlegradError):
@@ -73,8 +81,8 @@ class TransferCapReached(CacheError):
     """Today's transfer allowance is spent; the partial download waits for tomorrow."""
 
 
-class SourceFailed(Exception):
-    """One source could not deliver one blob (kept inside this module)."""
+class _BadPartial(SourceFailed):
+    """The partial file cannot be made into the blob: discarded, and the blob fetched from 0."""
 
 
 class _Interrupted(Exception):
@@ -174,208 +182,6 @@ def choose_evictions(entries: Iterable[tuple[str, int, float]], used: int, need:
     return out
 
 
-# sources -----------------------------------------------------------------------------------------
-
-
-class Source(Protocol):
-    name: str
-
-    def open(self, sha256: str, offset: int):
-        """A response to read the blob from `offset` on: (stream, start, total or None), where
-        `start` is where the stream begins (0 when the source ignored the range)."""
-
-
-class HttpSource:
-    """A static HTTP mirror serving BASE/blobs/<sha[:2]>/<sha> (idlegrad data publish)."""
-
-    def __init__(self, base_url: str, timeout_s: float = 20.0):
-        if not base_url.startswith(("http://", "https://")):
-            raise ConfigError(f"a blob mirror must be an http:// or https:// URL, got {base_url!r}")
-        self.base_url = base_url.rstrip("/")
-        self.name = self.base_url
-        self.timeout_s = timeout_s
-
-    def open(self, sha256: str, offset: int):
-        url = f"{self.base_url}/{blob_relpath(sha256).replace(os.sep, '/')}"
-        request = urllib.request.Request(url, headers={"User-Agent": "idlegrad-cache"})
-        if offset:
-            request.add_header("Range", f"bytes={offset}-")
-        try:
-            response = urllib.request.urlopen(request, timeout=self.timeout_s)
-        except urllib.error.HTTPError as exc:
-            if exc.code == 416 and offset:  # our partial is as long as the blob, or longer
-                raise SourceFailed(f"HTTP 416 for a resume at {offset}") from None
-            raise SourceFailed(f"HTTP {exc.code}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise SourceFailed(f"{getattr(exc, 'reason', exc)}") from None
-        length = response.headers.get("Content-Length")
-        length = int(length) if length and length.isdigit() else None
-        if response.status == 206:
-            start, total = _content_range(response.headers.get("Content-Range", ""))
-            if start != offset:
-                response.close()
-                raise SourceFailed(f"asked for bytes from {offset}, got from {start}")
-            return response, start, total
-        return response, 0, length
-
-
-class CoordinatorSource:
-    """The coordinator as a source (coordinator/blobserve.py): a blob asked for chunk by chunk
-    over the worker's session, `window` chunks asked at once and the next asked as each arrives,
-    so that at most `window` chunks are ever in flight to this worker.
-
-    The session's event loop `attach`es a thread-safe `send(message)` while connected, and hands
-    every `chunk` it receives to `deliver`; the cache reads in its own thread (the compute
-    thread), blocking on the chunks it waits for. Never benched: it is the source of last
-    resort, and a session that ends fails only the downloads under way (resumed later)."""
-
-    name = "coordinator"
-    benchable = False
-
-    def __init__(self, chunk_bytes: int = 1 << 20, window: int = 4, timeout_s: float = 30.0):
-        self.chunk_bytes, self.window, self.timeout_s = chunk_bytes, window, timeout_s
-        self._lock = threading.Lock()
-        self._send: Optional[Callable] = None
-        self._waiting: dict[int, "_ChunkStream"] = {}  # request id -> the stream that asked
-        self._next_request = 0
-
-    def attach(self, send: Callable) -> None:
-        with self._lock:
-            self._send = send
-
-    def detach(self) -> None:
-        with self._lock:
-            self._send = None
-            streams = set(self._waiting.values())
-            self._waiting.clear()
-        for stream in streams:
-            stream.put("the session with the coordinator ended")
-
-    def deliver(self, chunk) -> None:
-        """A `chunk` message (from the loop's thread): to the stream that asked, if any still
-        waits (a late answer to a stream given up is dropped)."""
-        with self._lock:
-            stream = self._waiting.pop(chunk.request, None)
-        if stream is not None:
-            stream.put(chunk)
-
-    def ask(self, stream: "_ChunkStream", offset: int) -> None:
-        from ..common.protocol import Fetch
-
-        with self._lock:
-            send = self._send
-            if send is None:
-                raise ConnectionError("not connected to the coordinator")
-            request = self._next_request
-            self._next_request += 1
-            self._waiting[request] = stream
-        send(Fetch(request=request, sha256=stream.sha256, offset=offset, length=self.chunk_bytes))
-
-    def forget(self, stream: "_ChunkStream") -> None:
-        with self._lock:
-            for request in [r for r, s in self._waiting.items() if s is stream]:
-                del self._waiting[request]
-
-    def open(self, sha256: str, offset: int):
-        stream = _ChunkStream(self, check_sha256(sha256), offset)
-        try:
-            total = stream.start()
-        except OSError as exc:
-            stream.close()
-            raise SourceFailed(str(exc)) from None
-        return stream, offset, total
-
-
-class _ChunkStream:
-    """A blob from the coordinator from `offset` on, read like a response body."""
-
-    def __init__(self, source: CoordinatorSource, sha256: str, offset: int):
-        import queue
-
-        self.source, self.sha256 = source, sha256
-        self.position = offset  # of the next byte `read` returns
-        self.asked = offset  # the end of what was asked for
-        self.total: Optional[int] = None
-        self._arrived: "queue.Queue" = queue.Queue()
-        self._chunks: dict[int, memoryview] = {}  # offset -> bytes arrived ahead of `position`
-        self._buffer = memoryview(b"")
-
-    def put(self, item) -> None:
-        self._arrived.put(item)
-
-    def _ask_more(self) -> None:
-        outstanding = (self.asked - self.position - len(self._buffer)
-                       - sum(len(c) for c in self._chunks.values()))
-        while self.asked < self.total and outstanding < self.source.window * self.source.chunk_bytes:
-            self.source.ask(self, self.asked)
-            self.asked += self.source.chunk_bytes
-            outstanding += self.source.chunk_bytes
-
-    def _take(self) -> None:
-        import queue
-
-        try:
-            item = self._arrived.get(timeout=self.source.timeout_s)
-        except queue.Empty:
-            raise TimeoutError(f"no chunk from the coordinator within {self.source.timeout_s:g} s") from None
-        if isinstance(item, str):
-            raise ConnectionError(item)
-        if item.error:
-            raise ConnectionError(f"the coordinator says: {item.error}")
-        if self.total is None:
-            self.total = item.total
-        data = memoryview(item.data if item.data is not None else b"")
-        expected = min(self.source.chunk_bytes, self.total - item.offset)
-        if (item.total != self.total or item.offset < self.position
-                or item.offset >= self.asked or len(data) != expected):
-            raise ConnectionError(f"a chunk at {item.offset} of {len(data)} bytes of a blob of "
-                                  f"{item.total} was not asked for")
-        self._chunks[item.offset] = data
-
-    def start(self) -> int:
-        """Ask for the first chunk (it tells the blob's size), then for the window."""
-        self.source.ask(self, self.asked)
-        self.asked += self.source.chunk_bytes
-        self._take()
-        self._ask_more()
-        return self.total
-
-    def read(self, n: int = -1) -> bytes:
-        while not len(self._buffer):
-            if self.position >= self.total:
-                return b""
-            if self.position in self._chunks:
-                self._buffer = self._chunks.pop(self.position)
-                self._ask_more()
-            else:
-                self._take()
-        n = len(self._buffer) if n is None or n < 0 else n
-        out = bytes(self._buffer[:n])
-        self._buffer = self._buffer[n:]
-        self.position += len(out)
-        return out
-
-    def close(self) -> None:
-        self.source.forget(self)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _content_range(value: str) -> tuple[Optional[int], Optional[int]]:
-    """'bytes START-END/TOTAL' -> (START, TOTAL); unknown parts None."""
-    try:
-        unit, _, spec = value.strip().partition(" ")
-        span, _, total = spec.partition("/")
-        start = int(span.partition("-")[0])
-        return start, (int(total) if total.isdigit() else None)
-    except ValueError:
-        return None, None
-
-
 # the cache ---------------------------------------------------------------------------------------
 
 
@@ -386,13 +192,16 @@ class BlobCache:
     def __init__(self, root: str, max_bytes: int, sources: Sequence[Source] = (), *,
                  rate_bytes_per_s: Optional[float] = None, daily_bytes: Optional[int] = None,
                  health: Optional[SourceHealth] = None, clock: Callable[[], float] = time.time,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep,
+                 min_bytes_per_s: float = MIN_MIRROR_BYTES_PER_S, pace_grace_s: float = 30.0):
         self.root = root
         self.max_bytes = int(max_bytes)
         self.sources = list(sources)
         self.health = health or SourceHealth()
         self.clock, self.sleep = clock, sleep
         self.rate = RateLimiter(rate_bytes_per_s)
+        # a mirror slower than this on average, after the grace, is left for the next source
+        self.min_bytes_per_s, self.pace_grace_s = min_bytes_per_s, pace_grace_s
         self.allowance = DailyAllowance(daily_bytes)
         self._lock = threading.Lock()  # guards the two dicts below and the byte count
         self._blob_locks: dict[str, threading.Lock] = {}
@@ -404,7 +213,7 @@ class BlobCache:
         self.bytes_from: dict[str, int] = {}  # source name -> bytes it delivered
         self.interrupted = 0  # downloads stopped by their gate, and resumed after
         self._gates = threading.local()  # the gate of the thread fetching, if any
-        self._verified: dict[str, tuple[int, int]] = {}  # sha256 -> (inode, size) checked here
+        self._verified: dict[str, tuple] = {}  # sha256 -> its file's `_mark` when checked here
         os.makedirs(os.path.join(root, "blobs"), exist_ok=True)
         os.makedirs(os.path.join(root, "partial"), exist_ok=True)
         os.makedirs(os.path.join(root, "locks"), exist_ok=True)
@@ -528,12 +337,11 @@ class BlobCache:
             path = self._path(sha256)
             if os.path.isfile(path):
                 st = os.stat(path)
-                mark = (st.st_ino, st.st_size)
                 if (size is None or st.st_size == size) and (
-                        self._verified.get(sha256) == mark or sha256_file(path) == sha256):
-                    self._verified[sha256] = mark
+                        self._verified.get(sha256) == _mark(st) or sha256_file(path) == sha256):
                     now = self.clock()
                     os.utime(path, (now, now))  # its last use, for LRU
+                    self._verified[sha256] = _mark(os.stat(path))
                     self.hits += 1
                     return path
                 log.warning("cache: blob %s is corrupt on disk: fetching it again", sha256[:12])
@@ -566,13 +374,14 @@ class BlobCache:
             except SourceFailed as exc:
                 self.failures += 1
                 if not benchable:
-                    log.warning("cache: %s failed for %s (%s)", source.name, sha256[:12], exc)
-                    reasons.append(f"{source.name}: {exc}")
+                    log.warning("cache: %s failed for %s (%s)", source.name, sha256[:12],
+                                shown(exc))
+                    reasons.append(f"{source.name}: {shown(exc)}")
                     continue
                 wait = self.health.failed(source.name, self.clock())
                 log.warning("cache: %s failed for %s (%s); skipping it for %.0f s", source.name,
-                            sha256[:12], exc, wait)
-                reasons.append(f"{source.name}: {exc}")
+                            sha256[:12], shown(exc), wait)  # a mirror's text, in part
+                reasons.append(f"{source.name}: {shown(exc)}")
                 continue
             self.health.succeeded(source.name)
             self.downloads += 1
@@ -595,15 +404,37 @@ class BlobCache:
                 gate.wait()
 
     def _fetch_from(self, source: Source, sha256: str, size: Optional[int]) -> str:
+        """The blob from one source, resuming the partial file. A partial this source cannot
+        make the blob of (a resume it refuses, bytes that do not hash to the name once resumed:
+        an earlier source's, a hostile mirror's) is discarded and the blob fetched from 0, from
+        the same source, before the source is blamed: a bad partial never blocks a blob."""
+        try:
+            return self._fetch_once(source, sha256, size)
+        except _BadPartial as exc:
+            log.warning("cache: the partial download of %s is bad (%s): fetching it from 0 from %s",
+                        sha256[:12], exc, source.name)
+            _remove(self._partial(sha256))
+            return self._fetch_once(source, sha256, size)
+
+    def _fetch_once(self, source: Source, sha256: str, size: Optional[int]) -> str:
         partial = self._partial(sha256)
         offset = os.path.getsize(partial) if os.path.exists(partial) else 0
         if size is not None and offset >= size:
             os.unlink(partial)  # as long as the blob yet not renamed: start afresh
             offset = 0
-        stream, start, total = source.open(sha256, offset)
+        try:
+            stream, start, total = source.open(sha256, offset)
+        except ResumeRefused as exc:
+            raise _BadPartial(str(exc)) from None
         with stream:
+            # what a source says of the size is checked before any of its body is read
             if size is not None and total is not None and total != size:
                 raise SourceFailed(f"serves {total} bytes, the manifest says {size}")
+            if size is None and total is not None and total > self.max_bytes and _is_mirror(source):
+                # a mirror's word is not enough to call the owner's cap too small (CacheTooSmall
+                # stops the worker); the coordinator's is
+                raise SourceFailed(f"announces {total} bytes, over the cache's cap of "
+                                   f"{self.max_bytes}")
             expected = size if size is not None else total
             if size is None and total is not None:
                 self._make_room(sha256, total)
@@ -611,7 +442,7 @@ class BlobCache:
                 with open(partial, "r+b" if start and os.path.exists(partial) else "wb") as out:
                     out.seek(start)
                     out.truncate()
-                    self._copy(stream, out, sha256, start, expected, source.name)
+                    self._copy(stream, out, sha256, start, expected, source)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     _remove(partial)  # frees what it took; the next try starts clean
@@ -623,20 +454,22 @@ class BlobCache:
         if expected is not None and os.path.getsize(partial) != expected:
             raise SourceFailed(f"ended at {os.path.getsize(partial)} of {expected} bytes")
         if sha256_file(partial) != sha256:
-            _remove(partial)  # which bytes lie is unknowable: the next source starts from 0
+            _remove(partial)  # which bytes lie is unknowable: the next try starts from 0
+            if start:
+                raise _BadPartial(f"resumed at {start}, its bytes do not hash to the blob's name")
             raise SourceFailed("its bytes do not hash to the blob's name")
         path = self._path(sha256)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         os.replace(partial, path)
         now = self.clock()
         os.utime(path, (now, now))
-        st = os.stat(path)
-        self._verified[sha256] = (st.st_ino, st.st_size)  # hashed just now: no more on a hit
+        self._verified[sha256] = _mark(os.stat(path))  # hashed just now: no more on a hit
         return path
 
     def _copy(self, stream, out, sha256: str, start: int, expected: Optional[int],
-              source: str = "") -> None:
+              source: Source) -> None:
         written = start
+        pace = self._pace(source, (expected if expected is not None else self.max_bytes) - start)
         gate = getattr(self._gates, "gate", None)
         # a block as soon as some of it is there: a slow source must not hold a pause back
         read = getattr(stream, "read1", stream.read)
@@ -664,12 +497,15 @@ class BlobCache:
                 self._write(out, block)
                 written += len(block)
                 with self._lock:
-                    self.bytes_from[source] = self.bytes_from.get(source, 0) + len(block)
+                    self.bytes_from[source.name] = self.bytes_from.get(source.name, 0) + len(block)
                 self.allowance.spend(self.clock(), len(block))
                 if expected is not None and written > expected:
                     raise SourceFailed(f"sends more than the {expected} bytes of the blob")
                 if expected is None and written > self.max_bytes:  # an endless body, unasked
                     raise SourceFailed(f"sends more than the cache's cap of {self.max_bytes} bytes")
+                slow = pace.too_slow(self.clock(), written - start) if pace is not None else None
+                if slow is not None:  # what came is kept: the next source resumes from it
+                    raise SourceFailed(slow)
         except (OSError, ValueError, http.client.HTTPException) as exc:
             # a timeout, a reset, a body cut short: the bytes so far are kept for a resume
             if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -677,6 +513,17 @@ class BlobCache:
             raise SourceFailed(f"broke off after {written} bytes: {exc or type(exc).__name__}") from None
         finally:
             self._save_allowance()
+
+    def _pace(self, source: Source, expected: int) -> Optional[DownloadPace]:
+        """The deadline and minimum rate of a download from a mirror (the coordinator's chunks
+        have a timeout each, and it is the source of last resort: not given up for its pace);
+        never above half the owner's rate cap, which this download is paced by."""
+        if not _is_mirror(source) or not self.min_bytes_per_s:
+            return None
+        floor = self.min_bytes_per_s
+        if self.rate.bytes_per_s:
+            floor = min(floor, self.rate.bytes_per_s / 2)
+        return DownloadPace(self.clock(), max(expected, 0), floor, self.pace_grace_s)
 
     @staticmethod
     def _write(out, block: bytes) -> None:
@@ -696,6 +543,17 @@ class BlobCache:
         """Which of `names` are cached whole (a look at the folder, no hashing: cheap enough to
         ask per heartbeat; `path_of` still checks a blob before it is used)."""
         return [name for name in names if os.path.isfile(self._path(check_sha256(name)))]
+
+
+def _mark(st: os.stat_result) -> tuple:
+    """What changes with a file's bytes: inode, size, modification and change times (a write
+    in place moves both times; only the owner's root could set them back)."""
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _is_mirror(source: Source) -> bool:
+    """A mirror, untrusted and benched when it fails; not the coordinator (CoordinatorSource)."""
+    return getattr(source, "benchable", True)
 
 
 def _remove(path: str) -> None:

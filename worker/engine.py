@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import math
 import random
+import logging
 import threading
 import time
 from collections import deque
@@ -29,7 +30,10 @@ from ..common.blobs import BlobError
 from ..common.errors import ProtocolError
 from ..common.job import (BuiltJob, EpochOrder, FlatModel, accumulate_coded_gradient,
                           evaluation_sums, local_change)
+from ..common.sharded import ShardedDataset
 from ..common.tensors import BufferPool, buffer_vector, from_blob
+
+log = logging.getLogger("idlegrad.worker.engine")
 
 
 class Cancelled(Exception):
@@ -140,11 +144,32 @@ class Engine:
             work = self._with_model(work)
             if self.fetch is not None:
                 self.fetch(work)
-            if work.kind == "eval":
-                return self.compute_eval(work, cancel, running)
-            if work.kind == "local":
-                return self._compute_local(work, gate, start)
-            return self._compute_gradient(work, gate, start)
+            for _ in range(2):
+                if work.kind == "eval":
+                    outcome = self.compute_eval(work, cancel, running)
+                elif work.kind == "local":
+                    outcome = self._compute_local(work, gate, start)
+                else:
+                    outcome = self._compute_gradient(work, gate, start)
+                corrupt = self._corrupt_shards()
+                if not corrupt:
+                    return outcome
+                # what it computed is thrown away (its buffer too: a rare case); the shards
+                # are dropped from the cache, and fetched again by the computation done again
+                log.warning("shard%s %s corrupted on disk since checked: dropped, fetched again, "
+                            "slot %d computed again", "s" if len(corrupt) > 1 else "",
+                            ", ".join(sha[:12] for sha in corrupt), work.slot)
+            raise BlobError(f"shards corrupted on disk again after a fetch ({corrupt[0][:12]}): "
+                            "the disk under the cache is failing")
+
+    def _corrupt_shards(self) -> list[str]:
+        """The data's shards that no longer hash to their names (common/sharded.py)."""
+        out: list[str] = []
+        for data in (self.built.train, self.built.test):
+            data = getattr(data, "dataset", data)  # a Subset of one
+            if isinstance(data, ShardedDataset):
+                out += [sha for sha in data.corrupt_shards() if sha not in out]
+        return out
 
     @property
     def loaded_snapshot(self) -> Optional[str]:

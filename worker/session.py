@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..common import protocol as proto
+from ..common.text import shown
 from ..common.throttle import Throttle
 
 log = logging.getLogger("idlegrad.worker")
@@ -230,15 +231,16 @@ class Session:
             return [Join(msg)]
         if isinstance(msg, proto.Reject):
             if msg.code != "hello_first":
-                return [Leave(f"the coordinator refused this worker ({msg.code}): {msg.reason}",
+                return [Leave(f"the coordinator refused this worker ({shown(msg.code)}): "
+                              f"{shown(msg.reason)}",
                               refused=True)]
             if self.state in (HELLO, DISCONNECTED):  # we just said hello, or are about to
                 return []
             return self._end(Rehello(forget=False))
         if isinstance(msg, proto.Shutdown):
-            log.info("the coordinator says: %s", msg.reason)
+            log.info("the coordinator says: %s", shown(msg.reason))
             prefix = "coordinator said" if self.state == HELLO else "shutdown"
-            return self.stop(f"{prefix}: {msg.reason}")
+            return self.stop(f"{prefix}: {shown(msg.reason)}")
         if self.state != SERVING:
             return []
         if isinstance(msg, proto.Cancel):

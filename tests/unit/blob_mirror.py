@@ -1,6 +1,7 @@
 """A real HTTP mirror on loopback for the cache's tests: the standard library's server, serving a
 published blob folder with Range requests (which http.server's own handler lacks), and faults
-to order: a body cut short, wrong bytes, a stall, a slow link."""
+to order: a body cut short, wrong bytes, junk after the body, a false Content-Length, a stall,
+a slow link, a drip."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ class Mirror:
         self.ignore_range = False
         self.rate_bytes_per_s: float | None = None  # a slow link: the body goes out at this rate
         self.sent = 0  # body bytes written, all requests together
+        self.pad = 0  # append this many junk bytes to every body (a hostile mirror)
+        self.content_length: int | None = None  # announce this Content-Length instead
+        self.drip_s = 0.0  # send the body one byte at a time, this long apart
         mirror = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -62,8 +66,20 @@ class Mirror:
                 body = data[start:]
                 if mirror.lie and body:
                     body = bytes([body[0] ^ 0xFF]) + body[1:]
-                self.send_header("Content-Length", str(len(body)))
+                body += b"\0" * mirror.pad
+                length = mirror.content_length if mirror.content_length is not None else len(body)
+                self.send_header("Content-Length", str(length))
                 self.end_headers()
+                if mirror.drip_s:
+                    try:
+                        for i in range(len(body)):
+                            self.wfile.write(body[i:i + 1])
+                            self.wfile.flush()
+                            mirror.sent += 1
+                            time.sleep(mirror.drip_s)
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass
+                    return
                 if mirror.cut_after is not None:
                     self.wfile.write(body[:mirror.cut_after])
                     self.wfile.flush()

@@ -38,8 +38,7 @@ class Clock:
         self.now += seconds
 
 
-@pytest.fixture
-def published(tmp_path):
+def publish_four_shards(tmp_path):
     """A mirror folder holding a data set of 4 shards of SHARD bytes; (manifest, folder)."""
     x = np.arange(500, dtype=np.float32).reshape(500, 1)
     manifest = pack_arrays(x, np.arange(500, dtype=np.int32).reshape(500, 1),
@@ -47,6 +46,11 @@ def published(tmp_path):
     assert [s.size for s in manifest.shards] == [SHARD] * 4
     publish(str(tmp_path / "pack"), str(tmp_path / "mirror"))
     return manifest, str(tmp_path / "mirror")
+
+
+@pytest.fixture
+def published(tmp_path):
+    return publish_four_shards(tmp_path)
 
 
 def cache_for(tmp_path, mirrors, cap=10 * SHARD, clock=None, timeout_s=5.0, **kw):
