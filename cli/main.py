@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--partitions", type=_positive(int), default=1, metavar="K",
                    help="partitions (tasks) per round (default: 1)")
     c.add_argument("--open-rounds", type=_non_negative(int), default=0, metavar="N",
-                   help="rounds open at once; 0: as many as the workers ask for (default)")
+                   help="rounds open at once; 0: as many as the workers ask for, at most twice what their credits hold plus two (default)")
     c.add_argument("--min-workers", type=_positive(int), default=1, metavar="N",
                    help="hand out the first slot once N workers have joined (default 1); "
                         "after that, workers come and go freely")

@@ -75,7 +75,7 @@ __all__ = ["Scheduler", "SchedulerConfig", "Action", "Assign", "CancelSlots", "C
 class SchedulerConfig:
     batch_size: int
     partitions: int = 1  # per round
-    open_rounds: int = 0  # rounds open at once; 0: as many as the workers' credits ask for
+    open_rounds: int = 0  # rounds open at once; 0: as many as the workers' credits ask for, at most 2 x credits / partitions + 2 (round_book.py)
     heartbeat_s: float = 1.0
     liveness: int = 3  # missed heartbeats before a worker is evicted
     min_deadline_s: float = 30.0
