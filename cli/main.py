@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--partitions", type=_positive(int), default=1, metavar="K",
                    help="partitions (tasks) per round (default: 1)")
     c.add_argument("--open-rounds", type=_non_negative(int), default=0, metavar="N",
-                   help="rounds open at once; 0: as many as the workers ask for (default)")
+                   help="rounds open at once; 0: as many as the workers ask for, at most twice what their credits hold plus two (default)")
     c.add_argument("--min-workers", type=_positive(int), default=1, metavar="N",
                    help="hand out the first slot once N workers have joined (default 1); "
                         "after that, workers come and go freely")
@@ -182,6 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ban-after", type=_non_negative(int), default=3, metavar="N",
                    help="ban a worker (its key, with keys) after N refused gradients or "
                         "malformed results within 10 minutes; 0: never (default: 3)")
+    c.add_argument("--key-names", type=_positive(int), default=16, metavar="N",
+                   help="worker names one key may hold at once (default: 16)")
+    c.add_argument("--key-credits", type=_positive(int), default=64, metavar="N",
+                   help="slots all the worker names of one key may hold at once (default: 64)")
+    c.add_argument("--key-fetches", type=_positive(int), default=32, metavar="N",
+                   help="blob chunk requests of one key waiting at once (default: 32)")
+    c.add_argument("--key-results-per-s", type=_non_negative(float), default=200.0,
+                   metavar="R", help="results one key may send per second (bursts of twice "
+                                     "as many); more are dropped unread; 0: no limit "
+                                     "(default: 200)")
     c.add_argument("--ledger", metavar="FILE",
                    help="append every task sent, result acknowledged and round applied as JSON "
                         "lines, across restarts (for audits and benchmarks/chaos.py)")
@@ -358,6 +368,7 @@ def _run_coordinator(args) -> int:
         check_bindable(enrol_address(args.bind), "the enrolment endpoint ")
     from ..common.coding import parse_redundancy
     from ..common.job_loading import parse_job_args
+    from ..coordinator.budgets import BudgetConfig
     from ..coordinator.local import OuterConfig
     from ..coordinator.server import Coordinator, CoordinatorConfig
     from ..coordinator.staleness import StalenessRule
@@ -383,6 +394,9 @@ def _run_coordinator(args) -> int:
         operator_keys=args.operator_keys, enrolled=args.enrolled, insecure=args.insecure,
         ledger_path=args.ledger,
         trust=_trust_config(TrustConfig, args.reject_norm, args.ban_after), task=args.task,
+        budgets=BudgetConfig(names=args.key_names, credits=args.key_credits,
+                             fetches=args.key_fetches, results_per_s=args.key_results_per_s,
+                             results_burst=max(1.0, 2 * args.key_results_per_s)),
         outer=OuterConfig(args.outer_lr, args.outer_momentum), local_slot_s=args.local_slot_s,
         local_max_steps=args.local_max_steps, local_link_factor=args.local_link_factor,
         result_dtype=args.result_dtype, verify_replicas=args.verify_replicas,

@@ -65,7 +65,7 @@ def add_simulate_parser(sub, add_common: Callable, positive: Callable,
     run.add_argument("--partitions", type=positive(int), default=8, metavar="K",
                      help="partitions per round (default: 8)")
     run.add_argument("--open-rounds", type=non_negative(int), default=0, metavar="N",
-                     help="rounds open at once; 0: as many as the workers ask for (default)")
+                     help="rounds open at once; 0: as many as the workers ask for, at most twice what their credits hold plus two (default)")
     run.add_argument("--heartbeat", type=positive(float), default=1.0, metavar="SECONDS",
                      help="heartbeat interval; silent for 3 beats is evicted (default: 1)")
     run.add_argument("--task-timeout", type=positive(float), default=30.0, metavar="SECONDS",

@@ -3,9 +3,11 @@
 A worker asks for a blob chunk by chunk (`fetch`: name, offset, length); it keeps a few chunks
 asked for at once (its window) and asks for the next as each arrives, so the bytes in flight to
 one worker are bounded by its window. The coordinator queues what it is asked (a few requests per
-worker, a bound overall) and answers in passes of its event loop: each pass reads and sends at
-most `pass_bytes`, taking the workers in turn, and the messages that arrived meanwhile (results,
-heartbeats) are handled between two passes. Serving never holds the loop longer than one pass.
+worker, a few more per key however many worker names it holds, a bound overall) and answers in
+passes of its event loop: each pass reads and sends at most `pass_bytes`, taking the keys in
+turn (the owners: without keys, the workers), and the messages that arrived meanwhile (results,
+heartbeats) are handled between two passes. Serving never holds the loop longer than one pass,
+and 256 names of one key get the turns of one key.
 
 Requests are untrusted: a name is answered only when it is a blob of the served pack (its
 manifest or a shard), and an offset only inside that blob; anything else is answered with a
@@ -24,6 +26,7 @@ from ..common.blobs import Manifest
 
 PASS_BYTES = 4 << 20  # read and sent per pass of the loop, at most (plus one chunk)
 QUEUE_PER_WORKER = 16  # requests waiting per worker; an honest worker's window is below it
+QUEUE_PER_OWNER = 32  # requests waiting per key, all its worker names together (budgets.py)
 QUEUE_TOTAL = 4096  # requests waiting, all workers together
 
 
@@ -45,7 +48,8 @@ class BlobService:
     kept (coordinator/snapshots.py)."""
 
     def __init__(self, manifest: Optional[Manifest], pass_bytes: int = PASS_BYTES,
-                 queue_per_worker: int = QUEUE_PER_WORKER, queue_total: int = QUEUE_TOTAL):
+                 queue_per_worker: int = QUEUE_PER_WORKER, queue_total: int = QUEUE_TOTAL,
+                 queue_per_owner: int = QUEUE_PER_OWNER):
         self.manifest = manifest
         self.sizes: dict[str, int] = {}
         if manifest is not None:
@@ -57,7 +61,11 @@ class BlobService:
         self.pass_bytes = pass_bytes
         self.queue_per_worker = queue_per_worker
         self.queue_total = queue_total
-        self._queues: OrderedDict[str, deque[Serve]] = OrderedDict()  # in turn: first is next
+        self.queue_per_owner = queue_per_owner
+        # owner (a key's identity, or a worker) -> its requests; in turn: the first is next
+        self._queues: OrderedDict[str, deque[Serve]] = OrderedDict()
+        self._waiting: Counter[str] = Counter()  # worker -> its requests queued
+        self._owner: dict[str, str] = {}  # worker -> the owner it queued under
         self._queued = 0
         self.counters: Counter[str] = Counter()  # chunks_sent, bytes_sent, refused_*
         self.bytes_to: Counter[str] = Counter()  # worker -> bytes sent to it
@@ -84,9 +92,12 @@ class BlobService:
             for pair in [p for p in self.snapshot_bytes_to if p[1] == sha256]:
                 del self.snapshot_bytes_to[pair]
 
-    def request(self, worker: str, fetch: proto.Fetch) -> Optional[proto.Chunk]:
-        """Queue a fetch; or the refusal to send at once (a name not served, an offset outside
-        the blob, too many requests waiting)."""
+    def request(self, worker: str, fetch: proto.Fetch,
+                owner: Optional[str] = None) -> Optional[proto.Chunk]:
+        """Queue a fetch of `worker` (held by `owner`, its key's identity; None: itself); or the
+        refusal to send at once (a name not served, an offset outside the blob, too many
+        requests waiting: of the worker, of its owner, or of everyone)."""
+        owner = owner if owner is not None else worker
         total = self.sizes.get(fetch.sha256)
         refuse = None
         if total is None:
@@ -94,9 +105,11 @@ class BlobService:
         elif fetch.offset >= total and total > 0:
             refuse, reason = "range", f"offset {fetch.offset} is past the end ({total} bytes)"
         else:
-            queue = self._queues.get(worker)
-            if (queue is not None and len(queue) >= self.queue_per_worker) \
-                    or self._queued >= self.queue_total:
+            queue = self._queues.get(owner)
+            if (self._waiting[worker] >= self.queue_per_worker
+                    or (queue is not None and len(queue) >= self.queue_per_owner)
+                    or self._queued >= self.queue_total
+                    or self._owner.get(worker, owner) != owner):
                 refuse, reason = "busy", "busy: too many requests waiting; ask again"
         if refuse is not None:
             self.counters["refused_" + refuse] += 1
@@ -104,24 +117,27 @@ class BlobService:
                                total=total or 0, error=reason)
         assert total is not None  # an unknown blob is refused above
         length = min(fetch.length, total - fetch.offset)
-        self._queues.setdefault(worker, deque()).append(
+        self._queues.setdefault(owner, deque()).append(
             Serve(worker, fetch.request, fetch.sha256, fetch.offset, length, total))
         self._queued += 1
+        self._waiting[worker] += 1
+        self._owner[worker] = owner
         return None
 
     def take(self) -> list[Serve]:
-        """The chunks of one pass: workers in turn, one chunk each per turn, until `pass_bytes`
+        """The chunks of one pass: owners in turn, one chunk each per turn, until `pass_bytes`
         are taken (at least one chunk, so a pass always makes progress)."""
         out: list[Serve] = []
         taken = 0
         while self._queues and (not out or taken < self.pass_bytes):
-            worker, queue = next(iter(self._queues.items()))
+            owner, queue = next(iter(self._queues.items()))
             serve = queue.popleft()
             self._queued -= 1
+            self._dequeued(serve.worker)
             if queue:
-                self._queues.move_to_end(worker)  # its next chunk waits for the others' turn
+                self._queues.move_to_end(owner)  # its next chunk waits for the others' turn
             else:
-                del self._queues[worker]
+                del self._queues[owner]
             out.append(serve)
             taken += serve.length
         return out
@@ -151,10 +167,24 @@ class BlobService:
         """A worker's heartbeat told its cache counters (schema-checked: known names, ints)."""
         self.caches[worker] = dict(cache)
 
+    def _dequeued(self, worker: str) -> None:
+        self._waiting[worker] -= 1
+        if self._waiting[worker] <= 0:
+            del self._waiting[worker]
+            self._owner.pop(worker, None)
+
     def forget(self, worker: str) -> None:
-        queue = self._queues.pop(worker, None)
-        if queue is not None:
-            self._queued -= len(queue)
+        owner = self._owner.get(worker)
+        queue = self._queues.get(owner) if owner is not None else None
+        if owner is not None and queue is not None:
+            kept = deque(s for s in queue if s.worker != worker)
+            self._queued -= len(queue) - len(kept)
+            if kept:
+                self._queues[owner] = kept
+            else:
+                del self._queues[owner]
+        self._waiting.pop(worker, None)
+        self._owner.pop(worker, None)
         self.caches.pop(worker, None)
         for pair in [p for p in self.snapshot_bytes_to if p[0] == worker]:
             del self.snapshot_bytes_to[pair]

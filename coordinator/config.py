@@ -15,6 +15,7 @@ from ..common.coding import Redundancy
 from ..common.errors import ConfigError, JobError
 from . import local
 from .staleness import StalenessRule
+from .budgets import BudgetConfig
 from .gate import KeyLists
 from .local import OuterConfig, TaskMode
 from .scheduler import SchedulerConfig
@@ -61,6 +62,7 @@ class CoordinatorConfig:
     enrolled: Optional[str] = None  # CURVE: invitations and the keys they enrolled (work role)
     insecure: bool = False  # without keys, listen beyond loopback anyway
     trust: TrustConfig = field(default_factory=TrustConfig)  # outlier gradients, offences, bans
+    budgets: BudgetConfig = field(default_factory=BudgetConfig)  # what one key may cost
     ledger_path: Optional[str] = None  # JSON lines: slots sent, results acknowledged, rounds applied
     task: str = "gradient"  # gradient | local:H | local:auto (local.parse_task)
     outer: OuterConfig = field(default_factory=OuterConfig)  # local tasks' outer optimizer

@@ -109,12 +109,14 @@ class DataPlane:
 
     # fetches and the passes that answer them ----------------------------------------------------
 
-    def fetch(self, worker: str, msg: proto.Fetch) -> Optional[proto.Chunk]:
-        """Queue a worker's fetch; or the refusal to send it now."""
+    def fetch(self, worker: str, msg: proto.Fetch,
+              key: Optional[bytes] = None) -> Optional[proto.Chunk]:
+        """Queue a worker's fetch (`key`: the worker's CURVE key, whose names' requests are
+        bounded and served together; None: the worker's own); or the refusal to send it now."""
         if self.service is None:
             return proto.Chunk(request=msg.request, sha256=msg.sha256, offset=msg.offset,
                                total=0, error="this coordinator serves no data")
-        return self.service.request(worker, msg)
+        return self.service.request(worker, msg, None if key is None else key.decode('ascii'))
 
     async def serve(self, routes: Mapping[str, bytes], send: Send,
                     event: Callable[..., None]) -> None:

@@ -89,6 +89,7 @@ class Fleet:
         self.workers: dict[str, WorkerRecord] = {}
         # the dict's own lookup: `get` is called on every message
         self.get: Callable[[str], Optional[WorkerRecord]] = self.workers.get
+        self.credits = 0  # the credits of every worker here, together (round_book.py's bound)
         self.hungry: dict[str, None] = {}  # workers with free credits, in arrival order
         self.draining: set[str] = set()  # workers that take no new slots and leave once done
         self._unannounced: set[str] = set()  # draining workers not yet announced as Drained
@@ -107,8 +108,13 @@ class Fleet:
         self._watch_silence(worker)
         return worker
 
+    def set_capacity(self, worker: WorkerRecord, credits: int) -> None:
+        self.credits += credits - worker.capacity
+        worker.capacity = credits
+
     def remove(self, worker_id: str) -> WorkerRecord:
         worker = self.workers.pop(worker_id)
+        self.credits -= worker.capacity
         self.hungry.pop(worker_id, None)
         self.draining.discard(worker_id)
         self._unannounced.discard(worker_id)

@@ -85,14 +85,21 @@ class RoundBook:
     # opening ----------------------------------------------------------------------------------
 
     def open_limit(self) -> int:
-        return 1 if self.config.sync else self.config.open_rounds
+        """Rounds open at once, at most: one with --sync, else --open-rounds, else what the
+        fleet's credits can use: twice the rounds their credits hold (slack for stragglers),
+        plus two. So a worker that asks for many credits and answers nothing cannot open rounds
+        without end (the credits of one key are bounded too: budgets.py)."""
+        if self.config.sync:
+            return 1
+        if self.config.open_rounds:
+            return self.config.open_rounds
+        return 2 * self.fleet.credits // max(1, self.config.partitions) + 2
 
     def can_open(self) -> bool:
         """Whether `open_round` may open one now (it can still fail on an empty plan)."""
         if not self.accepting:
             return False
-        limit = self.open_limit()
-        if limit and len(self.rounds) >= limit:
+        if len(self.rounds) >= self.open_limit():
             return False
         return not self.sampler.exhausted
 
@@ -101,8 +108,7 @@ class RoundBook:
         from `worker`'s home block with locality. Whether one was opened."""
         if not self.accepting:
             return False
-        limit = self.open_limit()
-        if limit and len(self.rounds) >= limit:
+        if len(self.rounds) >= self.open_limit():
             return False
         k = max(1, len(self.fleet.active())) if self.config.sync else self.config.partitions
         block = None

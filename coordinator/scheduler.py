@@ -75,7 +75,7 @@ __all__ = ["Scheduler", "SchedulerConfig", "Action", "Assign", "CancelSlots", "C
 class SchedulerConfig:
     batch_size: int
     partitions: int = 1  # per round
-    open_rounds: int = 0  # rounds open at once; 0: as many as the workers' credits ask for
+    open_rounds: int = 0  # rounds open at once; 0: as many as the workers' credits ask for, at most 2 x credits / partitions + 2 (round_book.py)
     heartbeat_s: float = 1.0
     liveness: int = 3  # missed heartbeats before a worker is evicted
     min_deadline_s: float = 30.0
@@ -245,6 +245,17 @@ class Scheduler:
             return None
         return lease.started.get(worker_id)
 
+    def holds(self, worker_id: str, slot_id: int) -> bool:
+        """Whether `worker_id` holds slot `slot_id` (a round's or a side one) now: asked of a
+        result before its gradient is read (budgets.py)."""
+        worker = self.fleet.get(worker_id)
+        return worker is not None and slot_id in worker.assigned
+
+    def capacity(self, worker_id: str) -> int:
+        """The credits `worker_id` announced (0 when it is not here)."""
+        worker = self.fleet.get(worker_id)
+        return 0 if worker is None else worker.capacity
+
     def side_takers(self, slot_id: int) -> int:
         """Workers that could take side slot `slot_id` (neither excluded nor draining)."""
         return self.side_work.takers(slot_id)
@@ -266,7 +277,7 @@ class Scheduler:
 
     def ready(self, worker_id: str, credits: int, now: float) -> list[Action]:
         worker = self.fleet.workers[worker_id]
-        worker.capacity = credits
+        self.fleet.set_capacity(worker, credits)
         worker.last_seen = now
         self.fleet.settle(worker)
         self.fleet.update_hunger(worker)

@@ -28,6 +28,7 @@ from .config import CoordinatorConfig, check
 from .effects import Applied, Ban, Compute, Evaluated, Event, Used
 from .offloop import OffLoop
 from .operators import Operators
+from .budgets import KeyBudgets
 from .gate import BANNED, REVOKED, Gate, NeedHello
 from .records import RunRecords
 from .run import EvaluateHere
@@ -49,6 +50,7 @@ class Coordinator:
         self.training = Training(config, checked, zmq.COPY_THRESHOLD)
         self.core = self.training.core
         self.gate = Gate(checked.keys, self.core.trust.is_banned)
+        self.budgets = KeyBudgets.serving(config.budgets, self.gate, self.core)
         self.operators = Operators(config, self.gate, self.core, self.training.credits,
                                    self.keypair[0] if self.keypair else None, self._event)
         self.operators.load_bans()
@@ -268,7 +270,7 @@ class Coordinator:
         if handler is None:
             self._bad(route, ProtocolError("unexpected", f"{msg.TYPE} is not for the coordinator"))
             return
-        refusal = self.gate.admit(key, msg, route)
+        refusal = self.gate.admit(key, msg, route) or self.budgets.admit(key, msg)
         if refusal is not None:
             if refusal.bad_message:
                 self._bad(route, ProtocolError(refusal.counter, refusal.reason))
@@ -327,7 +329,8 @@ class Coordinator:
             await self._send(route, reject)
             await self.perform(self.core.leave(worker_id, "wrong job", self.clock()))
             return
-        await self.perform(self.core.ready(worker_id, msg.credits, self.clock()))
+        credits = self.budgets.credits(self.gate.identity(worker_id, key), worker_id, msg.credits)
+        await self.perform(self.core.ready(worker_id, credits, self.clock()))
 
     async def _on_result(self, route: bytes, msg: proto.Result, key) -> None:
         worker_id = self.gate.worker_of(route)
@@ -338,6 +341,8 @@ class Coordinator:
         effects = []
         try:
             model, now = self.training.model, self.clock()
+            if not self.budgets.result(self.gate.identity(worker_id, key), worker_id, msg.slot, now):
+                return  # not worth decoding (a slot it does not hold, or over its rate): acked
             try:
                 grad = model.gradient_of(msg.gradient)
                 buffers = model.buffers_of(msg.buffers)
@@ -367,7 +372,7 @@ class Coordinator:
         await self._send(route, proto.Heartbeat(state="coordinator"))
 
     async def _on_fetch(self, route: bytes, msg: proto.Fetch, key) -> None:
-        refusal = self.training.data.fetch(self.gate.worker_of(route), msg)
+        refusal = self.training.data.fetch(self.gate.worker_of(route), msg, key)
         if refusal is not None:
             await self._send(route, refusal)
 

@@ -100,6 +100,8 @@ class Training:
         self.data = dataplane.DataPlane.for_run(
             pack, self.built.model.params.nbytes, config.snapshot_min_mb, self.task_mode.local,
             config.blob_mirrors, config.snapshot_dir, job.name)
+        if self.data.service is not None:  # one key's fetches waiting, all its names together
+            self.data.service.queue_per_owner = config.budgets.fetches
         if config.target is not None:
             self._check_target(config.target)
         module = self.built.model.module

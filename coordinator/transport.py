@@ -34,7 +34,11 @@ class ZmqTransport:
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, proto.SOCKET_MAX_MSG_BYTES)
         sock.setsockopt(zmq.LINGER, 500)  # let SHUTDOWNs flush, but never hold the exit long
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # No handover: a peer that says the routing id of a connection already here is ignored
+        # (libzmq drops it), rather than taking that connection over. With handover, any
+        # listed key naming a peer's routing id (libzmq's own are a counter: guessable) would
+        # cut that peer off. Workers choose no routing id: each connection gets a fresh one.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         # Half-open connections are shed: a peer that has not finished the ZMTP (and CURVE)
         # handshake within this long is dropped, and TCP keepalives find peers that vanished.
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))

@@ -53,12 +53,13 @@ def test_a_task_carries_the_ack_of_the_result_it_answers():
     assert isinstance(reply, proto.Task), reply
     assert reply.acks == [task.slot] and reply.slot != task.slot
 
-    # A repeat of that result is taken (dropped) and answered by no task: a plain ack.
+    # A repeat of that result is taken (dropped, before its gradient is read: the slot is no
+    # longer its sender's) and answered by no task: a plain ack.
     sent = len(pair.wire.sent)
     pair.frames(answer(pair, task, size), RAW)
     (reply2,) = replies(pair, sent)
     assert isinstance(reply2, proto.Ack) and reply2.slots == [task.slot], reply2
-    assert pair.counters["results_dropped"] == 1
+    assert pair.counters["results_unheld"] == 1
     pair.close()
 
 
