@@ -321,11 +321,8 @@ class Coordinator:
 
     async def _on_ready(self, route: bytes, msg: proto.Ready, key) -> None:
         worker_id = self.gate.worker_of(route)
-        refusal = self.training.refusal(msg.fingerprint, msg.job_identity)
-        if refusal is not None:
-            reject, differs = refusal
-            self._event("refused", f"{worker_id} built another job than this one: "
-                                   f"{differs}"[:500], worker_id, logging.WARNING)
+        reject = self.training.refusal(worker_id, msg.fingerprint, msg.job_identity)
+        if reject is not None:
             await self._send(route, reject)
             await self.perform(self.core.leave(worker_id, "wrong job", self.clock()))
             return

@@ -411,19 +411,23 @@ class Training:
         return dict(self.metrics_record(now), final=True, reason=reason,
                     counters=dict(self.core.counters), scheduler=dict(self.scheduler.stats))
 
-    def refusal(self, fingerprint: str, job_identity=None) -> Optional[tuple[proto.Reject, str]]:
-        """What a worker whose job's fingerprint is `fingerprint` is told, if it may not train,
-        and what differs (named from `job_identity`, the worker's, when it sent one)."""
+    def refusal(self, worker_id: str, fingerprint: str,
+                job_identity=None) -> Optional[proto.Reject]:
+        """What `worker_id`, whose job's fingerprint is `fingerprint`, is told if it may not
+        train (and logged here, naming what differs from `job_identity`, when it sent one)."""
         if fingerprint == self.fingerprint:
             return None
         differs = "; ".join(job_differences(self.built.identity, job_identity, "here",
                                             "on the worker")
                             if job_identity is not None else [])
+        self.event("refused", f"{worker_id} built another job than this one: "
+                              f"{differs or f'fingerprint {fingerprint}'}"[:500], worker_id,
+                   logging.WARNING)
         reason = (f"this coordinator trains job {self.job.name!r} with fingerprint "
                   f"{self.fingerprint}; the worker built fingerprint {fingerprint}"
                   f"{f' ({differs})' if differs else ''}: start it with the same job and "
                   "version")[:proto.MAX_STR]
-        return proto.Reject(code="job", reason=reason), differs or f"fingerprint {fingerprint}"
+        return proto.Reject(code="job", reason=reason)
 
     def bytes_per_sample(self) -> Optional[float]:
         """Wire bytes, both ways, per sample applied."""
