@@ -15,7 +15,8 @@ the coordinator's bind together), one candidate after another in alternating ord
 Each run evaluates the test accuracy every `--eval-every` seconds and stops at the first
 evaluation at or above `--target`; samples-to-target is the samples applied by then (rounds
 stepped, weighted or not), time-to-target the seconds since the coordinator's bind. Medians over
-the runs, and each candidate's ratio to plain's (below 1: fewer samples / less time than plain).
+the runs, each candidate's ratio to plain's (below 1: fewer samples / less time than plain), and
+the median of the per-run ratios of samples ("paired": run i of each candidate side by side).
 The last snapshot of the coordinator's status gives the rounds compensated, those whose model
 was no longer kept, those too stale, and the workers' mean staleness.
 
@@ -167,6 +168,13 @@ def aggregate(runs: dict[str, list[dict]]) -> dict:
         out[candidate]["runs_samples_to_target"] = [r["samples_to_target"] for r in rs]
         out[candidate]["runs_time_to_target_s"] = [r["time_to_target_s"] for r in rs]
     plain = out.get("plain", {})
+    for candidate, m in out.items():
+        # run i of every candidate shares its seed (and, on loopback, its neighbourhood in
+        # time): the median of the per-run ratios pairs them
+        pairs = [r["samples_to_target"] / p["samples_to_target"]
+                 for r, p in zip(runs[candidate], runs.get("plain", []))
+                 if r["samples_to_target"] and p["samples_to_target"]]
+        m["paired_samples_ratio"] = med(pairs)
     for m in out.values():
         for key, ratio in (("samples_to_target", "samples_ratio"),
                            ("time_to_target_s", "time_ratio")):
@@ -238,11 +246,12 @@ def main():
     where = "simulated (virtual seconds)" if args.simulated else "processes on loopback"
     print(f"\n{args.job}, {where}, {args.workers} workers x {args.credits} credits, target accuracy "
           f"{args.target}; medians of {args.runs} (ratio: candidate / plain)")
-    print(f"{'candidate':<10} {'reached':>7} {'samples':>8} {'ratio':>6} {'seconds':>8} "
-          f"{'ratio':>6} {'tau':>5}")
+    print(f"{'candidate':<10} {'reached':>7} {'samples':>8} {'ratio':>6} {'paired':>6} "
+          f"{'seconds':>8} {'ratio':>6} {'tau':>5}")
     for candidate, m in summary.items():
         print(f"{candidate:<10} {m['reached']:>4}/{m['runs']:<2} "
               f"{fmt(m['samples_to_target'], '.0f'):>8} {fmt(m['samples_ratio']):>6} "
+              f"{fmt(m['paired_samples_ratio']):>6} "
               f"{fmt(m['time_to_target_s']):>8} {fmt(m['time_ratio']):>6} "
               f"{fmt(m['mean_staleness']):>5}")
     if args.json:

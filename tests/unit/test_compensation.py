@@ -134,6 +134,18 @@ def test_a_stale_round_is_stepped_with_the_corrected_gradient():
     assert agg.mean_square == pytest.approx(float((g * g).sum()), rel=1e-6)
 
 
+def test_the_adaptive_variant_divides_by_the_rounds_mean_square():
+    """dc-a's first round starts its running mean with its own g*g: the correction is then
+    lambda |g| (now - sent)."""
+    model, agg = sgd_aggregator("dc-a:0.5")
+    before = model.params.detach().clone()
+    sent = before + torch.linspace(-1, 1, model.numel)
+    g = torch.linspace(0.5, 2.0, model.numel)
+    agg.apply_terms([([g], 1.0)], 1, round_version=1, sent=sent)
+    expected = g + 0.5 * g.abs() * (before - sent)
+    assert torch.allclose(model.params, before - 0.1 * expected, atol=1e-5)
+
+
 def test_a_fresh_round_and_one_whose_model_was_not_kept_are_plain_steps():
     model, agg = sgd_aggregator("dc:0.5")
     g = torch.linspace(0.5, 2.0, model.numel)
