@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step weight of a gradient tau versions old: 1/(1+tau), 1/sqrt(1+tau), 1")
     c.add_argument("--max-staleness", type=_non_negative(int), default=32, metavar="TAU",
                    help="gradients staler than this are replanned, not applied (default: 32)")
+    c.add_argument("--delay-compensation", default="off", metavar="dc[:LAMBDA]",
+                   help="correct a stale round's gradient towards the current model (DC-ASGD: "
+                        "g + LAMBDA g*g (w_now - w_sent)); dc-a[:LAMBDA] divides LAMBDA by the "
+                        "root of a running mean of g*g; off, dc (0.04), dc-a (2) "
+                        "(default: off; docs/scaling.md has the measurements)")
     c.add_argument("--eval-every", type=_positive(float), metavar="SECONDS",
                    help="seconds between evaluations (default: adaptive, ~10%% of the time)")
     c.add_argument("--settle-on", choices=["auto", "coordinator", "workers"], default="auto",
@@ -385,7 +390,8 @@ def _run_coordinator(args) -> int:
         target=Target.parse(args.target) if args.target else None, seed=args.seed,
         heartbeat_s=args.heartbeat, partitions=args.partitions, open_rounds=args.open_rounds,
         min_workers=args.min_workers,
-        staleness=StalenessRule(args.staleness, args.max_staleness), eval_every=args.eval_every,
+        staleness=StalenessRule(args.staleness, args.max_staleness),
+        delay_compensation=args.delay_compensation, eval_every=args.eval_every,
         eval_on=args.eval_on, settle_on=args.settle_on, min_deadline_s=args.task_timeout,
         threads=args.threads, pause_grace_s=args.pause_grace,
         redundancy=str(parse_redundancy(args.redundancy)), sync=args.sync,

@@ -21,6 +21,10 @@ The job's recipe acts here too: the round's mean gradient is clipped to the job'
 before it is weighted (so the same whatever the code that decoded it: every code decodes the
 same mean), and the job's learning-rate schedule is stepped once per step taken.
 
+With `--delay-compensation` the round's mean gradient is corrected towards the gradient at the
+current model (coordinator/compensation.py) before clipping and weighting; `mean_square` (the
+noise scale's figure) stays the uncorrected gradient's, the one the workers' samples measured.
+
 Buffers (BatchNorm statistics, counters) are not gradients: `merge_buffers` combines the states
 the results of an applied round ended with (module docstring of `merge_buffers`).
 """
@@ -36,7 +40,8 @@ import torch
 from ..common.errors import ConfigError, GradientRejected
 from ..common.job import FlatModel, clip_
 from ..common.tensors import sum_of_squares
-from .staleness import StalenessRule
+from .compensation import DelayCompensator
+from .staleness import NO_COMPENSATION, DelayCompensation, StalenessRule
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +50,11 @@ class Aggregator:
     """Applies one decoded round at a time to the coordinator's model."""
 
     def __init__(self, model: FlatModel, optimizer: torch.optim.Optimizer, rule: StalenessRule,
-                 version: int = 0, schedule=None, clip_norm: Optional[float] = None):
+                 version: int = 0, schedule=None, clip_norm: Optional[float] = None,
+                 compensation: DelayCompensation = NO_COMPENSATION):
         """`schedule`: a torch LR scheduler over `optimizer`, stepped after each step;
-        `clip_norm`: the global L2 norm a round's mean gradient is clipped to."""
+        `clip_norm`: the global L2 norm a round's mean gradient is clipped to;
+        `compensation`: the delay compensation of stale rounds (off by default)."""
         self.model = model
         self.optimizer = optimizer
         self.rule = rule
@@ -59,6 +66,7 @@ class Aggregator:
         # the round was not applied): the gradient noise scale's big-batch figure (noise.py)
         self.mean_square: Optional[float] = None
         self._weigh = _weighing_for(optimizer)
+        self.compensator = DelayCompensator(compensation)
 
     def weight_for(self, round_version: int) -> Optional[float]:
         return self.rule.weight(self.version - round_version)
@@ -72,7 +80,8 @@ class Aggregator:
         return self.apply_terms([([gradient_sum], 1.0)], samples, round_version)
 
     def apply_terms(self, terms: Sequence[tuple[Sequence[torch.Tensor], float]], samples: int,
-                    round_version: int, norms: Optional[Sequence[float]] = None) -> Optional[float]:
+                    round_version: int, norms: Optional[Sequence[float]] = None,
+                    sent: Optional[torch.Tensor] = None) -> Optional[float]:
         """`apply` for a gradient sum given as weighted terms, each a flat gradient cut into
         consecutive chunks (the frames it arrived in): the sum is written straight into the
         model's gradient, with no intermediate tensor the size of the model.
@@ -80,7 +89,11 @@ class Aggregator:
         `norms`: the terms' L2 norms when the caller has measured them (on arrival); unused
         now that the sum's norm is always measured (the noise scale needs it), kept for the
         callers. The sum's squared norm, before clipping and weighting, is left in
-        `mean_square`."""
+        `mean_square`.
+
+        `sent`: the flat parameters of `round_version` (what the round was computed on), for
+        delay compensation; None when they are no longer kept (the round is then applied with
+        the staleness weight alone, and counted)."""
         self.mean_square = None
         weight = self.weight_for(round_version)
         if weight is None:
@@ -106,6 +119,15 @@ class Aggregator:
             grads.zero_()
             raise GradientRejected("non-finite gradient")
         self.mean_square = squares
+        compensator = self.compensator
+        if compensator.setting.on:
+            compensator.observe(grads)
+            if compensator.correct_(grads, self.model.params.detach(), sent,
+                                    self.version - round_version):
+                squares = sum_of_squares(grads)  # the corrected gradient is what is clipped
+                if not math.isfinite(squares):
+                    grads.zero_()
+                    raise GradientRejected("non-finite gradient after delay compensation")
         if clip_(grads, self.clip_norm, math.sqrt(squares)):
             self.clipped += 1
         if weight != 1.0:

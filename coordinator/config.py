@@ -14,8 +14,9 @@ from ..common import security
 from ..common.coding import Redundancy
 from ..common.errors import ConfigError, JobError
 from . import local
-from .staleness import StalenessRule
 from .budgets import BudgetConfig
+from .staleness import (NO_COMPENSATION, DelayCompensation, StalenessRule,
+                        parse_delay_compensation)
 from .gate import KeyLists
 from .local import OuterConfig, TaskMode
 from .scheduler import SchedulerConfig
@@ -42,6 +43,9 @@ class CoordinatorConfig:
     open_rounds: int = 0
     min_workers: int = 1  # no slot before this many workers have joined (once)
     staleness: StalenessRule = field(default_factory=StalenessRule)
+    # stale rounds' gradients corrected towards the current model: off | dc[:L] | dc-a[:L]
+    # (compensation.py); off until it is measured to pay (docs/scaling.md)
+    delay_compensation: str = "off"
     eval_every: Optional[float] = None  # None: adaptive, at most ~10% of the time
     # where evaluations run: workers | coordinator | auto (coordinator/eval_slots.py `choose`)
     eval_on: str = "auto"
@@ -96,6 +100,7 @@ class Checked:
     redundancy: Redundancy
     keypair: Optional[tuple[bytes, bytes]]  # CURVE: (public, secret); None without keys
     keys: Optional[KeyLists]  # CURVE: who holds which role; None without keys
+    compensation: DelayCompensation = NO_COMPENSATION  # --delay-compensation, parsed
 
     @property
     def allowed(self) -> Optional[frozenset[bytes]]:
@@ -114,6 +119,10 @@ def check(config: CoordinatorConfig) -> Checked:
                                  max_steps=config.local_max_steps,
                                  link_factor=config.local_link_factor)
     redundancy = coding.parse_redundancy(config.redundancy)
+    compensation = parse_delay_compensation(config.delay_compensation)
+    if compensation.on and task_mode.local:
+        raise ConfigError("--delay-compensation corrects gradients: local tasks send parameter "
+                          "changes (use it with --task gradient)")
     coding.check_result_dtype(redundancy, config.result_dtype)
     local.check_redundancy(task_mode, redundancy, config.sync)
     # the scheduler's own rules between its options, before the job is built (the real
@@ -133,7 +142,7 @@ def check(config: CoordinatorConfig) -> Checked:
                           f"{str(config.settle_on)[:40]!r}")
     _check_paths(config)
     _check_data(config)
-    return Checked(task_mode, redundancy, keypair, keys)
+    return Checked(task_mode, redundancy, keypair, keys, compensation)
 
 
 def _check_paths(config: CoordinatorConfig) -> None:

@@ -24,7 +24,7 @@ from ..common.job import BuiltJob, EpochOrder, FlatModel, coded_gradient, evalua
 from ..common.tensors import (TORCH_DTYPES, BufferPool, blob_chunks, buffer_vector, distance,
                               finite_norm, to_blob)
 from .aggregator import Aggregator, merge_buffers
-from .staleness import StalenessRule
+from .staleness import NO_COMPENSATION, DelayCompensation, StalenessRule
 from .effects import Compute
 
 log = logging.getLogger("idlegrad.coordinator")
@@ -33,13 +33,15 @@ log = logging.getLogger("idlegrad.coordinator")
 class ModelState:
     def __init__(self, built: BuiltJob, optimizer: torch.optim.Optimizer, rule: StalenessRule,
                  seed: EpochOrder, result_dtype: str = "float32", version: int = 0,
-                 copy_threshold_bytes: int = 0, schedule=None, clip_norm: Optional[float] = None):
+                 copy_threshold_bytes: int = 0, schedule=None, clip_norm: Optional[float] = None,
+                 compensation: DelayCompensation = NO_COMPENSATION):
         self.built = built
         self.model: FlatModel = built.model
         self.optimizer = optimizer
         self.schedule = schedule
         self.seed = seed  # the order parts index: a seed (full shuffle) or a ShardOrder
-        self.aggregator = Aggregator(self.model, optimizer, rule, version, schedule, clip_norm)
+        self.aggregator = Aggregator(self.model, optimizer, rule, version, schedule, clip_norm,
+                                     compensation)
         self.result_dtype = (self.model.dtype if result_dtype == "float32"
                              else TORCH_DTYPES[result_dtype])
         # version -> (model, its blob, trackers of the zero-copy sends of it)
@@ -63,7 +65,11 @@ class ModelState:
         current = self.version
         if in_use(current):
             self.blob(current)  # rounds still open at this version need it kept
-        weight = self.aggregator.apply_terms(terms, samples, round_version, norms)
+        # the model the round was computed on, for delay compensation (kept while the round was
+        # open: the snapshot it was sent from)
+        sent = self._snapshots.get(round_version)
+        weight = self.aggregator.apply_terms(terms, samples, round_version, norms,
+                                             None if sent is None else sent[0])
         if weight is not None:
             for version in [v for v in self._snapshots if not in_use(v)]:
                 tensor, _, trackers = self._snapshots.pop(version)

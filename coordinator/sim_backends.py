@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .effects import Compute
-from .staleness import StalenessRule
+from .staleness import NO_COMPENSATION, DelayCompensation, StalenessRule
 
 
 class CostlessGradients:
@@ -65,8 +65,11 @@ class RealGradients:
     `Aggregator`."""
 
     def __init__(self, job_spec: str, job_args: dict, seed: int, rule: StalenessRule,
-                 local: bool = False, outer_config=None):
-        """`local`: slots are local tasks, and the coordinator's optimizer is the outer one."""
+                 local: bool = False, outer_config=None,
+                 compensation: DelayCompensation = NO_COMPENSATION):
+        """`local`: slots are local tasks, and the coordinator's optimizer is the outer one;
+        `compensation`: the delay compensation of stale rounds (gradient tasks only), with
+        the snapshot of each round's version as the server's model state has it."""
         import torch
 
         from ..common.job import (FlatModel, build, build_schedule, eval_size, load_job,
@@ -85,7 +88,7 @@ class RealGradients:
         else:
             optimizer = make_optimizer(job, model.module)
             self.aggregator = Aggregator(model, optimizer, rule, schedule=build_schedule(
-                job, optimizer), clip_norm=job.clip_norm)
+                job, optimizer), clip_norm=job.clip_norm, compensation=compensation)
         self.worker = FlatModel(job.build_model())
         self.train_samples = len(self.built.train)
         self.test_samples = eval_size(job, self.built.test)
@@ -122,7 +125,8 @@ class RealGradients:
         return self.aggregator.mean_square
 
     def apply(self, terms, norms, samples: int, round_version: int, in_use) -> Optional[float]:
-        weight = self.aggregator.apply_terms(terms, samples, round_version, norms)
+        weight = self.aggregator.apply_terms(terms, samples, round_version, norms,
+                                             self.snapshots.get(round_version))
         if weight is not None:
             self.snapshots[self.aggregator.version] = self.aggregator.model.params.detach().clone()
             for v in [v for v in self.snapshots if v != self.aggregator.version and not in_use(v)]:

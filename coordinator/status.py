@@ -164,6 +164,7 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
         "noise": core.noise.summary(),
     }
     staleness = config.staleness
+    compensator = training.model.aggregator.compensator
     stats = scheduler.stats
     redundancy = {
         "code": scheduler.last_code,
@@ -180,6 +181,10 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
         "open_rounds_limit": config.open_rounds,
         "staleness_rule": staleness.kind, "max_staleness": staleness.max_staleness,
         "rounds_too_stale": counters["rounds_too_stale"],
+        # --delay-compensation: stale rounds corrected, and those whose model was not kept
+        "delay_compensation": str(compensator.setting),
+        "rounds_compensated": compensator.compensated,
+        "rounds_uncompensated": compensator.without_snapshot,
         "rounds_rejected": counters["rounds_rejected"],
         "verify_replicas": scheduler.config.verify_replicas,
         "replicas_agreed": stats["replicas_agreed"],

@@ -135,7 +135,8 @@ class Training:
         # Local tasks clip each inner step on the worker; the round's outer change is no gradient
         self.model = ModelState(self.built, optimizer, config.staleness, self.order,
                                 config.result_dtype, version, copy_threshold_bytes, schedule,
-                                None if self.task_mode.local else job.clip_norm)
+                                None if self.task_mode.local else job.clip_norm,
+                                compensation=checked.compensation)
         if state is not None:
             kind = state.get("task_kind", "gradient")
             if kind != self.task_mode.kind:  # the job's optimizer and the outer one share no state
