@@ -10,7 +10,7 @@ a verdict), exactly where the core would deal only after that.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import Any, Optional
 
 from idlegrad.common.tensors import distance, finite_norm
 from idlegrad.coordinator.sampler import Sampler
@@ -78,3 +78,27 @@ class VectorBackend(NoModel):
 
     def size(self, a):
         return finite_norm(a)
+
+
+def verified_core(credits: dict, settle_on_workers: bool = True,
+                  kin: Optional[dict] = None) -> tuple:
+    """A round core under `--verify-replicas` (replicate:2, batches of 4) with a VectorBackend,
+    and the workers of `credits` (name -> credits) joined and ready in that order, each of the
+    kin `kin` gives it (beside its own name). Returns (core, the effects they brought)."""
+    from idlegrad.common.coding import parse_redundancy
+    from idlegrad.coordinator.rounds import RoundCore
+    from idlegrad.coordinator.trust import TrustConfig, TrustPolicy
+
+    scheduler = Scheduler(SchedulerConfig(batch_size=4, redundancy=parse_redundancy("replicate:2"),
+                                          verify_replicas=True, heartbeat_s=1.0, liveness=3),
+                          Sampler(400, None))
+    core = RoundCore(scheduler, VectorBackend(), TrustPolicy(TrustConfig(), reference=1.0),
+                     settle_on_workers=settle_on_workers)
+    out: list = []
+    for worker, n in credits.items():
+        if kin is None:
+            out += core.join(worker, {}, worker, 0.0)
+        else:
+            out += core.join(worker, {}, worker, 0.0, kin.get(worker, frozenset()))
+        out += core.ready(worker, n, 0.0)
+    return core, out

@@ -6,13 +6,10 @@ must agree, else the coordinator computes it)."""
 from __future__ import annotations
 
 
-from idlegrad.common.coding import parse_redundancy
 from idlegrad.coordinator.effects import Applied, Compute, Event, Refused
 from idlegrad.coordinator.rounds import RoundCore
-from idlegrad.coordinator.sampler import Sampler
-from idlegrad.coordinator.scheduler import Assign, Scheduler, SchedulerConfig
-from idlegrad.coordinator.trust import TrustConfig, TrustPolicy
-from .scheduling import VectorBackend
+from idlegrad.coordinator.scheduler import Assign
+from .scheduling import verified_core
 from .test_settle_on_workers import RIGHT, WRONG, assigns
 
 INVITATION = frozenset({"inv:0123456789abcdef"})
@@ -20,16 +17,7 @@ INVITATION = frozenset({"inv:0123456789abcdef"})
 
 def core_with(kin: dict[str, frozenset], credits: int = 1) -> tuple[RoundCore, list]:
     """Workers in the order given, each of `kin` (beside its own identity, its name here)."""
-    scheduler = Scheduler(SchedulerConfig(batch_size=4, redundancy=parse_redundancy("replicate:2"),
-                                          verify_replicas=True, heartbeat_s=1.0, liveness=3),
-                          Sampler(400, None))
-    core = RoundCore(scheduler, VectorBackend(), TrustPolicy(TrustConfig(), reference=1.0),
-                     settle_on_workers=True)
-    out = []
-    for worker, tags in kin.items():
-        out += core.join(worker, {}, worker, 0.0, tags)
-        out += core.ready(worker, credits, 0.0)
-    return core, out
+    return verified_core({worker: credits for worker in kin}, kin=kin)
 
 
 def rows(effects) -> dict[int, list[str]]:

@@ -8,30 +8,20 @@ from __future__ import annotations
 
 import torch
 
-from idlegrad.common.coding import parse_redundancy
 from idlegrad.coordinator.effects import Compute, Refused, Used
 from idlegrad.coordinator.rounds import RoundCore
 from idlegrad.coordinator.sampler import Sampler
 from idlegrad.coordinator.scheduler import Assign, CancelSlots, Scheduler, SchedulerConfig
 from idlegrad.coordinator.trust import TrustConfig, TrustPolicy
 
-from .scheduling import VectorBackend
+from .scheduling import VectorBackend, verified_core
 
 RIGHT = [torch.full((4,), 2.0)]  # norm 4: an honest slot of 4 samples at reference norm 1
 WRONG = [torch.full((4,), -2.0)]  # the same size, sign-flipped
 
 
 def core_with(workers: dict[str, int], settle_on_workers: bool = True) -> tuple[RoundCore, list]:
-    scheduler = Scheduler(SchedulerConfig(batch_size=4, redundancy=parse_redundancy("replicate:2"),
-                                          verify_replicas=True, heartbeat_s=1.0, liveness=3),
-                          Sampler(400, None))
-    core = RoundCore(scheduler, VectorBackend(), TrustPolicy(TrustConfig(), reference=1.0),
-                     settle_on_workers=settle_on_workers)
-    out = []
-    for worker, credits in workers.items():
-        out += core.join(worker, {}, worker, 0.0)
-        out += core.ready(worker, credits, 0.0)
-    return core, out
+    return verified_core(workers, settle_on_workers)
 
 
 def assigns(effects, worker=None):
