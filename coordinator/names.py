@@ -9,12 +9,9 @@ a name is then not authenticated at all (docs/architecture.md, "Threat model").
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Optional
 
-from ..common import atomic
-from ..common.errors import ConfigError
+from . import kept_maps
 
 FILENAME = "names.json"
 # Bindings kept, the least recently used forgotten first: a worker's default name (HOST-PID) is
@@ -24,30 +21,18 @@ MAX_BYTES = 64 * 1024 * 1024
 
 
 def path_for(enrolled: Optional[str], checkpoint_dir: Optional[str]) -> Optional[str]:
-    folder = enrolled or checkpoint_dir
-    return os.path.join(folder, FILENAME) if folder else None
+    return kept_maps.path_for(FILENAME, enrolled, checkpoint_dir)
 
 
 def load(path: Optional[str]) -> dict[str, bytes]:
     """The bindings saved at `path` (none when there is no file); ConfigError with one line
     when the file is not what `save` writes: a lost binding would let another key take a name."""
-    if path is None or not os.path.exists(path):
-        return {}
-    try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read(MAX_BYTES))
-        names = data["names"]
-        if not isinstance(names, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) and len(v) == 40
-                for k, v in names.items()):
-            raise ValueError("names must map worker names to 40-character keys")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{path}: not a name list ({exc}); fix or remove it"[:300]) from None
+    names = kept_maps.load(path, "names", "name list", MAX_BYTES, valid=lambda key: len(key) == 40,
+                           rule="worker names to 40-character keys")
     return {name: key.encode("ascii") for name, key in names.items()}
 
 
 def save(path: str, names: dict[str, bytes]) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    text = {name: key.decode("ascii") for name, key in names.items()}
     # in the gate's order (the least recently used first), which `load` keeps
-    atomic.write_bytes(path, json.dumps({"names": text}, indent=0).encode())
+    kept_maps.save(path, "names", {name: key.decode("ascii") for name, key in names.items()},
+                   sort_keys=False)
