@@ -40,9 +40,10 @@ def test_honest_workers_of_a_dropout_job_are_never_suspected(cluster, digits_tra
     assert last["trust"]["banned"] == ["evil"], last["trust"]
     assert set(last["trust"]["offenders"]) == {"evil"}, last["trust"]
     assert not last["trust"]["suspected"], last["trust"]
-    if settle_on == "workers":  # computed again by two honest workers outside the dispute, who
-        # agree (a refusal needs a quorum of two settlers: with fewer the coordinator settles)
-        assert counters.get("settled_by_workers", 0) >= 1, counters
+    # Under --settle-on workers a refusal needs two settlers outside the dispute that agree;
+    # whether two are free when a dispute comes is timing (else the coordinator settles it), so
+    # which side settled is not asserted here: the quorum itself is tested in
+    # tests/unit/test_kin.py and test_settle_on_workers.py, deterministically.
     for w in honest:
         assert w.wait(timeout=30) == 0
         assert "banned" not in w.output()
