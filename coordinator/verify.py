@@ -209,14 +209,20 @@ class Settlement:
 
     def _compute_elsewhere(self, request, now: float) -> list:
         """Hand the computation to a worker outside the dispute; here if there is none."""
+        return self._hand_to_worker(request, self._parties(), now, "settled_here_no_third",
+                                    "settlements_on_workers")
+
+    def _hand_to_worker(self, request, parties: frozenset, now: float, none_counter: str,
+                        handed_counter: str) -> list:
+        """Deal `request` to a worker of none of `parties`' kin; computed here (returned) if
+        there is none. The counters say which it was."""
         core = self.core
-        parties = self._parties()
         self.side_slot = core.third_worker(request.work, parties, now)
         if self.side_slot is None:
-            core.counters["settled_here_no_third"] += 1
+            core.counters[none_counter] += 1
             return [request]
         self._excluded = parties
-        core.counters["settlements_on_workers"] += 1
+        core.counters[handed_counter] += 1
         return []
 
     def check(self, now: float) -> list:
@@ -297,15 +303,11 @@ class Settlement:
         request = core.compute_request(self.busy[1])
         if request is None:
             return self.computed(None, "its round has closed", now)
-        parties = self._excluded | first_kin
-        self.side_slot = core.third_worker(request.work, parties, now)
-        if self.side_slot is None:
+        out = self._hand_to_worker(request, self._excluded | first_kin, now,
+                                   "settled_here_no_quorum", "settlement_second_opinions")
+        if out:  # no second settler: computed here, and the first settler's verdict is moot
             self._first = None
-            core.counters["settled_here_no_quorum"] += 1
-            return [request]
-        self._excluded = parties
-        core.counters["settlement_second_opinions"] += 1
-        return []
+        return out
 
     def _compute_here(self, now: float) -> list:
         assert self.busy is not None  # a settlement is in flight
