@@ -144,9 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "computes it too, and a copy that does not match is an offence (catches "
                         "wrong results of honest size, like flipped signs; a row then waits for "
                         "two copies instead of the first)")
-    c.add_argument("--sync", action="store_true",
-                   help="synchronous SGD, the baseline: one round at a time, code none, one "
-                        "partition per ready worker, wait for all")
+    modes = c.add_mutually_exclusive_group()
+    modes.add_argument("--sync", dest="mode", action="store_const", const="sync",
+                       help="synchronous rounds: one at a time, code none, one part per ready "
+                            "worker sized to its speed (DDP's updates)")
+    modes.add_argument("--async", dest="mode", action="store_const", const="async",
+                       help="asynchronous rounds: as many open as the workers ask for, each "
+                            "gradient weighted by its staleness")
+    c.set_defaults(mode="auto")
     c.add_argument("--max-batch", type=_positive(int), metavar="N",
                    help="cap on a round's batch; surplus workers buy redundancy and more open "
                         "rounds (default: the job's batch size)")
@@ -394,7 +399,7 @@ def _run_coordinator(args) -> int:
         delay_compensation=args.delay_compensation, eval_every=args.eval_every,
         eval_on=args.eval_on, settle_on=args.settle_on, min_deadline_s=args.task_timeout,
         threads=args.threads, pause_grace_s=args.pause_grace,
-        redundancy=str(parse_redundancy(args.redundancy)), sync=args.sync,
+        redundancy=str(parse_redundancy(args.redundancy)), mode=args.mode,
         max_batch=args.max_batch, speculate=args.speculate, secret_key=args.secret_key,
         allow_keys=args.allow_keys, monitor_keys=args.monitor_keys,
         operator_keys=args.operator_keys, enrolled=args.enrolled, insecure=args.insecure,

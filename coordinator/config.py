@@ -19,6 +19,8 @@ from .staleness import (NO_COMPENSATION, DelayCompensation, StalenessRule,
                         parse_delay_compensation)
 from .gate import KeyLists
 from .local import OuterConfig, TaskMode
+from .mode import Mode
+from .mode import resolve as resolve_mode
 from .scheduler import SchedulerConfig
 from .target import Target
 from .trust import TrustConfig, check_verify_replicas
@@ -56,9 +58,11 @@ class CoordinatorConfig:
     threads: Optional[int] = None
     pause_grace_s: float = 5.0  # a worker paused by its owner keeps its slots this long
     redundancy: str = "none"  # none | replicate:R | cyclic:S | adaptive (coding.parse_redundancy)
-    sync: bool = False  # synchronous SGD: one round, code none, a partition per ready worker
+    # auto | sync | async (mode.py): synchronous rounds, one sized part per ready worker, unless
+    # the other settings ask for asynchronous ones
+    mode: str = "auto"
     max_batch: Optional[int] = None  # cap on a round's batch
-    speculate: bool = True  # duplicate late slots to free workers (never with sync)
+    speculate: bool = True  # duplicate late slots to free workers
     secret_key: Optional[str] = None  # CURVE: this coordinator's NAME.key_secret file
     allow_keys: Optional[str] = None  # CURVE: directory of the workers' NAME.key files
     monitor_keys: Optional[str] = None  # CURVE: keys that may read the status
@@ -101,6 +105,7 @@ class Checked:
     keypair: Optional[tuple[bytes, bytes]]  # CURVE: (public, secret); None without keys
     keys: Optional[KeyLists]  # CURVE: who holds which role; None without keys
     compensation: DelayCompensation = NO_COMPENSATION  # --delay-compensation, parsed
+    mode: Mode = Mode(False, "--async")  # synchronous or asynchronous rounds, and why
 
     @property
     def allowed(self) -> Optional[frozenset[bytes]]:
@@ -124,10 +129,13 @@ def check(config: CoordinatorConfig) -> Checked:
         raise ConfigError("--delay-compensation corrects gradients: local tasks send parameter "
                           "changes (use it with --task gradient)")
     coding.check_result_dtype(redundancy, config.result_dtype)
-    local.check_redundancy(task_mode, redundancy, config.sync)
+    mode = resolve_mode(config.mode, local_tasks=task_mode.local, redundancy=str(redundancy),
+                        verify_replicas=config.verify_replicas, partitions=config.partitions,
+                        open_rounds=config.open_rounds, compensation=compensation.on)
+    local.check_redundancy(task_mode, redundancy, mode.sync)
     # the scheduler's own rules between its options, before the job is built (the real
     # SchedulerConfig needs the job's batch size)
-    SchedulerConfig(batch_size=1, redundancy=redundancy, sync=config.sync,
+    SchedulerConfig(batch_size=1, redundancy=redundancy, sync=mode.sync,
                     verify_replicas=config.verify_replicas)
     if config.verify_replicas:
         check_verify_replicas(config.result_dtype)
@@ -142,7 +150,7 @@ def check(config: CoordinatorConfig) -> Checked:
                           f"{str(config.settle_on)[:40]!r}")
     _check_paths(config)
     _check_data(config)
-    return Checked(task_mode, redundancy, keypair, keys, compensation)
+    return Checked(task_mode, redundancy, keypair, keys, compensation, mode)
 
 
 def _check_paths(config: CoordinatorConfig) -> None:

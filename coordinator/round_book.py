@@ -15,7 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Optional
@@ -35,6 +35,7 @@ from .speed import SpeedModel, WorkerSpeed
 from .verified_rows import VerifiedRows
 
 _RECHECK_FLEET = 256  # fleets up to this size look at a newcomer's slots every tick
+_SPREADS_KEPT = 50  # rounds whose slot finish spread the median is taken over
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Round:
     copies: dict[tuple, list[int]] = field(default_factory=dict)  # row -> leases computing it
     verified: Optional[VerifiedRows] = None  # verify_replicas: its held copies, by row
     block: Optional[tuple[int, int]] = None  # locality: (epoch, block) its samples lie in
+    finished: list[float] = field(default_factory=list)  # when each arrived row came in
 
     @property
     def samples(self) -> int:
@@ -77,6 +79,9 @@ class RoundBook:
         self._choice: tuple[Redundancy, int] = (Redundancy(), -1)  # adaptive: choice, at obs #
         self._choice_key: tuple[int, int] = (0, 0)
         self._seq = itertools.count()
+        # (p90 - p10 of a round's slot finish times) / the round's time, of recent rounds: do a
+        # round's slots finish together (sized parts), or does it wait for one?
+        self.spreads: deque[float] = deque(maxlen=_SPREADS_KEPT)
         self._late_due: list[tuple[float, int, str]] = []  # (when a slot may be late, seq, worker)
 
     def round_of(self, lease: Lease) -> Optional[Round]:
@@ -231,6 +236,7 @@ class RoundBook:
         actions: list[Action] = list(self.cancel_holders(lease))
         round_ = self.rounds[lease.round]
         round_.arrived.add(lease.index)
+        round_.finished.append(now)
         round_.covered.update(j for j, _ in lease.row)
         for other_id in round_.copies[lease.row]:  # replicas, speculation: not needed
             other = self.leases.leases[other_id]
@@ -288,6 +294,8 @@ class RoundBook:
     def close(self, round_: Round, weights: dict[int, float],
               now: Optional[float] = None) -> list[Action]:
         actions: list[Action] = []
+        if now is not None:
+            self._measure_spread(round_, now)
         used = {round_.slots[row]: w for row, w in weights.items()}
         slot_samples, rows = {}, {}
         for slot_id in round_.slots:
@@ -307,6 +315,21 @@ class RoundBook:
             round=round_.id, version=round_.version, parts=round_.parts, samples=round_.samples,
             weights=used, slots=list(round_.slots), slot_samples=slot_samples, rows=rows))
         return actions
+
+    def _measure_spread(self, round_: Round, now: float) -> None:
+        """How close together the round's slots finished, over its time from the first hand-out
+        to its decode; rounds of one slot say nothing."""
+        starts = [t for slot_id in round_.slots
+                  for t in self.leases.leases[slot_id].started.values()]
+        if len(round_.finished) < 2 or not starts or not now > min(starts):
+            return
+        p10, p90 = np.percentile(round_.finished, [10, 90])
+        self.spreads.append(float(p90 - p10) / (now - min(starts)))
+
+    @property
+    def slot_spread(self) -> Optional[float]:
+        """The median of the recent rounds' spreads (`_measure_spread`), None before any."""
+        return float(np.median(self.spreads)) if self.spreads else None
 
     # speculation ------------------------------------------------------------------------------
 

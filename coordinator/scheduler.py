@@ -116,9 +116,9 @@ class SchedulerConfig:
 
     @property
     def speculating(self) -> bool:
-        """Whether late slots are duplicated: never in sync rounds, which wait for every worker
-        by design."""
-        return self.speculate and not self.sync
+        """Whether late slots are duplicated to free workers; in sync rounds too, where the
+        workers that finished their parts are free while the round waits for a late one."""
+        return self.speculate
 
 
 
@@ -198,6 +198,10 @@ class Scheduler:
     @property
     def last_costs(self) -> dict[str, float]:
         return self.book.last_costs
+
+    @property
+    def slot_spread(self) -> Optional[float]:
+        return self.book.slot_spread
 
     # queries --------------------------------------------------------------------------------
 

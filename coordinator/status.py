@@ -169,13 +169,15 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
     redundancy = {
         "code": scheduler.last_code,
         "predicted_s_per_sample": {k: round(v, 9) for k, v in scheduler.last_costs.items()},
-        "policy": "sync" if config.sync else str(scheduler.config.redundancy),
+        "policy": "sync" if training.mode.sync else str(scheduler.config.redundancy),
+        "mode": training.mode.name, "mode_reason": training.mode.reason,
         "partitions": config.partitions, "max_batch": config.max_batch,
         "speculate": scheduler.config.speculating,
         "slots_speculated": stats["slots_speculated"],
         "slots_redundant": stats["slots_redundant"],
         # --sync rounds cut to their workers' speeds (round_book.py `slot_shares`)
         "rounds_sized": stats["rounds_sized"],
+        "slot_spread": _rounded(scheduler.slot_spread),
         "rounds_by_code": {k: stats["rounds_" + k] for k in ("none", "replicate", "cyclic")
                            if stats["rounds_" + k]},
         "open_rounds_limit": config.open_rounds,
@@ -196,3 +198,7 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
 
 
 _HOST = socket.gethostname()
+
+
+def _rounded(value: Optional[float], digits: int = 4) -> Optional[float]:
+    return None if value is None else round(value, digits)

@@ -70,6 +70,7 @@ class Training:
     def __init__(self, config: CoordinatorConfig, checked: Checked, copy_threshold_bytes: int = 0):
         self.config = config
         self.task_mode = checked.task_mode
+        self.mode = checked.mode  # synchronous or asynchronous rounds, and why (mode.py)
         if config.threads:
             torch.set_num_threads(config.threads)
         # The data a job declares by manifest: the pack served here (--data DIR), whose
@@ -148,7 +149,7 @@ class Training:
                             open_rounds=config.open_rounds, heartbeat_s=config.heartbeat_s,
                             liveness=config.liveness, min_deadline_s=config.min_deadline_s,
                             pause_grace_s=config.pause_grace_s, redundancy=checked.redundancy,
-                            sync=config.sync, max_batch=config.max_batch,
+                            sync=checked.mode.sync, max_batch=config.max_batch,
                             speculate=config.speculate, verify_replicas=config.verify_replicas,
                             min_workers=config.min_workers),
             self.sampler, version=version, next_id=next_id, task_mode=self.task_mode,
@@ -401,6 +402,7 @@ class Training:
             "samples_per_s": round(core.samples_per_s(now), 2),
             "bytes_per_sample": self.bytes_per_sample(), "task": str(self.task_mode),
             "noise": core.noise.summary(),
+            "mode": self.mode.name, "slot_spread": self.scheduler.slot_spread,
             **({"data": self.data.summary()} if self.data.service is not None else {}),
             **({"snapshots": self.data.snapshots_summary()}
                if self.data.snapshots is not None else {}),

@@ -341,7 +341,8 @@ def rounds_lines(snap: Optional[dict]) -> list[str]:
     r, red = snap.get("rounds") or {}, snap.get("redundancy") or {}
     limit = red.get("open_rounds_limit")
     lines = [
-        f"code {number(red.get('code', '?'))}  partitions {number(red.get('partitions', '?'))}",
+        f"{shown(red.get('mode', '?'))}  code {number(red.get('code', '?'))}  "
+        f"partitions {number(red.get('partitions', '?'))}",
         f"open rounds {number(r.get('open', 0))} (limit {number(limit or 'none')})",
         f"pending slots {number(r.get('pending_slots', 0))}",
         f"decoded {number(r.get('decoded', 0))} / opened {number(r.get('opened', 0))}",
@@ -431,6 +432,19 @@ def noise_line(snap: dict) -> str:
     return f"{text}, over {number(rounds)} rounds"
 
 
+def mode_line(snap: dict) -> str:
+    """Which rounds run and why (coordinator/mode.py), and how close together a round's slots
+    finish (the spread of their finish times over the round's time; untrusted: checked)."""
+    red = snap.get("redundancy")
+    if not isinstance(red, dict) or not isinstance(red.get("mode"), str):
+        return "-"
+    text = f"{shown(red['mode'])} ({shown(red.get('mode_reason', ''), 160)})"
+    spread = red.get("slot_spread")
+    if _finite(spread):
+        text += f"; slots finish within {number(100 * spread, 0)}% of a round"
+    return text
+
+
 def summary_rows(snap: dict) -> list[tuple[str, str]]:
     """Key/value lines for `idlegrad status`."""
     metrics = snap.get("metrics") or {}
@@ -448,6 +462,7 @@ def summary_rows(snap: dict) -> list[tuple[str, str]]:
         ("elapsed", duration(snap.get("elapsed_s"))),
         ("workers", workers_count(snap)),
         ("noise scale", noise_line(snap)),
+        ("rounds", mode_line(snap)),
     ]
     trust = snap.get("trust")
     if isinstance(trust, dict) and (trust.get("refused") or trust.get("banned")):

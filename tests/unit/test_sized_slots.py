@@ -151,3 +151,42 @@ def test_credits_of_a_sized_round_follow_each_workers_samples():
     earned = {c.identity: c.samples for c in last.credits}
     assert earned["a"] + earned["b"] == last.samples == 120
     assert earned["a"] == pytest.approx(90, abs=2) and earned["b"] == pytest.approx(30, abs=2)
+
+
+def test_a_sync_round_reports_how_close_together_its_slots_finish():
+    fleet = SyncFleet(["b", "a"])
+    fleet.round()
+    fleet.round()  # equal parts: a done at 0.6 s, b at 1.8 s of a 1.8 s round
+    equal = fleet.s.slot_spread
+    assert equal == pytest.approx((0.9 * 1.8 + 0.1 * 0.6 - (0.1 * 1.8 + 0.9 * 0.6)) / 1.8)
+    for _ in range(20):
+        fleet.round()
+    assert fleet.s.scheduler.book.spreads[-1] < 0.05  # sized parts finish together
+    assert fleet.s.slot_spread < equal
+
+
+def test_a_sync_part_late_on_a_slowed_worker_is_speculated_to_one_that_finished():
+    fleet = SyncFleet(["b", "a"], speculate=True)
+    for _ in range(8):
+        fleet.round()
+    handed = fleet.now  # the last round's decode handed out this round's slots
+    stopped = fleet.held.pop("b")  # b's owner took its cores: alive, its part far behind
+    task = fleet.held.pop("a")
+    fleet.now += SPEED["a"] * task.work.samples
+    _, actions = fleet.s.result("a", task.slot, SPEED["a"] * task.work.samples, fleet.now)
+    assert not [a for a in actions if isinstance(a, Decoded)]  # the round waits for b's part
+    copy = None
+    for _ in range(40):  # ticks, as the server's, a tenth of a second apart
+        fleet.now += 0.1
+        fleet.s.seen("b", fleet.now)  # heartbeats: not removed, only late
+        for given in assigns(fleet.s.tick(fleet.now)):
+            copy = given
+        if copy is not None:
+            break
+    assert copy is not None and copy.worker == "a"
+    assert copy.work.parts == stopped.work.parts  # b's part, computed on a
+    assert fleet.now - handed < stopped.deadline_s  # long before b's deadline would requeue it
+    _, actions = fleet.s.result("a", copy.slot, 1.0, fleet.now + 1.0)
+    decoded = [a for a in actions if isinstance(a, Decoded)]
+    assert decoded and decoded[0].samples == 120
+    assert fleet.s.stats["slots_speculated"] == 1
