@@ -54,7 +54,7 @@ def coordinator_args(candidate: str, args, address: str, ckpt: Path) -> list[str
            "--target", f"accuracy={args.target}", "--epochs", "1000", "--seed", str(args.seed),
            "--eval-every", str(args.eval_every), "--eval-on", "coordinator",
            "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3600", "--threads", "1",
-           "--heartbeat", "0.5", "--log-level", "warning", "--partitions", "1",
+           "--heartbeat", "0.5", "--log-level", "warning", "--async", "--partitions", "1",
            "--open-rounds", "0", "--max-staleness", str(args.max_staleness)]
     for job_arg in JOB_ARGS[args.job]:
         out += ["--job-arg", job_arg]

@@ -150,7 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "worker sized to its speed (DDP's updates)")
     modes.add_argument("--async", dest="mode", action="store_const", const="async",
                        help="asynchronous rounds: as many open as the workers ask for, each "
-                            "gradient weighted by its staleness")
+                            "gradient weighted by its staleness (with neither flag: synchronous "
+                            "unless --task local, --redundancy, --verify-replicas, --partitions "
+                            "above 1, --open-rounds or --delay-compensation ask for asynchronous "
+                            "rounds; the status says which and why)")
     c.set_defaults(mode="auto")
     c.add_argument("--max-batch", type=_positive(int), metavar="N",
                    help="cap on a round's batch; surplus workers buy redundancy and more open "

@@ -340,9 +340,10 @@ def rounds_lines(snap: Optional[dict]) -> list[str]:
         return []
     r, red = snap.get("rounds") or {}, snap.get("redundancy") or {}
     limit = red.get("open_rounds_limit")
+    mode = red.get("mode")
     lines = [
-        f"{shown(red.get('mode', '?'))}  code {number(red.get('code', '?'))}  "
-        f"partitions {number(red.get('partitions', '?'))}",
+        (f"{shown(mode)} rounds  " if isinstance(mode, str) else "")
+        + f"code {number(red.get('code', '?'))}  partitions {number(red.get('partitions', '?'))}",
         f"open rounds {number(r.get('open', 0))} (limit {number(limit or 'none')})",
         f"pending slots {number(r.get('pending_slots', 0))}",
         f"decoded {number(r.get('decoded', 0))} / opened {number(r.get('opened', 0))}",

@@ -23,6 +23,7 @@ from idlegrad.coordinator.target import Target
     (["coordinator", "--job", "digits", "--seed", "-3"], "-3"),
     (["coordinator", "--job", "digits", "--staleness", "linear"], "invalid choice"),
     (["coordinator", "--job", "digits", "--no-such-flag"], "unrecognized"),
+    (["coordinator", "--job", "digits", "--sync", "--async"], "not allowed with argument --sync"),
     (["worker", "--credits", "0"], "positive"),
     (["demo", "--workers", "-2"], "-2"),
     (["coordinator", "--job", "digits", "--heartbeat", "inf"], "finite"),

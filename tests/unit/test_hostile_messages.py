@@ -70,8 +70,10 @@ def to(pair: Pair, route: bytes, kind: type) -> list:
 
 
 def test_hostile_input_is_counted_and_dropped_while_training_goes_on():
+    # asynchronous rounds: the fake worker is handed a task as soon as it is ready, not at the
+    # next round's opening
     pair = Pair(CoordinatorConfig(job="digits", epochs=EPOCHS, heartbeat_s=0.5,
-                                  eval_every=3600))
+                                  eval_every=3600, mode="async"))
     workers = [pair.worker("w1"), pair.worker("w2")]
     total = EPOCHS * len(pair.coordinator.training.built.train)
     numel = pair.coordinator.training.model.model.numel

@@ -167,8 +167,24 @@ def test_rounds_lines():
     lines = view.rounds_lines(snapshot(bad_messages={"schema": 2}, counters={}))
     assert "code none  partitions 1" in lines
     assert "open rounds 3 (limit none)" in lines
+    red = {"code": "none", "partitions": 1, "mode": "sync\x1b[2J", "mode_reason": "--sync",
+           "slot_spread": 0.123}
+    assert view.rounds_lines(snapshot(redundancy=red))[0].startswith("sync")
+    assert "\x1b" not in view.rounds_lines(snapshot(redundancy=red))[0]
     assert any("bad messages 2" in line for line in lines)
     assert view.rounds_lines(None) == []
+
+
+def test_the_status_says_which_rounds_run_why_and_how_close_their_slots_finish():
+    red = {"mode": "sync", "mode_reason": "auto: synchronous rounds sized to each worker's speed",
+           "slot_spread": 0.0714}
+    line = dict(view.summary_rows(snapshot(redundancy=red)))["rounds"]
+    assert line == ("sync (auto: synchronous rounds sized to each worker's speed); slots finish "
+                    "within 7% of a round")
+    assert view.mode_line(snapshot(redundancy=dict(red, slot_spread=float("nan")))) == \
+        "sync (auto: synchronous rounds sized to each worker's speed)"
+    assert view.mode_line(snapshot(redundancy={"mode": 3})) == "-"
+    assert view.mode_line(snapshot(redundancy="x")) == "-"
 
 
 def test_event_log_takes_new_events_once_and_marks_restarts():

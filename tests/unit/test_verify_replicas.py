@@ -208,7 +208,8 @@ def test_verify_replicas_is_refused_in_one_line_where_it_cannot_work():
                                           ("replicate:2", True, "float32", "--sync"),
                                           ("replicate:3", False, "bfloat16", "float32")]:
         with pytest.raises(ConfigError) as info:
-            check(CoordinatorConfig(job="digits", redundancy=redundancy, sync=sync,
+            check(CoordinatorConfig(job="digits", redundancy=redundancy,
+                                    mode="sync" if sync else "auto",
                                     result_dtype=dtype, verify_replicas=True))
         assert says in str(info.value) and "\n" not in str(info.value)
 
