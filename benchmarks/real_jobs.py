@@ -11,6 +11,8 @@ spin while the cores are taken); each DDP rank and each idlegrad worker gets cor
 gets 1. idlegrad runs with `--sync --partitions N` by default (`--idlegrad-flags` to change):
 the mode an operator picks for equal machines on one site, and the one whose updates match
 DDP's (asynchronous rounds on Adam take more samples to the same loss; see docs/scaling.md).
+`--systems idlegrad,default` runs it against idlegrad with no mode flags at all (`default`: the
+auto mode a user who sets nothing gets), `default_vs_idlegrad` the ratio of their medians.
 
 Per job and system: seconds of training to the target (the coordinator's elapsed at the first
 evaluation that reached it; DDP's and one process's from their first step), the target metric
@@ -52,7 +54,9 @@ JOBS = {
     "resnet": {"args": ["width=32", "batch_size=128"], "target": "accuracy=0.99",
                "eval_every": 0.5},
 }
-SYSTEMS = ("idlegrad", "ddp", "single")
+# idlegrad: with --idlegrad-flags; default: with no mode flags at all (what a user who sets none
+# gets: coordinator/mode.py), for `--systems idlegrad,default`
+SYSTEMS = ("idlegrad", "default", "ddp", "single")
 
 
 def wait_all(procs, timeout: float) -> None:
@@ -61,7 +65,8 @@ def wait_all(procs, timeout: float) -> None:
         proc.wait(timeout=max(0.01, end - time.monotonic()))
 
 
-def measure_idlegrad(job: str, spec: dict, args, directory: Path, seed: int) -> dict:
+def measure_idlegrad(job: str, spec: dict, args, directory: Path, seed: int,
+                     flags: str) -> dict:
     from idlegrad.cli.processes import free_port, wait_for_hellos
     from idlegrad.coordinator.target import Target
 
@@ -85,7 +90,7 @@ def measure_idlegrad(job: str, spec: dict, args, directory: Path, seed: int) -> 
             "--epochs", "50", "--checkpoint-dir", directory / "ckpt", "--threads", "1",
             "--seed", seed,
             "--eval-every", spec["eval_every"], "--log-level", "warning",
-            *args.idlegrad_flags.replace("N", str(args.workers)).split()])
+            *flags.replace("N", str(args.workers)).split()])
         deadline = time.perf_counter() + args.budget + 120
         while coordinator.poll() is None:
             if time.perf_counter() > deadline:
@@ -146,7 +151,8 @@ def plot(path: str, rows: dict, jobs: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4), squeeze=False)
-    colours = {"idlegrad": "tab:blue", "ddp": "tab:orange", "single": "tab:green"}
+    colours = {"idlegrad": "tab:blue", "default": "tab:purple", "ddp": "tab:orange",
+               "single": "tab:green"}
     for ax, (job, by_system) in zip(axes[0], rows.items()):
         for system, runs in by_system.items():
             for i, r in enumerate(runs):
@@ -175,6 +181,9 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=300.0, help="seconds of training at most")
     p.add_argument("--idlegrad-flags", default="--sync --partitions N",
                    help="coordinator flags (N: the number of workers)")
+    p.add_argument("--systems", default="idlegrad,ddp,single",
+                   help="comma-separated, of " + ", ".join(SYSTEMS) + " (default: idlegrad with "
+                        "no mode flags, against --idlegrad-flags)")
     p.add_argument("--dir", default=None, help="keep logs here (default: a temp dir)")
     p.add_argument("--plot", default=None, help="write the curves to this PNG")
     p.add_argument("--json", action="store_true")
@@ -185,6 +194,9 @@ def main() -> int:
     unknown = [j for j in jobs if j not in JOBS]
     if unknown:
         p.error(f"unknown job(s) {unknown}: choose among {', '.join(JOBS)}")
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not systems or [s for s in systems if s not in SYSTEMS]:
+        p.error(f"--systems {args.systems!r}: choose among {', '.join(SYSTEMS)}")
     specs = {job: dict(spec) for job, spec in JOBS.items()}
     for override in args.target:
         job, _, target = override.partition(":")
@@ -200,7 +212,7 @@ def main() -> int:
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="idlegrad-real-jobs-"))
     print(f"logs under {base}; workers {args.workers}, threads {args.threads}, budget "
           f"{args.budget:g} s, idlegrad {args.idlegrad_flags!r}", flush=True)
-    rows = {job: {s: [] for s in SYSTEMS} for job in jobs}
+    rows = {job: {s: [] for s in systems} for job in jobs}
     summary = {}
     with stopped_on_interrupt():
         for job in jobs:
@@ -213,13 +225,16 @@ def main() -> int:
                 # so that the medians span as many trajectories for each system; near the
                 # plateau, time to a target varies with the trajectory more than with the system
                 if system == "idlegrad":
-                    return measure_idlegrad(job, spec, args, directory, seed=i)
+                    return measure_idlegrad(job, spec, args, directory, seed=i,
+                                            flags=args.idlegrad_flags)
+                if system == "default":
+                    return measure_idlegrad(job, spec, args, directory, seed=i, flags="")
                 world = args.workers if system == "ddp" else 1
                 return measure_torch(job, spec, args, directory, world, seed=i)
 
             print(f"== {job} ({' '.join(spec['args'])}), target {spec['target']}", flush=True)
-            for i, got in paired_runs(list(SYSTEMS), args.runs, measure):
-                for system in SYSTEMS:
+            for i, got in paired_runs(systems, args.runs, measure):
+                for system in systems:
                     r = got[system]
                     rows[job][system].append(r)
                     stop = (f" (stopped {r['stopped_s']:.1f} s)"
@@ -228,20 +243,24 @@ def main() -> int:
                           f"{r['wall_s']:7.1f} s  reached {str(r['reached']):<5}  metric "
                           f"{r['metric']}  steps {r['steps']}  bytes/sample "
                           f"{r['bytes_per_sample'] and round(r['bytes_per_sample'])}", flush=True)
-            times = {s: [r["train_s"] for r in rows[job][s] if r["reached"]] for s in SYSTEMS}
-            medians = {s: (med(t) if t else None) for s, t in times.items()}
-            ratio = (medians["idlegrad"] / medians["ddp"]
-                     if medians["idlegrad"] and medians["ddp"] else None)
-            stops = [r["stopped_s"] for r in rows[job]["idlegrad"] if r["reached"]]
+            times = {s: [r["train_s"] for r in rows[job][s] if r["reached"]] for s in systems}
+            medians = {s: (med(times[s]) if times.get(s) else None) for s in SYSTEMS}
+
+            def ratio(a: str, b: str):
+                return medians[a] / medians[b] if medians[a] and medians[b] else None
+
+            stops = [r["stopped_s"] for r in rows[job].get("idlegrad", []) if r["reached"]]
             summary[job] = {"idlegrad_s": medians["idlegrad"], "ddp_s": medians["ddp"],
-                            "single_s": medians["single"], "ratio_vs_ddp": ratio,
+                            "single_s": medians["single"], "ratio_vs_ddp": ratio("idlegrad", "ddp"),
+                            "default_s": medians["default"],
+                            "default_vs_idlegrad": ratio("default", "idlegrad"),
                             "idlegrad_stopped_s": med(stops) if stops else None,
                             "reached": {s: len(t) for s, t in times.items()},
                             "metric_at_end": {s: med([r["metric"] for r in rows[job][s]
                                                       if r["metric"] is not None] or [None])
-                                              for s in SYSTEMS},
+                                              for s in systems},
                             "bytes_per_sample": {s: med([r["bytes_per_sample"] or 0
-                                                         for r in rows[job][s]]) for s in SYSTEMS}}
+                                                         for r in rows[job][s]]) for s in systems}}
             print(f"  medians: {json.dumps(summary[job])}", flush=True)
     if args.plot:
         plot(args.plot, rows, specs)

@@ -412,7 +412,8 @@ class Training:
     def final_record(self, now: float, reason: Optional[str]) -> dict:
         """The metrics log's last line: the run's tallies, for after the status endpoint is gone."""
         return dict(self.metrics_record(now), final=True, reason=reason,
-                    counters=dict(self.core.counters), scheduler=dict(self.scheduler.stats))
+                    counters=dict(self.core.counters), scheduler=dict(self.scheduler.stats),
+                    trust=self.core.trust_summary())
 
     def refusal(self, worker_id: str, fingerprint: str,
                 job_identity=None) -> Optional[proto.Reject]:

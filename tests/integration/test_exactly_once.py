@@ -24,8 +24,11 @@ def test_frozen_coordinator_workers_resume_their_sessions_and_resend(cluster, di
     ckpt = cluster.dir / "ckpt"
     # Heartbeats of 0.5 s and liveness 3: workers give up after 1.5 s of silence. The coordinator
     # evicts on its own clock, which does not run while it is stopped.
+    # Asynchronous rounds: a worker keeps computing its two credits' slots, so results queue up
+    # behind a frozen connection (in a sync round each worker has sent its one part and waits).
     coordinator, workers = cluster.start_together(
-        [*SLOW_DIGITS, "--epochs", str(epochs), "--checkpoint-dir", str(ckpt)], ["w1", "w2"])
+        [*SLOW_DIGITS, "--epochs", str(epochs), "--checkpoint-dir", str(ckpt), "--async"],
+        ["w1", "w2"])
     status = cluster.status()
     status.wait_for(lambda s: all(w["done"] >= 3 for w in s["workers"]) and len(s["workers"]) == 2,
                     "both workers computing", alive=[coordinator, *workers])

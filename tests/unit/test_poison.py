@@ -48,6 +48,7 @@ def test_a_worker_sending_scaled_gradients_is_refused_and_banned(tmp_path):
     assert pair.events("banned", "evil")
     final = pair.final()
     assert final["reason"] == "epochs"
+    assert final["trust"]["banned"] == ["evil"]  # in the log, for after the status is gone
     assert final["samples"] == EPOCHS * len(pair.coordinator.training.built.train)
     print(f"accuracy: clean {clean:.4f}, with a poisoned worker {final['metrics']['accuracy']:.4f}")
     assert final["metrics"]["accuracy"] >= clean - ACCURACY_SLACK, (clean, final["metrics"])
