@@ -67,7 +67,7 @@ JOB_DDP = os.path.join(HERE, "job_ddp.py")
 # rather than vanishing in per-task overheads); lm: real_jobs.py's. churn: (kill at, restart
 # after, stop at, stopped for, late join at), seconds of training.
 JOBS = {
-    "digits": {"args": ["hidden=512", "lr=0.003", "batch_size=512"], "target": "accuracy=0.95",
+    "digits": {"args": ["hidden=4096", "lr=0.0005", "batch_size=1024"], "target": "accuracy=0.95",
                "eval_every": 0.25, "budget": 120.0, "churn": (1.0, 1.5, 2.0, 2.0, 3.0)},
     "lm": {**REAL_JOBS["lm"], "budget": 400.0, "churn": (10.0, 10.0, 20.0, 15.0, 30.0)},
 }
