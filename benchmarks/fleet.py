@@ -13,6 +13,10 @@ compute; each DDP rank by the same factor, benchmarks/job_ddp.py `--slowdown`):
   fails and the job restarts from a checkpoint), so DDP runs this fleet without the churn: its
   best case.
 
+`--fleets equal` (four workers, no slowdown; not in the default list) is the control: the slot
+spread of sized rounds where there is nothing to size, the floor this machine's shared cores
+and per-slot overheads put under the others.
+
 Jobs: `digits` (built-in; the demo's recipe with a batch whose compute outweighs a task's
 overheads, to test accuracy 0.95) and `lm` (benchmarks/real_jobs.py's lm: its recipe and its
 target, bits per byte 2.5); `--jobs digits` runs one.
@@ -80,7 +84,7 @@ def fleets(sigma: float, seed: int) -> dict[str, list[float]]:
     rng = random.Random(seed)
     lognormal = [round(max(1.0, rng.lognormvariate(0.0, sigma)), 2) for _ in range(6)]
     return {"spread": [1, 2, 4, 8], "one_fast": [1, 8, 8, 8], "lognormal": lognormal,
-            "churn": [1, 2, 4, 8]}
+            "churn": [1, 2, 4, 8], "equal": [1, 1, 1, 1]}
 
 
 def worker_args(name: str, slowdown: float, address: str, threads: int) -> list:
