@@ -17,8 +17,8 @@ compute; each DDP rank by the same factor, benchmarks/job_ddp.py `--slowdown`):
 spread of sized rounds where there is nothing to size, the floor this machine's shared cores
 and per-slot overheads put under the others.
 
-Jobs: `digits` (built-in; the demo's recipe with a batch whose compute outweighs a task's
-overheads, to test accuracy 0.95) and `lm` (benchmarks/real_jobs.py's lm: its recipe and its
+Jobs: `digits` (built-in; a 4,096-wide hidden layer, batch 1,024, Adam at 5e-4, so that a
+worker's slot is mostly compute rather than per-task overheads; to test accuracy 0.95) and `lm` (benchmarks/real_jobs.py's lm: its recipe and its
 target, bits per byte 2.5); `--jobs digits` runs one.
 
 Every candidate trains the same job from the same initial model (run i: seed i for all) with the
@@ -66,7 +66,7 @@ from real_jobs import JOBS as REAL_JOBS  # noqa: E402
 
 JOB_DDP = os.path.join(HERE, "job_ddp.py")
 
-# digits: the demo's MLP and Adam (benchmarks/demo_vs_ddp.py) with a batch of 512 and a wider
+# digits: the demo's MLP and Adam (benchmarks/demo_vs_ddp.py) with a batch of 1,024 and a wider
 # hidden layer, so that a worker's task is tens of ms of compute (a slowdown then costs time
 # rather than vanishing in per-task overheads); lm: real_jobs.py's. churn: (kill at, restart
 # after, stop at, stopped for, late join at), seconds of training.
