@@ -11,6 +11,10 @@ initialised from `--seed`), and trained with the same data plan and recipe:
 - the job's optimizer (named parameter groups included), its learning-rate schedule stepped once
   per step, its gradient clipping on the averaged gradient;
 - BatchNorm statistics: DDP's own rule (rank 0's buffers broadcast before each forward).
+`--slowdown X` makes this rank X times as slow as its compute, as the worker's `--slowdown`
+does: before each backward (the gradient all-reduce waits in it) it sleeps (X - 1) times the
+step's compute, estimated as its forward time times the (forward + backward) / forward ratio
+timed on the plain module before training (benchmarks/fleet.py's heterogeneous fleets).
 Rank 0 evaluates (the job's evaluation) every `--eval-every` seconds of training and at the end;
 all ranks stop at the first evaluation that reaches `--target`, at `--budget` seconds of
 training, or after `--epochs`. Rank 0 writes one JSON object to `--out`: steps, samples,
@@ -57,6 +61,22 @@ def fastest_threads(job, module, train, order, batch: int) -> int:
     return best
 
 
+def compute_ratio(job, module, data) -> float:
+    """(forward + backward) / forward seconds of one step on the plain module (no all-reduce in
+    its backward), the median of a few; the gradients are cleared after."""
+    import statistics
+
+    ratios = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        loss = job.loss(module, data)
+        t1 = time.perf_counter()
+        loss.backward()
+        ratios.append((time.perf_counter() - t0) / max(1e-6, t1 - t0))
+    module.zero_grad(set_to_none=True)
+    return statistics.median(ratios)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--job", required=True)
@@ -71,6 +91,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shuffle-window", type=int, default=2)
+    p.add_argument("--slowdown", type=float, default=1.0,
+                   help="this rank's steps take X times its compute (fault injection)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -95,6 +117,11 @@ def main() -> None:
     n, batch = len(built.train), job.batch_size
     if args.threads == 0:  # the faster of one thread and every core, timed on a few batches
         args.threads = fastest_threads(job, module, built.train, order, batch)
+    fb_ratio = 1.0
+    if args.slowdown > 1:
+        start, mine = share(min(batch, n), args.world, args.rank)
+        fb_ratio = compute_ratio(job, module, part_batch(built.train, order, 0, start,
+                                                         max(1, mine), job.collate))
     if distributed:
         dist.barrier()
     t0 = time.perf_counter()
@@ -107,11 +134,14 @@ def main() -> None:
         count = min(batch, n - offset)
         start, mine = share(count, args.world, args.rank)
         module.train()
+        f0 = time.perf_counter()
         if mine:
             data = part_batch(built.train, order, epoch, offset + start, mine, job.collate)
             loss = job.loss(model, data) * (mine * args.world / count)
         else:  # a short last batch: this rank adds a zero gradient, DDP's reduction waits for it
             loss = job.loss(model, part_batch(built.train, order, epoch, offset, 1, job.collate)) * 0.0
+        if args.slowdown > 1:  # before the backward, whose all-reduce the peers wait in
+            time.sleep((args.slowdown - 1.0) * (time.perf_counter() - f0) * fb_ratio)
         optimizer.zero_grad()
         loss.backward()
         if job.clip_norm:  # the global norm of the averaged gradient, as the coordinator's

@@ -36,6 +36,10 @@ from .verified_rows import VerifiedRows
 
 _RECHECK_FLEET = 256  # fleets up to this size look at a newcomer's slots every tick
 _SPREADS_KEPT = 50  # rounds whose slot finish spread the median is taken over
+# A sync round is cut for the workers heard from within this many heartbeats: one killed or
+# stopped is silent long before its eviction (`liveness` beats), and a part cut for it would
+# wait for that, or for speculation, every round until then.
+_PRESENT_BEATS = 1.5
 
 
 @dataclass
@@ -108,14 +112,28 @@ class RoundBook:
             return False
         return not self.sampler.exhausted
 
-    def open_round(self, worker: Optional[WorkerRecord] = None) -> bool:
+    def present(self, now: Optional[float]) -> list[WorkerRecord]:
+        """The active workers a sync round is cut for: those heard from (a heartbeat, a result)
+        within `_PRESENT_BEATS` heartbeats of `now` (every active one when `now` is None). One
+        left out by a late beat sits out a round; one left in while it is silent (killed,
+        stopped) holds the round until speculation or its eviction."""
+        active = self.fleet.active()
+        if now is None:
+            return active
+        quiet = _PRESENT_BEATS * self.config.heartbeat_s
+        return [w for w in active if now - w.last_seen <= quiet] or active
+
+    def open_round(self, worker: Optional[WorkerRecord] = None,
+                   now: Optional[float] = None) -> bool:
         """Open a round at the current version (its leases wait at the back of the queue),
-        from `worker`'s home block with locality. Whether one was opened."""
+        from `worker`'s home block with locality. Whether one was opened. `now`: a sync round
+        is cut for the workers `present` then."""
         if not self.accepting:
             return False
         if len(self.rounds) >= self.open_limit():
             return False
-        k = max(1, len(self.fleet.active())) if self.config.sync else self.config.partitions
+        present = self.present(now) if self.config.sync else []
+        k = max(1, len(present)) if self.config.sync else self.config.partitions
         block = None
         if self.locality is not None and worker is not None:
             block = self.locality.block_for(worker.id, self.sampler.epoch,
@@ -123,7 +141,7 @@ class RoundBook:
         sized: list[WorkerRecord] = []
         shares = None
         if self.config.sync and not self.sampler.replanning:
-            sized = self.fleet.active()
+            sized = present
             shares = self.slot_shares(sized)
         parts = self.sampler.next_round(self.round_batch(k, worker), k, block, shares)
         if parts is None:
@@ -167,10 +185,10 @@ class RoundBook:
     def slot_shares(self, workers: list[WorkerRecord]) -> Optional[list[float]]:
         """Slots sized to their worker (`--sync`): each worker's share of the round's batch, in
         proportion to its measured samples per second, so that the round's slots finish
-        together instead of waiting for the slowest worker's equal part. A worker with too few
-        results of its own is predicted at the fleet's mean seconds per sample (speed.py); None
-        (equal parts) while the fleet has too few readings for that, or for fewer than two
-        workers. Only sync rounds are sized, and they are always code none: a row is one part,
+        together instead of waiting for the slowest worker's equal part. A worker is sized by
+        its own seconds per sample from its first result, by the fleet's mean before
+        (`SpeedModel.sizing`); None (equal parts) while the fleet has too few readings for
+        that, or for fewer than two workers. Only sync rounds are sized, and they are always code none: a row is one part,
         decoded with weight 1 whatever its size (the step divides the sum by the round's
         samples), and credits and buffers are shared by samples. Coded rounds (replicate,
         cyclic) keep equal parts: their rows mix parts, and one row's copies go to several
@@ -179,10 +197,10 @@ class RoundBook:
             return None
         shares = []
         for w in workers:
-            prediction = self.speed.prediction(w.speed)
-            if prediction is None or not prediction[0] > 0:
+            s_per_sample = self.speed.sizing(w.speed)
+            if s_per_sample is None or not s_per_sample > 0:
                 return None
-            shares.append(1.0 / prediction[0])
+            shares.append(1.0 / s_per_sample)
         return shares
 
     def round_batch(self, k: int = 1, worker: Optional[WorkerRecord] = None) -> int:

@@ -130,6 +130,20 @@ class SpeedModel:
             return mean, math.sqrt(max(0.0, self._times_sq / n - mean * mean))
         return None
 
+    def sizing(self, speed: WorkerSpeed) -> Optional[float]:
+        """Seconds per sample to size the worker's part of a sync round by: its own EWMA from its
+        first result on, the fleet's mean before (None while the fleet has too few readings).
+
+        Deadlines and lateness wait for `min_results` of its own (`prediction`): a worker judged
+        late on one reading would be speculated against for nothing. A part sized on one
+        reading costs nothing of the sort, and the fleet's mean in its place cuts equal parts
+        for a whole fleet that has just started (every worker with fewer than `min_results`),
+        so that its first rounds went at the slowest worker's pace."""
+        if speed.observed >= 1 and speed.s_per_sample is not None:
+            return speed.s_per_sample
+        prediction = self.prediction(speed)
+        return prediction[0] if prediction is not None else None
+
     def deadline_s(self, speed: WorkerSpeed, samples: int, credits: int) -> float:
         """Seconds a worker holding up to `credits` slots gets for one of `samples` samples
         before it is handed to another: it may run its other slots first."""

@@ -44,6 +44,8 @@ class SyncFleet:
         finish = {w: start + SPEED[w] * t.work.samples for w, t in tasks.items()}
         for w in sorted(finish, key=finish.get):
             self.now = finish[w]
+            for other in self.s.workers:  # every worker heart-beats while the round runs
+                self.s.seen(other, self.now)
             task = self.held.pop(w)
             _, actions = self.s.result(w, task.slot, SPEED[w] * task.work.samples, self.now)
             for decoded in self._take(actions):
@@ -76,6 +78,24 @@ def test_sync_slots_are_cut_to_each_workers_speed_and_the_round_finishes_togethe
     assert spans[1] == pytest.approx(1.8)
     assert spans[-1] == pytest.approx(0.9, abs=0.03)
     assert fleet.s.stats["rounds_sized"] >= 5
+
+
+def test_a_workers_first_result_sizes_its_next_part():
+    # A fleet that has just started: after round 1 (b alone) and round 2 (equal parts), each
+    # worker has one or two results, fewer than the three its deadlines wait for. Its own
+    # reading sizes its part at once; the fleet's mean in its place gave both the same and round
+    # 3 cut equal parts again, at b's pace.
+    fleet = SyncFleet(["b", "a"])
+    spans = [fleet.round() for _ in range(4)]
+    assert fleet.rounds[1] == {"a": 60, "b": 60}
+    assert fleet.rounds[2]["a"] == pytest.approx(90, abs=2)
+    assert fleet.rounds[2]["b"] == pytest.approx(30, abs=2)
+    assert spans[2] == pytest.approx(0.9, abs=0.03)
+    speed = fleet.s.speed
+    one = fleet.s.workers["a"].speed
+    assert speed.sizing(one) == pytest.approx(SPEED["a"])
+    assert speed.judged_by_fleet(type(one)(s_per_sample=0.5, observed=1))  # deadlines still wait
+    assert speed.sizing(type(one)()) == pytest.approx(sum(speed.times) / len(speed.times))
 
 
 def test_a_newcomer_without_a_measurement_gets_the_fleets_mean():
@@ -190,3 +210,39 @@ def test_a_sync_part_late_on_a_slowed_worker_is_speculated_to_one_that_finished(
     decoded = [a for a in actions if isinstance(a, Decoded)]
     assert decoded and decoded[0].samples == 120
     assert fleet.s.stats["slots_speculated"] == 1
+
+
+def test_a_sync_round_is_not_cut_for_a_worker_gone_silent():
+    # c is killed (or SIGSTOPped) mid-round: its part is speculated to a worker that finished.
+    # It is evicted only after `liveness` silent heartbeats (1.8 s here); the rounds opened
+    # meanwhile are cut for the workers heard from lately, not for c, whose part would hold
+    # each of them until speculation again.
+    fleet = SyncFleet(["b", "a", "c"], speculate=True, heartbeat_s=0.6)  # evicted at 1.8 s
+    for _ in range(8):
+        fleet.round()
+    fleet.held.pop("c")  # silent from here on
+    for w in sorted(fleet.held, key=lambda w: SPEED[w] * fleet.held[w].work.samples):
+        task = fleet.held.pop(w)
+        fleet.now += SPEED[w] * task.work.samples
+        fleet.s.seen("a", fleet.now)
+        fleet.s.seen("b", fleet.now)
+        _, actions = fleet.s.result(w, task.slot, SPEED[w] * task.work.samples, fleet.now)
+        assert not fleet._take(actions)  # the round waits for c's part
+    copy = None
+    start = fleet.now
+    while copy is None and fleet.now < start + 2.5:  # ticks, a tenth of a second apart
+        fleet.now += 0.1
+        fleet.s.seen("a", fleet.now)
+        fleet.s.seen("b", fleet.now)
+        for given in assigns(fleet.s.tick(fleet.now)):
+            copy = given
+    assert copy is not None and "c" in fleet.s.workers  # speculated, c not yet evicted
+    fleet.held[copy.worker] = copy
+    fleet.now += 0.05
+    _, actions = fleet.s.result(copy.worker, copy.slot, 0.05, fleet.now)
+    fleet.held.pop(copy.worker)
+    for _ in fleet._take(actions):
+        fleet._take(fleet.s.applied(fleet.s.version + 1, fleet.now))
+    assert "c" in fleet.s.workers and fleet.s.workers["c"].active
+    assert set(fleet.held) == {"a", "b"}  # the next round: parts for a and b only
+    assert sum(t.work.samples for t in fleet.held.values()) == 120
