@@ -124,8 +124,10 @@ class Worker:
 
     def __init__(self, pair: "Pair", name: str, credits: int = 2,
                  poison: Optional[tuple[str, float]] = None,
-                 shared: Optional[tuple[ComputeSlot, str]] = None):
+                 shared: Optional[tuple[ComputeSlot, str]] = None,
+                 key: Optional[bytes] = None):
         self.pair, self.name, self.route = pair, name, name.encode()
+        self.key = key  # its CURVE public key, as the socket would say it (None: no keys)
         # (the process's compute slot, this session's project in it), as MultiWorker's
         self.shared = shared
         self.granted: Optional[asyncio.Future] = None  # the shared slot: asked for, or lent
@@ -169,7 +171,7 @@ class Worker:
         """Send `msg` to the coordinator, as this worker."""
         self.said.append(msg)
         if not self.pair.killed:
-            await self.pair.coordinator.handle([self.route, *proto.encode(msg)])
+            await self.pair.coordinator.handle([self.route, *proto.encode(msg)], key=self.key)
 
     async def perform(self, effects: list) -> None:
         for effect in effects:
@@ -307,18 +309,33 @@ class Pair:
 
     def worker(self, name: str, credits: int = 2,
                poison: Optional[tuple[str, float]] = None,
-               shared: Optional[tuple[ComputeSlot, str]] = None) -> Worker:
+               shared: Optional[tuple[ComputeSlot, str]] = None,
+               key: Optional[bytes] = None) -> Worker:
         """A worker that says hello at the next `run` (it joins then); `shared`: (the compute
-        slot of its process, its project there), one project's session of a MultiWorker."""
-        worker = Worker(self, name, credits, poison, shared)
+        slot of its process, its project there), one project's session of a MultiWorker; `key`:
+        the public key it connects with, to a coordinator with keys."""
+        worker = Worker(self, name, credits, poison, shared, key)
         self.workers[worker.route] = worker
         self._joining.append(worker)
         return worker
 
-    def frames(self, frames: list, route: bytes = b"raw") -> None:
+    def frames(self, frames: list, route: bytes = b"raw", key: Optional[bytes] = None) -> None:
         """Raw frames from a peer at `route` (a raw peer's, or a worker's), as the socket hands
-        them to the coordinator: routing id first."""
-        asyncio.run(self.coordinator.handle([route, *frames]))
+        them to the coordinator: routing id first; `key`, the peer's CURVE key."""
+        async def handled():
+            await self.coordinator.handle([route, *frames], key=key)
+            await self._offloop_done()
+
+        asyncio.run(handled())
+
+    def ask(self, msg: proto.Message, key: Optional[bytes] = None,
+            route: bytes = b"raw") -> proto.Message:
+        """What the coordinator answers `msg` from a raw peer (a monitor's, an operator's
+        command) of `key`: its one reply."""
+        sent = len(self.wire.sent)
+        self.frames(proto.encode(msg), route, key)
+        (reply,) = [m for r, m in self.wire.sent[sent:] if r == route]
+        return reply
 
     def kill(self) -> None:
         """The coordinator's process gone without a word (SIGKILL; or SIGTERM, which sends
@@ -333,6 +350,10 @@ class Pair:
         of a run: work withdrawn, every worker sent home) or `until()` holds, at most `steps`."""
         run_together([self], until, steps, finish)
 
+    def turns(self, n: int) -> None:
+        """`n` turns of the loop (n * step_s virtual seconds), unless the run stops first."""
+        turns([self], n)
+
     @property
     def stopped(self) -> bool:
         return self.killed or self.coordinator.stop_reason is not None
@@ -345,6 +366,14 @@ class Pair:
             for worker in list(self.workers.values()):
                 await worker.receive()
 
+    async def _offloop_done(self) -> None:
+        """What the coordinator started computing off its loop, done before this loop (one
+        `asyncio.run`) ends: the next turn, in another loop, takes it up."""
+        c = self.coordinator
+        for job in (c.offloop.computing, c.offloop.evaluating):
+            if job is not None and not job.done():
+                await asyncio.wait({job})
+
     async def _tick(self) -> None:
         """The coordinator's loop without its socket (server.py's `_loop`), then the workers'
         heartbeats."""
@@ -354,13 +383,15 @@ class Pair:
                 if worker.serving:
                     await worker.perform(worker.session.tick(now))
             return
-        if c.offloop.computing is not None:  # a slot computed here: done within the turn
+        # a slot computed here: done within the turn (a done future may be another loop's: the
+        # last `run`'s)
+        if c.offloop.computing is not None and not c.offloop.computing.done():
             await asyncio.wait({c.offloop.computing})
         await c.perform(c.offloop.computed(now))
         if now >= self._next_tick:
             await c.perform(c.core.tick(now))
             self._next_tick = now + c.config.heartbeat_s / 2
-        if c.offloop.evaluating is not None:
+        if c.offloop.evaluating is not None and not c.offloop.evaluating.done():
             await asyncio.wait({c.offloop.evaluating})
         evaluation = c.offloop.evaluated()
         if evaluation is not None:
@@ -414,6 +445,17 @@ def run_together(pairs: list[Pair], until: Callable[[], bool] = lambda: False,
     asyncio.run(_run(pairs, until, steps, finish))
 
 
+def turns(pairs: list[Pair], n: int) -> None:
+    """`n` turns of the pairs' loop (`run_together`), unless every run stops first."""
+    left = [n]
+
+    def done() -> bool:
+        left[0] -= 1
+        return left[0] < 0
+
+    run_together(pairs, until=done, steps=n + 1)
+
+
 async def _run(pairs: list[Pair], until, steps: int, finish: bool) -> None:
     clock, step_s = pairs[0].clock, pairs[0].step_s
     for _ in range(steps):
@@ -439,3 +481,4 @@ async def _run(pairs: list[Pair], until, steps: int, finish: bool) -> None:
     for p in pairs:
         if finish and p.coordinator.stop_reason is not None and not p.finished and not p.killed:
             await p.finish()
+        await p._offloop_done()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from idlegrad.coordinator.server import CoordinatorConfig
 
-from .pair import Clock, Pair, compute_slot, run_together
+from .pair import Clock, Pair, compute_slot, run_together, turns
 
 TURNS = 400  # 20 virtual seconds at the pair's 0.05 s a turn
 
@@ -26,17 +26,6 @@ def compute_s(pair: Pair, worker: str = "shared") -> float:
     """The worker's compute-seconds, as its coordinator's status shows them (0 before it joins)."""
     rows = [w for w in pair.coordinator.snapshot()["workers"] if w["id"] == worker]
     return rows[0]["compute_s"] if rows else 0.0
-
-
-def turns(pairs: list[Pair], n: int) -> None:
-    """`n` turns of the pairs' loop (n * step_s virtual seconds)."""
-    left = [n]
-
-    def done() -> bool:
-        left[0] -= 1
-        return left[0] < 0
-
-    run_together(pairs, until=done, steps=n + 1)
 
 
 def test_one_worker_splits_its_time_between_two_coordinators_by_share(tmp_path):
