@@ -6,13 +6,11 @@ time on the in-memory pair (tests/unit/test_project_shares.py), where no load ca
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from idlegrad.cli.processes import free_port, stop
 
-from .harness import COORDINATOR_DEFAULTS, WORKER_DEFAULTS
+from .harness import COORDINATOR_DEFAULTS, WORKER_DEFAULTS, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -52,9 +50,7 @@ def test_one_worker_serves_two_coordinators_and_the_one_left_when_the_other_stop
     status["a"].wait_for(lambda s: any(w["id"] == "shared" and w["compute_s"] >= start_a + 2.0
                                        for w in s["workers"]),
                          "a's results after b stopped", alive=[worker, coordinators["a"]])
-    end = time.monotonic() + 60  # bounded: the worker says so once its session with b times out
-    while "lost the coordinator" not in worker.output() and time.monotonic() < end:
-        time.sleep(0.2)
-    assert "lost the coordinator" in worker.output()
+    # said once its session with b timed out
+    until(lambda: "lost the coordinator" in worker.output(), "the worker saying b is lost", 60)
     assert worker.running() and coordinators["a"].running()
     cluster.assert_no_tracebacks()
