@@ -142,6 +142,7 @@ class Worker:
         self.cancelled = False  # the slot computing was cancelled: it ends not computed
         self.left: Optional[S.Leave] = None
         self.dead = False  # killed: it hears, says and computes nothing more (`kill`)
+        self.stopped = False  # SIGSTOP: what is sent to it waits, it says and computes nothing
         self.computed = 0  # slots computed here
 
     @property
@@ -154,6 +155,14 @@ class Worker:
         self.inbox.clear()
         self._down()
 
+    def stop(self) -> None:
+        """SIGSTOP: frozen; what the coordinator sends it waits in its socket's queue."""
+        self.stopped = True
+
+    def cont(self) -> None:
+        """SIGCONT: it reads what waited, and goes on where it was."""
+        self.stopped = False
+
     def _down(self) -> None:
         """This session's connection ended (daemon.py's `_serve` ends): the others' time now."""
         if self.shared is not None:
@@ -162,7 +171,7 @@ class Worker:
 
     @property
     def serving(self) -> bool:
-        return self.left is None and not self.dead
+        return self.left is None and not self.dead and not self.stopped
 
     async def connect(self) -> None:
         await self.perform(self.session.connect(self.now))
@@ -205,7 +214,7 @@ class Worker:
 
     async def receive(self) -> None:
         """Everything the coordinator sent it so far, in order."""
-        while self.inbox:
+        while self.inbox and not self.stopped:
             msg = self.inbox.popleft()
             if self.dead:
                 continue
@@ -362,7 +371,7 @@ class Pair:
         """Hellos of new workers, then everything in flight, until nothing is."""
         while self._joining:
             await self._joining.pop(0).connect()
-        while any(w.inbox for w in self.workers.values()):
+        while any(w.inbox and not w.stopped for w in self.workers.values()):
             for worker in list(self.workers.values()):
                 await worker.receive()
 
