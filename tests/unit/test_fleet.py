@@ -44,11 +44,21 @@ def fleet(tmp_path) -> tuple[CoordinatorConfig, dict[str, bytes]]:
         ledger_path=str(tmp_path / "ledger.jsonl")), key
 
 
-def training(config: CoordinatorConfig, key: dict[str, bytes], names=("wa", "wb")) -> Pair:
+def training(config: CoordinatorConfig, key: dict[str, bytes]) -> Pair:
+    """The pair with wa and wb joining (at its first `run`)."""
     p = Pair(config)
-    for name in names:
+    for name in ("wa", "wb"):
         p.worker(name, key=key[name])
     return p
+
+
+def both_computing(tmp_path) -> tuple[Pair, CoordinatorConfig, dict[str, bytes]]:
+    """A fleet whose two workers have each computed a slot."""
+    config, key = fleet(tmp_path)
+    p = training(config, key)
+    a, b = p.workers[b"wa"], p.workers[b"wb"]
+    p.run(lambda: a.computed and b.computed, steps=400)
+    return p, config, key
 
 
 def rows(p: Pair) -> dict[str, dict]:
@@ -97,10 +107,8 @@ def test_a_paused_fleet_earns_nothing_and_each_key_may_only_what_its_role_says(t
 
 
 def test_an_operators_ban_stops_the_worker_and_holds_for_a_restarted_coordinator(tmp_path):
-    config, key = fleet(tmp_path)
-    p = training(config, key)
-    a, b = p.workers[b"wa"], p.workers[b"wb"]
-    p.run(lambda: a.computed and b.computed, steps=400)
+    p, config, key = both_computing(tmp_path)
+    a = p.workers[b"wa"]
 
     reply = control(p, key["alice"], "ban", worker="wa")
     assert reply.ok and "banned" in reply.detail, reply
@@ -124,10 +132,8 @@ def test_an_operators_ban_stops_the_worker_and_holds_for_a_restarted_coordinator
 
 
 def test_a_key_removed_and_reread_is_told_it_was_revoked_and_stops(tmp_path):
-    config, key = fleet(tmp_path)
-    p = training(config, key)
+    p, _, _ = both_computing(tmp_path)
     a, b = p.workers[b"wa"], p.workers[b"wb"]
-    p.run(lambda: a.computed and b.computed, steps=400)
     (tmp_path / "allow" / "wb.key").unlink()
     asyncio.run(p.coordinator.reload_keys())  # SIGHUP
     p.run(lambda: b.left is not None, steps=100)
