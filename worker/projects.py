@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import zmq.asyncio
 
@@ -51,17 +51,22 @@ class ComputeSlot:
     A session that is up (`up`) but not asking may be owed the slot: its next task is on its way.
     The slot then waits for it, at most `hold_s`; a project that let the hold pass is quiet, not
     waited for again, until it next asks (a coordinator with no work costs one hold, not one per
-    task)."""
+    task).
+
+    `clock` and `later` (call `fn` in `delay` seconds, as the running loop's `call_later`: a
+    handle to cancel) are the slot's time, a virtual one in the in-memory pair's tests."""
 
     def __init__(self, scheduler: ShareScheduler, clock: Callable[[], float] = time.monotonic,
-                 hold_s: float = 0.2):
+                 hold_s: float = 0.2, later: Optional[Callable[[float, Callable[[], None]],
+                                                              Any]] = None):
         self.scheduler = scheduler
         self._clock = clock
+        self._later = later
         self.hold_s = hold_s
         self._asking: dict[str, asyncio.Future] = {}
         self._up: set[str] = set()
         self._quiet: set[str] = set()
-        self._hold: Optional[asyncio.TimerHandle] = None
+        self._hold: Any = None  # the hold's timer (its `cancel` ends it)
         self.holder: Optional[str] = None
         self.computed = {name: 0.0 for name in scheduler.shares}  # undecayed, for reports
 
@@ -101,7 +106,8 @@ class ComputeSlot:
         chosen = self.scheduler.pick(self._asking, self._clock(), self._expected())
         if chosen is None:  # owed to a project whose task is on its way: wait, not for long
             if self._hold is None:
-                self._hold = asyncio.get_running_loop().call_later(self.hold_s, self._hold_over)
+                later = self._later or asyncio.get_running_loop().call_later
+                self._hold = later(self.hold_s, self._hold_over)
             return
         if self._hold is not None:
             self._hold.cancel()

@@ -155,6 +155,16 @@ class Status:
         self.source.close()
 
 
+def until(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE) -> None:
+    """Poll until `predicate()` holds (a line in a log, a process gone); fail at the deadline.
+    The wait for a condition that a fixed sleep would only hope for."""
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"no {what} within {timeout:g}s")
+        time.sleep(POLL_S)
+
+
 def summarize(snap: Optional[dict]) -> str:
     if snap is None:
         return "(none: the coordinator never answered)"

@@ -20,7 +20,7 @@ def test_chaos_subset_loses_and_duplicates_nothing(tmp_path):
     # (test_poison.py, test_security.py).
     faults = ["restart", "kill9"]
     out = subprocess.run(
-        [sys.executable, str(CHAOS), "--faults", ",".join(faults), "--epochs", "30",
+        [sys.executable, str(CHAOS), "--faults", ",".join(faults), "--epochs", "15",
          "--pace", "0.3", "--target", "0.9", "--keep", str(tmp_path / "chaos"), "--json",
          "--timeout", "240"],
         capture_output=True, text=True, timeout=580)

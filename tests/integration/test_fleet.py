@@ -1,10 +1,14 @@
 """Running a volunteer fleet, end to end with real processes on loopback: an operator mints
 invitations through the running coordinator, two volunteers join and train, each worker sees its
-own credit (`idlegrad worker status`, equal to what `idlegrad credits` shows for its key) and
-cannot read another's; a worker's or a monitor's ban is refused and counted, an operator's bans
-(the worker is told, in one line, and stops; a restart keeps the ban), an invitation revoked
-remotely is refused and listed as revoked, a key revoked by SIGHUP is told so, and a flood of bad
-secrets from one address is told to wait.
+own credit (`idlegrad worker status`, equal to what `idlegrad credits` shows for its key); a
+monitor's ban is refused, an operator's bans (the worker is told, in one line, and stops; a
+restart keeps the ban), an invitation revoked remotely is refused and listed as revoked, a key
+revoked by SIGHUP is told so, and a flood of bad secrets from one address is told to wait.
+
+What each key's role may do through the server (a worker key reads only its own credit and may
+not ban or revoke, a monitor's may not mint, each refusal counted; the credits of a paused fleet
+stand still; a ban's and a revocation's rules) is tested on the in-memory pair, in virtual time:
+tests/unit/test_fleet.py.
 """
 
 from __future__ import annotations
@@ -62,10 +66,7 @@ def test_a_fleet_joins_earns_sees_its_own_credit_and_is_governed_by_its_operator
     status = cluster.status(keys=as_key(keys / "watcher.key_secret"))
     status.wait_for(lambda s: True, "the coordinator up", alive=[coordinator])
 
-    # Minting through the running coordinator: an operator's key may, a monitor's may not.
-    refused = idlegrad(cluster.env, "invite", *monitor)
-    assert refused.returncode == 1, refused.stdout
-    one_error_line(refused, "refused", "--operator-keys")
+    # Minting through the running coordinator, with an operator's key.
     minted = idlegrad(cluster.env, "invite", *operator, "--uses", "2", "--name", "vol")
     assert minted.returncode == 0, minted.stderr
     token = minted.stdout.strip().splitlines()[-1]
@@ -91,8 +92,8 @@ def test_a_fleet_joins_earns_sees_its_own_credit_and_is_governed_by_its_operator
     # Paused by the operator: once no slot is out, the credits stand still.
     with ZmqStatusSource(address, keys=as_key(keys / "alice.key_secret")) as alice:
         assert alice.control("pause")[0]
-    snap = status.wait_for(lambda s: s["paused"] and not any(w["assigned"] for w in s["workers"]),
-                           "paused, no slot out", alive=[coordinator])
+    status.wait_for(lambda s: s["paused"] and not any(w["assigned"] for w in s["workers"]),
+                    "paused, no slot out", alive=[coordinator])
     credits = last_json(idlegrad(cluster.env, "credits", *monitor, "--json"))["workers"]
     for side in ("a", "b"):
         mine = last_json(idlegrad(cluster.env, "worker", "status", "--config", configs[side],
@@ -106,27 +107,10 @@ def test_a_fleet_joins_earns_sees_its_own_credit_and_is_governed_by_its_operator
     assert text.returncode == 0 and f"{credits[name['a']]['samples']:,} samples accepted" in \
         text.stdout, text.stdout + text.stderr
 
-    # Worker b's key reads its own row, never a's; a monitor reads a's.
-    with ZmqStatusSource(address, keys=as_key(worker_keys["b"])) as b:
-        own = b.ask(proto.CreditRequest(), proto.Credit)
-        assert own.ok and own.worker == name["b"] and own.row["samples"] > 0
-        theirs = b.ask(proto.CreditRequest(worker=name["a"]), proto.Credit)
-        assert not theirs.ok and not theirs.row and "own credit" in theirs.reason, theirs
-        assert b.fetch(timeout=2) is None and "--monitor-keys" in b.refused  # no status either
-        # A worker's key may not ban, nor revoke.
-        ok, detail = b.control("ban", name["a"])
-        assert not ok and "--operator-keys" in detail
-    with ZmqStatusSource(address, keys=as_key(keys / "watcher.key_secret")) as watcher:
-        assert watcher.ask(proto.CreditRequest(worker=name["a"]), proto.Credit).row == \
-            {k: v for k, v in credits[name["a"]].items()}
+    # A monitor's ban, refused in one line (the command line's end of the role rules).
     banned = idlegrad(cluster.env, "ban", *monitor, name["a"])
     assert banned.returncode == 1
     one_error_line(banned, "--operator-keys")
-    # (the monitor's invitation, b's ban and the monitor's ban)
-    snap = status.wait_for(lambda s: s["counters"].get("controls_refused", 0) == 3
-                           and s["counters"].get("credits_refused", 0) == 1,
-                           "the refusals counted", timeout=30, alive=[coordinator])
-    assert name["a"] in {w["id"] for w in snap["workers"]}
 
     # The operator bans a (by its name): it is told why, stops, and its slots go to b.
     with ZmqStatusSource(address, keys=as_key(keys / "alice.key_secret")) as alice:
@@ -144,14 +128,10 @@ def test_a_fleet_joins_earns_sees_its_own_credit_and_is_governed_by_its_operator
     assert "key:" + (configs["a"].parent / "worker.key").read_text().split('"')[1] in \
         json.loads((enrolled / "bans.json").read_text())["bans"]
 
-    # An invitation revoked remotely: refused to a worker key, done by the operator's; the
-    # token is then refused, and `invite --list` shows it revoked.
+    # An invitation revoked remotely by the operator's key: the token is then refused, and `invite --list` shows it revoked.
     spare = idlegrad(cluster.env, "invite", *operator, "--name", "spare")
     spare_token = spare.stdout.strip().splitlines()[-1]
     spare_id = next(w for w in spare.stdout.split() if len(w) == 17 and w.endswith(":"))[:-1]
-    with ZmqStatusSource(address, keys=as_key(worker_keys["b"])) as b:
-        ok, detail = b.control("revoke", invitation=spare_id)
-        assert not ok and "--operator-keys" in detail
     revoked = idlegrad(cluster.env, "invite", *operator, "--revoke", spare_id)
     assert revoked.returncode == 0 and "revoked" in revoked.stdout, revoked.stderr
     out = idlegrad(cluster.env, "worker", "join", spare_token, "--config",

@@ -14,6 +14,12 @@ computations and evaluations off its loop, awaited at once, the run core's tick)
 stops or the caller's condition holds. Between runs a test speaks for a raw peer (`frames`),
 kills a worker (`Worker.kill`), adds one, and reads what travelled (`Pair.wire.sent`,
 `Worker.said`) and what the coordinator shows (its snapshot, `final`, `events`, `metrics`).
+
+Several projects per worker (worker/projects.py): pairs on one clock (`Pair(..., clock=)`), each
+with a worker of the same machine, the workers sharing one `ComputeSlot` (`Pair.worker(...,
+shared=)`); `run_together` drives them as one loop, the shared compute thread computing one
+slot a turn, lent by share. `Pair.kill` is a coordinator gone silent (SIGKILL, or a SIGTERM that
+sends nobody home).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from idlegrad.worker.building import build_engine, hello_of, load_welcomed, task
 from idlegrad.worker.compress import ErrorFeedback, eval_message, result_message
 from idlegrad.worker.daemon import WorkerConfig
 from idlegrad.worker.engine import Cancelled, Work
+from idlegrad.worker.projects import ComputeSlot
 
 from .fakes import RecordingTransport
 
@@ -49,6 +56,44 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+class Timers:
+    """Calls due at a virtual time (`later`, as a loop's `call_later`), made when it comes."""
+
+    class Handle:
+        def __init__(self, due: float, fn: Callable[[], None]):
+            self.due, self.fn, self.cancelled = due, fn, False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
+        self.pending: list[Timers.Handle] = []
+
+    def later(self, delay: float, fn: Callable[[], None]) -> "Timers.Handle":
+        handle = Timers.Handle(self.clock.now + delay, fn)
+        self.pending.append(handle)
+        return handle
+
+    def fire(self) -> None:
+        due = [h for h in self.pending if h.due <= self.clock.now]
+        self.pending = [h for h in self.pending if h.due > self.clock.now]
+        for handle in due:
+            if not handle.cancelled:
+                handle.fn()
+
+
+def compute_slot(shares: dict[str, float], clock: Clock, hold_s: float = 0.2) -> ComputeSlot:
+    """The compute slot of one worker process serving projects of `shares` (name -> share),
+    on the virtual `clock` (its hold timed there too)."""
+    from idlegrad.worker.shares import ShareScheduler
+
+    timers = Timers(clock)
+    slot = ComputeSlot(ShareScheduler(shares), clock=clock, hold_s=hold_s, later=timers.later)
+    slot.timers = timers  # type: ignore[attr-defined]  # fired by the loop, each turn
+    return slot
 
 
 class _Sent:
@@ -78,8 +123,14 @@ class Worker:
     drives them (worker/daemon.py), without a socket or a thread."""
 
     def __init__(self, pair: "Pair", name: str, credits: int = 2,
-                 poison: Optional[tuple[str, float]] = None):
+                 poison: Optional[tuple[str, float]] = None,
+                 shared: Optional[tuple[ComputeSlot, str]] = None,
+                 key: Optional[bytes] = None):
         self.pair, self.name, self.route = pair, name, name.encode()
+        self.key = key  # its CURVE public key, as the socket would say it (None: no keys)
+        # (the process's compute slot, this session's project in it), as MultiWorker's
+        self.shared = shared
+        self.granted: Optional[asyncio.Future] = None  # the shared slot: asked for, or lent
         self.config = WorkerConfig(worker_id=name, credits=credits, device="cpu", threads=1,
                                    poison=poison)
         self.session = S.Session(credits, hello_of(name, 1, CPU, None))
@@ -91,6 +142,7 @@ class Worker:
         self.cancelled = False  # the slot computing was cancelled: it ends not computed
         self.left: Optional[S.Leave] = None
         self.dead = False  # killed: it hears, says and computes nothing more (`kill`)
+        self.stopped = False  # SIGSTOP: what is sent to it waits, it says and computes nothing
         self.computed = 0  # slots computed here
 
     @property
@@ -101,10 +153,25 @@ class Worker:
         """SIGKILL: gone without a word; what it held is the coordinator's to take back."""
         self.dead = True
         self.inbox.clear()
+        self._down()
+
+    def stop(self) -> None:
+        """SIGSTOP: frozen; what the coordinator sends it waits in its socket's queue."""
+        self.stopped = True
+
+    def cont(self) -> None:
+        """SIGCONT: it reads what waited, and goes on where it was."""
+        self.stopped = False
+
+    def _down(self) -> None:
+        """This session's connection ended (daemon.py's `_serve` ends): the others' time now."""
+        if self.shared is not None:
+            self.shared[0].down(self.shared[1])
+            self.granted = None
 
     @property
     def serving(self) -> bool:
-        return self.left is None and not self.dead
+        return self.left is None and not self.dead and not self.stopped
 
     async def connect(self) -> None:
         await self.perform(self.session.connect(self.now))
@@ -112,7 +179,8 @@ class Worker:
     async def say(self, msg: proto.Message) -> None:
         """Send `msg` to the coordinator, as this worker."""
         self.said.append(msg)
-        await self.pair.coordinator.handle([self.route, *proto.encode(msg)])
+        if not self.pair.killed:
+            await self.pair.coordinator.handle([self.route, *proto.encode(msg)], key=self.key)
 
     async def perform(self, effects: list) -> None:
         for effect in effects:
@@ -127,10 +195,12 @@ class Worker:
             elif isinstance(effect, S.Join):
                 await self._join(effect.welcome)
             elif isinstance(effect, (S.Rehello, S.Reconnect)):
+                self._down()
                 if isinstance(effect, S.Rehello) and effect.forget:
                     self.model = None
                 await self.connect()
             elif isinstance(effect, S.Leave):
+                self._down()
                 self.left = effect
 
     async def _join(self, welcome: proto.Welcome) -> None:
@@ -139,10 +209,12 @@ class Worker:
                                                    self.config, CPU)
         self.feedback = ErrorFeedback(welcome.result_dtype)
         await self.perform(self.session.welcomed(self.now, welcome, self.built.fingerprint))
+        if self.shared is not None:
+            self.shared[0].up(self.shared[1])
 
     async def receive(self) -> None:
         """Everything the coordinator sent it so far, in order."""
-        while self.inbox:
+        while self.inbox and not self.stopped:
             msg = self.inbox.popleft()
             if self.dead:
                 continue
@@ -170,12 +242,23 @@ class Worker:
             refused = str(exc)
         return self.session.task(self.now, task.slot, work, refused=refused, acks=task.acks)
 
-    async def compute_one(self) -> bool:
+    async def compute_one(self, busy: Optional[set] = None) -> bool:
         """Start the next slot and compute it, as the daemon's compute thread would; whether one
-        was computed."""
+        was computed. With a shared compute slot, only once it is lent to this session (asked
+        for as the daemon asks), and not in a turn `busy` (the ids of the slots that computed
+        in it) names: the process's one thread computes one slot a turn."""
+        slot_of = self.shared[0] if self.shared is not None else None
+        if slot_of is not None and self.computing is None:
+            if self.granted is None and self.session.wants_compute():
+                self.granted = slot_of.request(self.shared[1])
+            if self.granted is None or not self.granted.done() or id(slot_of) in (busy or ()):
+                return False
         if self.computing is None:
             await self.perform(self.session.start(self.now))
         if self.computing is None:
+            if slot_of is not None and self.granted is not None:
+                slot_of.leave(self.shared[1], 0.0)  # lent, but nothing to run now
+                self.granted = None
             return False
         (slot, work), self.computing = self.computing, None
         cancel = threading.Event()
@@ -187,20 +270,29 @@ class Worker:
             # machine, under any load
             o = dataclasses.replace(self.engine.compute(work, cancel),
                                     compute_s=self.pair.step_s)
+            spent = self.pair.step_s
             outcome: S.Outcome = (S.EvalAnswer(eval_message(o)) if o.sums is not None
                                   else S.ResultReady(result_message(o, self.feedback)))
             self.computed += 1
         except Cancelled:
-            outcome = S.NotComputed()
+            outcome, spent = S.NotComputed(), 0.0
+        if slot_of is not None:
+            if self.granted is not None:  # the next slot may be another project's
+                slot_of.leave(self.shared[1], spent)
+                self.granted = None
+            if busy is not None:
+                busy.add(id(slot_of))
         await self.perform(self.session.finished(self.now, slot, outcome))
         return True
 
 
 class Pair:
-    """A coordinator of `config` (its bind unused) and the workers added to it."""
+    """A coordinator of `config` (its bind unused) and the workers added to it; `clock` another
+    pair's, for pairs run together (`run_together`)."""
 
-    def __init__(self, config: CoordinatorConfig, step_s: float = STEP_S):
-        self.clock = Clock()
+    def __init__(self, config: CoordinatorConfig, step_s: float = STEP_S,
+                 clock: Optional[Clock] = None):
+        self.clock = clock or Clock()
         self.step_s = step_s
         self.workers: dict[bytes, Worker] = {}
         self._joining: list[Worker] = []  # added, not yet said hello
@@ -218,65 +310,97 @@ class Pair:
         self.coordinator.open_logs()
         self._next_tick = self.clock.now
         self.finished = False
+        self.killed = False  # `kill`: it hears nothing, says nothing, does nothing more
 
     # what the tests read
     core = property(lambda self: self.coordinator.core)
     counters = property(lambda self: self.coordinator.counters)
 
     def worker(self, name: str, credits: int = 2,
-               poison: Optional[tuple[str, float]] = None) -> Worker:
-        """A worker that says hello at the next `run` (it joins then)."""
-        worker = Worker(self, name, credits, poison)
+               poison: Optional[tuple[str, float]] = None,
+               shared: Optional[tuple[ComputeSlot, str]] = None,
+               key: Optional[bytes] = None) -> Worker:
+        """A worker that says hello at the next `run` (it joins then); `shared`: (the compute
+        slot of its process, its project there), one project's session of a MultiWorker; `key`:
+        the public key it connects with, to a coordinator with keys."""
+        worker = Worker(self, name, credits, poison, shared, key)
         self.workers[worker.route] = worker
         self._joining.append(worker)
         return worker
 
-    def frames(self, frames: list, route: bytes = b"raw") -> None:
+    def frames(self, frames: list, route: bytes = b"raw", key: Optional[bytes] = None) -> None:
         """Raw frames from a peer at `route` (a raw peer's, or a worker's), as the socket hands
-        them to the coordinator: routing id first."""
-        asyncio.run(self.coordinator.handle([route, *frames]))
+        them to the coordinator: routing id first; `key`, the peer's CURVE key."""
+        async def handled():
+            await self.coordinator.handle([route, *frames], key=key)
+            await self._offloop_done()
+
+        asyncio.run(handled())
+
+    def ask(self, msg: proto.Message, key: Optional[bytes] = None,
+            route: bytes = b"raw") -> proto.Message:
+        """What the coordinator answers `msg` from a raw peer (a monitor's, an operator's
+        command) of `key`: its one reply."""
+        sent = len(self.wire.sent)
+        self.frames(proto.encode(msg), route, key)
+        (reply,) = [m for r, m in self.wire.sent[sent:] if r == route]
+        return reply
+
+    def kill(self) -> None:
+        """The coordinator's process gone without a word (SIGKILL; or SIGTERM, which sends
+        nobody home): its workers hear nothing more, and what they say is lost."""
+        self.killed = True
+        for worker in self.workers.values():
+            worker.inbox.clear()
 
     def run(self, until: Callable[[], bool] = lambda: False, steps: int = 100_000,
             finish: bool = True) -> None:
         """Turns of the loop until the run stops (then, with `finish`, the coordinator's end
         of a run: work withdrawn, every worker sent home) or `until()` holds, at most `steps`."""
-        asyncio.run(self._run(until, steps, finish))
+        run_together([self], until, steps, finish)
 
-    async def _run(self, until, steps: int, finish: bool) -> None:
-        for _ in range(steps):
-            await self._deliver()
-            if self.coordinator.stop_reason is not None or until():
-                break
-            for worker in list(self.workers.values()):
-                if worker.serving and await worker.compute_one():
-                    await self._deliver()
-            self.clock.now += self.step_s
-            await self._tick()
-        else:
-            raise AssertionError(f"still running after {steps} turns: "
-                                 f"{self.coordinator.core.samples_applied} samples applied")
-        if finish and self.coordinator.stop_reason is not None and not self.finished:
-            await self.finish()
+    def turns(self, n: int) -> None:
+        """`n` turns of the loop (n * step_s virtual seconds), unless the run stops first."""
+        turns([self], n)
+
+    @property
+    def stopped(self) -> bool:
+        return self.killed or self.coordinator.stop_reason is not None
 
     async def _deliver(self) -> None:
         """Hellos of new workers, then everything in flight, until nothing is."""
         while self._joining:
             await self._joining.pop(0).connect()
-        while any(w.inbox for w in self.workers.values()):
+        while any(w.inbox and not w.stopped for w in self.workers.values()):
             for worker in list(self.workers.values()):
                 await worker.receive()
+
+    async def _offloop_done(self) -> None:
+        """What the coordinator started computing off its loop, done before this loop (one
+        `asyncio.run`) ends: the next turn, in another loop, takes it up."""
+        c = self.coordinator
+        for job in (c.offloop.computing, c.offloop.evaluating):
+            if job is not None and not job.done():
+                await asyncio.wait({job})
 
     async def _tick(self) -> None:
         """The coordinator's loop without its socket (server.py's `_loop`), then the workers'
         heartbeats."""
         c, now = self.coordinator, self.clock.now
-        if c.offloop.computing is not None:  # a slot computed here: done within the turn
+        if self.killed:
+            for worker in list(self.workers.values()):
+                if worker.serving:
+                    await worker.perform(worker.session.tick(now))
+            return
+        # a slot computed here: done within the turn (a done future may be another loop's: the
+        # last `run`'s)
+        if c.offloop.computing is not None and not c.offloop.computing.done():
             await asyncio.wait({c.offloop.computing})
         await c.perform(c.offloop.computed(now))
         if now >= self._next_tick:
             await c.perform(c.core.tick(now))
             self._next_tick = now + c.config.heartbeat_s / 2
-        if c.offloop.evaluating is not None:
+        if c.offloop.evaluating is not None and not c.offloop.evaluating.done():
             await asyncio.wait({c.offloop.evaluating})
         evaluation = c.offloop.evaluated()
         if evaluation is not None:
@@ -319,3 +443,51 @@ class Pair:
     def close(self) -> None:
         self.coordinator.records.close()
         self.coordinator.training.close()
+
+
+def run_together(pairs: list[Pair], until: Callable[[], bool] = lambda: False,
+                 steps: int = 100_000, finish: bool = True) -> None:
+    """`Pair.run` for pairs on one clock: turns of one loop until every pair's run stopped (each
+    then finished, with `finish`) or `until()` holds, at most `steps`. In a turn each worker
+    computes a slot, except that workers sharing a compute slot compute one between them."""
+    assert len({id(p.clock) for p in pairs}) == 1, "pairs run together share one clock"
+    asyncio.run(_run(pairs, until, steps, finish))
+
+
+def turns(pairs: list[Pair], n: int) -> None:
+    """`n` turns of the pairs' loop (`run_together`), unless every run stops first."""
+    left = [n]
+
+    def done() -> bool:
+        left[0] -= 1
+        return left[0] < 0
+
+    run_together(pairs, until=done, steps=n + 1)
+
+
+async def _run(pairs: list[Pair], until, steps: int, finish: bool) -> None:
+    clock, step_s = pairs[0].clock, pairs[0].step_s
+    for _ in range(steps):
+        for p in pairs:
+            await p._deliver()
+        if all(p.stopped for p in pairs) or until():
+            break
+        busy: set = set()  # the shared compute slots that computed in this turn
+        for p in pairs:
+            for worker in list(p.workers.values()):
+                if worker.serving and await worker.compute_one(busy):
+                    await p._deliver()
+        clock.now += step_s
+        for p in pairs:
+            for worker in p.workers.values():
+                if worker.shared is not None:
+                    worker.shared[0].timers.fire()  # type: ignore[attr-defined]
+            await p._tick()
+    else:
+        raise AssertionError(f"still running after {steps} turns: "
+                             f"{[p.coordinator.core.samples_applied for p in pairs]} samples "
+                             "applied")
+    for p in pairs:
+        if finish and p.coordinator.stop_reason is not None and not p.finished and not p.killed:
+            await p.finish()
+        await p._offloop_done()

@@ -232,3 +232,32 @@ def test_a_port_in_use_is_one_line_before_anything_is_built(run_cli, monkeypatch
         code, out, err = run_cli(["coordinator", "--job", "digits", "--bind", address])
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert err.startswith(f"idlegrad coordinator: error: cannot bind {address}: Address already in use")
+
+
+def test_a_coordinator_refuses_open_binds_and_bad_keys_in_one_line(run_cli, tmp_path):
+    """(From tests/integration/test_security.py, which keeps one of each with a real process.)
+    Without keys it listens on loopback only; keys that do not go together, a public key given
+    for the secret one, a file for a key folder, a role folder that is not there: one line,
+    status 2, before any socket is opened."""
+    from idlegrad.common import security
+
+    for bind in ("tcp://*:5555", "tcp://0.0.0.0:5555"):
+        result = run_cli(["coordinator", "--job", "digits", "--bind", bind])
+        line = result.one_line_error()
+        assert result.code == 2 and "refusing to listen" in line and "--insecure" in line, line
+    keys = tmp_path / "keys"
+    security.generate("coord", str(keys))
+    secret, public = str(keys / "coord.key_secret"), str(keys / "coord.key")
+    nowhere = str(tmp_path / "nowhere")
+    for args, expected in ((["--secret-key", secret], "go together"),
+                           (["--secret-key", public, "--allow-keys", str(keys)],
+                            "holds no secret key"),
+                           (["--secret-key", secret, "--allow-keys", public],
+                            "no such directory"),  # a file: refused, not made
+                           (["--operator-keys", str(keys)], "--operator-keys needs --secret-key"),
+                           (["--secret-key", secret, "--allow-keys", str(keys),
+                             "--monitor-keys", nowhere], f"--monitor-keys {nowhere}: no such "
+                                                        "directory")):
+        result = run_cli(["coordinator", "--job", "digits", "--bind", "tcp://127.0.0.1:5555",
+                          *args])
+        assert result.code == 2 and expected in result.one_line_error(), (args, result)
