@@ -83,7 +83,7 @@ class Dealer:
                     local = self.locality is not None
                     lease = self._next_for(worker, local)
                     if lease is None and can_open:
-                        can_open = self.rounds.open_round(worker, now)  # one that cannot, stays so
+                        can_open = self.rounds.open_round(worker)  # one that cannot, stays so
                         if can_open:
                             lease = self._next_for(worker, local)
                     if lease is None and local:

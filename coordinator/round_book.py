@@ -36,10 +36,6 @@ from .verified_rows import VerifiedRows
 
 _RECHECK_FLEET = 256  # fleets up to this size look at a newcomer's slots every tick
 _SPREADS_KEPT = 50  # rounds whose slot finish spread the median is taken over
-# A sync round is cut for the workers heard from within this many heartbeats: one killed or
-# stopped is silent long before its eviction (`liveness` beats), and a part cut for it would
-# wait for that, or for speculation, every round until then.
-_PRESENT_BEATS = 1.5
 
 
 @dataclass
@@ -112,28 +108,14 @@ class RoundBook:
             return False
         return not self.sampler.exhausted
 
-    def present(self, now: Optional[float]) -> list[WorkerRecord]:
-        """The active workers a sync round is cut for: those heard from (a heartbeat, a result)
-        within `_PRESENT_BEATS` heartbeats of `now` (every active one when `now` is None). One
-        left out by a late beat sits out a round; one left in while it is silent (killed,
-        stopped) holds the round until speculation or its eviction."""
-        active = self.fleet.active()
-        if now is None:
-            return active
-        quiet = _PRESENT_BEATS * self.config.heartbeat_s
-        return [w for w in active if now - w.last_seen <= quiet] or active
-
-    def open_round(self, worker: Optional[WorkerRecord] = None,
-                   now: Optional[float] = None) -> bool:
+    def open_round(self, worker: Optional[WorkerRecord] = None) -> bool:
         """Open a round at the current version (its leases wait at the back of the queue),
-        from `worker`'s home block with locality. Whether one was opened. `now`: a sync round
-        is cut for the workers `present` then."""
+        from `worker`'s home block with locality. Whether one was opened."""
         if not self.accepting:
             return False
         if len(self.rounds) >= self.open_limit():
             return False
-        present = self.present(now) if self.config.sync else []
-        k = max(1, len(present)) if self.config.sync else self.config.partitions
+        k = max(1, len(self.fleet.active())) if self.config.sync else self.config.partitions
         block = None
         if self.locality is not None and worker is not None:
             block = self.locality.block_for(worker.id, self.sampler.epoch,
@@ -141,7 +123,7 @@ class RoundBook:
         sized: list[WorkerRecord] = []
         shares = None
         if self.config.sync and not self.sampler.replanning:
-            sized = present
+            sized = self.fleet.active()
             shares = self.slot_shares(sized)
         parts = self.sampler.next_round(self.round_batch(k, worker), k, block, shares)
         if parts is None:

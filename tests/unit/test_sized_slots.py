@@ -211,38 +211,3 @@ def test_a_sync_part_late_on_a_slowed_worker_is_speculated_to_one_that_finished(
     assert decoded and decoded[0].samples == 120
     assert fleet.s.stats["slots_speculated"] == 1
 
-
-def test_a_sync_round_is_not_cut_for_a_worker_gone_silent():
-    # c is killed (or SIGSTOPped) mid-round: its part is speculated to a worker that finished.
-    # It is evicted only after `liveness` silent heartbeats (1.8 s here); the rounds opened
-    # meanwhile are cut for the workers heard from lately, not for c, whose part would hold
-    # each of them until speculation again.
-    fleet = SyncFleet(["b", "a", "c"], speculate=True, heartbeat_s=0.6)  # evicted at 1.8 s
-    for _ in range(8):
-        fleet.round()
-    fleet.held.pop("c")  # silent from here on
-    for w in sorted(fleet.held, key=lambda w: SPEED[w] * fleet.held[w].work.samples):
-        task = fleet.held.pop(w)
-        fleet.now += SPEED[w] * task.work.samples
-        fleet.s.seen("a", fleet.now)
-        fleet.s.seen("b", fleet.now)
-        _, actions = fleet.s.result(w, task.slot, SPEED[w] * task.work.samples, fleet.now)
-        assert not fleet._take(actions)  # the round waits for c's part
-    copy = None
-    start = fleet.now
-    while copy is None and fleet.now < start + 2.5:  # ticks, a tenth of a second apart
-        fleet.now += 0.1
-        fleet.s.seen("a", fleet.now)
-        fleet.s.seen("b", fleet.now)
-        for given in assigns(fleet.s.tick(fleet.now)):
-            copy = given
-    assert copy is not None and "c" in fleet.s.workers  # speculated, c not yet evicted
-    fleet.held[copy.worker] = copy
-    fleet.now += 0.05
-    _, actions = fleet.s.result(copy.worker, copy.slot, 0.05, fleet.now)
-    fleet.held.pop(copy.worker)
-    for _ in fleet._take(actions):
-        fleet._take(fleet.s.applied(fleet.s.version + 1, fleet.now))
-    assert "c" in fleet.s.workers and fleet.s.workers["c"].active
-    assert set(fleet.held) == {"a", "b"}  # the next round: parts for a and b only
-    assert sum(t.work.samples for t in fleet.held.values()) == 120
