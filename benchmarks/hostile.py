@@ -24,9 +24,9 @@ once per scenario with one hostile behaviour added, then once with all of them a
 
 The hostile peers are tests/integration/hostile_peers.py (shared with the integration tests):
 real workers with --poison, a real worker whose messages are rewritten (`lie`), and raw ZeroMQ
-clients. They run at nice 19 (an attacker's CPU is its own: on this 2-core machine the honest
-workers and the coordinator should not pay for the attacker's arithmetic), the honest workers at
-normal priority.
+clients. The raw clients run at nice 19 (an attacker's CPU is its own: on this 2-core machine the
+honest workers and the coordinator should not pay for building its floods); every worker
+process, honest or hostile, at normal priority.
 
 Per scenario: `reached` (the coordinator stopped at its target and this benchmark's own
 evaluation of the final checkpoint on the held-out set meets it), `accuracy` (that evaluation),
@@ -76,8 +76,10 @@ COORDINATOR_ARGS = ("--threads", "1", "--heartbeat", "0.5", "--log-level", "info
                     "--min-workers", str(len(HONEST)), "--checkpoint-every", "5",
                     "--target", f"accuracy={TARGET}", "--epochs", "200")
 VERIFY = ("--redundancy", "replicate:2", "--verify-replicas")
-WORKER_ARGS = ("--threads", "1", "--device", "cpu", "--no-idle-policy", "--connect-timeout",
-               "60", "--log-level", "info")
+# every worker, honest or not, at normal priority: a worker at nice 19 on these 2 busy cores
+# gets the CPU only in gaps, a straggler of its own making that sync rounds would wait for
+WORKER_ARGS = ("--threads", "1", "--device", "cpu", "--no-idle-policy", "--no-low-priority",
+               "--connect-timeout", "60", "--log-level", "info")
 PEERS = "tests.integration.hostile_peers"
 ATTACKS = ("fake_eval", "eval_missing_metric", "zero_gradients", "scaled_gradients",
            "tiny_gradients", "two_keys_collude", "compute_s", "name_theft", "ready_flood",
@@ -159,11 +161,9 @@ class Fleet:
         return ["--coordinator-key", self.keys / "coord.key",
                 "--secret-key", self.keys / f"{name}.key_secret"]
 
-    def worker(self, name: str, *extra, key: Optional[str] = None, honest: bool = False):
+    def worker(self, name: str, *extra, key: Optional[str] = None):
         args = ["worker", "--coordinator", self.address, "--id", name, *WORKER_ARGS,
                 *self.key_flags(key or name), *extra]
-        if honest:
-            args.append("--no-low-priority")
         self.procs[name] = self.run.spawn_idlegrad(name, args)
 
     def hostile_worker(self, role: str, *extra, name: Optional[str] = None) -> None:
@@ -292,7 +292,7 @@ def measure(name: str, scenario: Scenario, directory: Path, timeout: float) -> d
                  "--enrolled", run.dir / "enrolled"]
         coordinator = run.spawn_idlegrad("coordinator", args)
         for w in HONEST:
-            fleet.worker(w, honest=True)
+            fleet.worker(w)
         later = start_attacks(fleet, scenario.attacks)
         status = Status(address, keys=client_keys(str(fleet.keys / "coord.key"),
                                                   str(fleet.keys / "monitor.key_secret")))
