@@ -16,7 +16,7 @@ import zmq
 
 from idlegrad.common import security
 from idlegrad.coordinator import enrolment
-from tests.integration.test_invite import _two_free_ports
+from tests.integration.hostile_peers import two_free_ports
 
 MESSAGES, FRAMES, FRAME_BYTES = 4, 70_000, 4000
 
@@ -31,7 +31,7 @@ def rss_mib(pid: int) -> int:
 
 def main() -> None:
     d = Path(tempfile.mkdtemp())
-    port = _two_free_ports()
+    port = two_free_ports()
     for sub in ("keys", "allow"):
         (d / sub).mkdir()
     security.generate("coord", str(d / "keys"))

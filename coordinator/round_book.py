@@ -115,7 +115,10 @@ class RoundBook:
             return False
         if len(self.rounds) >= self.open_limit():
             return False
-        k = max(1, len(self.fleet.active())) if self.config.sync else self.config.partitions
+        # sync: a part for every active worker but one whose late slot is still unanswered
+        # (alive, heart-beating, computing nothing: its part would hold up the round)
+        takers = [w for w in self.fleet.active() if not w.speed.owes] if self.config.sync else []
+        k = max(1, len(takers)) if self.config.sync else self.config.partitions
         block = None
         if self.locality is not None and worker is not None:
             block = self.locality.block_for(worker.id, self.sampler.epoch,
@@ -123,7 +126,7 @@ class RoundBook:
         sized: list[WorkerRecord] = []
         shares = None
         if self.config.sync and not self.sampler.replanning:
-            sized = self.fleet.active()
+            sized = takers
             shares = self.slot_shares(sized)
         parts = self.sampler.next_round(self.round_batch(k, worker), k, block, shares)
         if parts is None:

@@ -153,6 +153,8 @@ class Coordinator:
                 if recv.done():
                     await self._handle_batch(recv.result())
                     recv = asyncio.ensure_future(transport.receive())
+                    if self.stop_reason is not None:
+                        break
                 await self.perform(self.offloop.computed(self.clock()))
                 if self.training.data.pending:  # one pass, at most its byte budget
                     await self.training.data.serve(self.gate.routes, self._send_counted,
@@ -194,6 +196,10 @@ class Coordinator:
             if first is not None:
                 await self.handle(first)
             for i in range(256):  # the periodic work must not wait behind a flood
+                # stopped (a target confirmed): no more results, so the model the run stops
+                # with is the one that met the target, not a round or two past it
+                if self.stop_reason is not None:
+                    break
                 try:
                     frames = transport.waiting()
                 except zmq.Again:

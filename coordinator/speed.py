@@ -33,6 +33,10 @@ class WorkerSpeed:
     size_factor: float = 1.0  # < 1: it keeps missing predictions, so it holds fewer slots
     late: int = 0  # slots of its that turned late past its prediction
     late_streak: int = 0
+    # A slot of its turned late and it has answered nothing since: a --sync round reserves it
+    # no part until it does (round_book.py `open_round`), or one worker that never answers
+    # would hold up every round
+    owes: bool = False
     # Seconds its recent slots that came with a model spent on the link (down and up): from task
     # sent to result arrived, less compute and the wait in its queue. Local tasks size H from it.
     link_times: deque = field(default_factory=lambda: deque(maxlen=8))
@@ -174,13 +178,16 @@ class SpeedModel:
         quarter of its credits), so that a slow machine does not sit on a queue of them."""
         speed.late += 1
         speed.late_streak += 1
+        speed.owes = True
         if speed.late_streak >= 2:
             speed.size_factor = max(0.25, speed.size_factor / 2)
 
     @staticmethod
     def slot_answered(speed: WorkerSpeed, speculated: bool) -> None:
         """A result arrived: the worker regains slots, unless it answers a slot that was late
-        while it is missing predictions (that answer proves nothing about its next slot)."""
+        while it is missing predictions (that answer proves nothing about its next slot).
+        Any answer says it computes: sync rounds cut it a part again."""
+        speed.owes = False
         if not speculated or speed.late_streak == 0:
             speed.late_streak = 0
             speed.size_factor = min(1.0, speed.size_factor * 1.5)

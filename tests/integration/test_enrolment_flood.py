@@ -23,7 +23,7 @@ from idlegrad.common.security import client_keys
 from idlegrad.coordinator import enrolment
 from idlegrad.coordinator.invitations import REFUSALS_PER_WINDOW
 
-from .test_invite import _two_free_ports
+from .hostile_peers import curve_dealer, two_free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -33,18 +33,8 @@ FORGING_SOURCES = 12  # x 3 forgeries: past the window's overall budget (20), sp
 JOIN_TIMEOUT_S = 12
 
 
-def _curve_dealer(ctx: zmq.Context, server_key: bytes, source: str, port: int) -> zmq.Socket:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RECONNECT_IVL, 500)  # cut, it comes back: a flood that renews itself
-    public, secret = zmq.curve_keypair()
-    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_key, public, secret
-    sock.connect(f"tcp://{source}:0;127.0.0.1:{port}")
-    return sock
-
-
 def test_a_valid_join_enrols_through_idle_connections_and_forged_enrolments(cluster):
-    cluster.address = f"tcp://127.0.0.1:{_two_free_ports()}"
+    cluster.address = f"tcp://127.0.0.1:{two_free_ports()}"
     enrol_port = int(cluster.address.rsplit(":", 1)[1]) + 1
     keys, allow, monitors = cluster.dir / "keys", cluster.dir / "allow", cluster.dir / "monitors"
     for d in (keys, allow, monitors):
@@ -74,9 +64,9 @@ def test_a_valid_join_enrols_through_idle_connections_and_forged_enrolments(clus
     ctx = zmq.Context()
     ctx.setsockopt(zmq.MAX_SOCKETS, 4096)
     try:
-        idle = [_curve_dealer(ctx, server_key, "127.0.0.2", enrol_port) for _ in range(IDLE)]
+        idle = [curve_dealer(ctx, server_key, "127.0.0.2", enrol_port) for _ in range(IDLE)]
         time.sleep(1.0)  # their handshakes done: on main, the coordinator now holds them all
-        forgers = [_curve_dealer(ctx, server_key, f"127.0.0.{3 + i}", enrol_port)
+        forgers = [curve_dealer(ctx, server_key, f"127.0.0.{3 + i}", enrol_port)
                    for i in range(FORGING_SOURCES)]
         parsed = parse(token)
         forged = proto.encode(proto.Enrol(invitation=parsed.id, secret="A" * 43))

@@ -15,7 +15,6 @@ import math
 import os
 import socket
 import time
-from typing import Optional
 
 import msgpack
 import pytest
@@ -24,6 +23,7 @@ import zmq
 from idlegrad.common import protocol as proto
 
 from .harness import final_metrics
+from .hostile_peers import hello, packb, recv
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -32,27 +32,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 EPOCHS = 15
 HIDDEN = 4096
 NUMEL = 64 * HIDDEN + HIDDEN + HIDDEN * 10 + 10  # digits' 64-hidden-10 MLP, flat
-
-
-def packb(obj) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def hello(worker_id: str) -> proto.Hello:
-    return proto.Hello(worker_id=worker_id, host="nowhere", cores=1, threads=1, device="cpu",
-                       memory_mb=1, versions={"protocol": str(proto.PROTOCOL_VERSION)})
-
-
-def recv(sock: zmq.Socket, kind: type, timeout: float = 10.0) -> Optional[proto.Message]:
-    """The next message of `kind` on `sock` within `timeout`, skipping others; None if none."""
-    end = time.monotonic() + timeout
-    while (left := end - time.monotonic()) > 0:
-        if not sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-            break
-        msg = proto.decode(sock.recv_multipart())
-        if isinstance(msg, kind):
-            return msg
-    return None
 
 
 def zmtp_huge_frame() -> bytes:

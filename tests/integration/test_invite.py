@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,26 +21,10 @@ from idlegrad.common.invitation import parse
 from idlegrad.common.security import client_keys
 
 from .harness import DEADLINE
+from .hostile_peers import two_free_ports
 from .test_security import keys_generate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
-
-
-def _two_free_ports() -> int:
-    """A port whose successor (the enrolment endpoint) is free too."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise AssertionError("no two adjacent free ports")
 
 
 def idlegrad(env: dict, *args: str) -> subprocess.CompletedProcess:
@@ -50,7 +33,7 @@ def idlegrad(env: dict, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_invite_join_train_refuse_replay_expiry_forgery_and_restart(cluster):
-    cluster.address = f"tcp://127.0.0.1:{_two_free_ports()}"
+    cluster.address = f"tcp://127.0.0.1:{two_free_ports()}"
     keys, allow, monitors = cluster.dir / "keys", cluster.dir / "allow", cluster.dir / "monitors"
     enrolled = cluster.dir / "enrolled"
     allow.mkdir()

@@ -211,3 +211,34 @@ def test_a_sync_part_late_on_a_slowed_worker_is_speculated_to_one_that_finished(
     assert decoded and decoded[0].samples == 120
     assert fleet.s.stats["slots_speculated"] == 1
 
+
+def test_a_sync_round_reserves_no_part_for_a_worker_still_holding_a_late_one():
+    """A worker that stays alive but never answers (a hostile key asking for slots it never
+    computes, benchmarks/hostile.py `ready_flood`): once its late part was speculated and the
+    round decoded, the next rounds are cut for the others until it answers something. Before,
+    every round cut it a part again and waited for that part to turn late."""
+    fleet = SyncFleet(["b", "a"], speculate=True)
+    for _ in range(8):
+        fleet.round()
+    fleet.held.pop("b")  # alive, heart-beating, never answering
+    task = fleet.held.pop("a")
+    fleet.now += SPEED["a"] * task.work.samples
+    fleet.s.result("a", task.slot, SPEED["a"] * task.work.samples, fleet.now)
+    copy = None
+    for _ in range(40):
+        fleet.now += 0.1
+        fleet.s.seen("b", fleet.now)
+        copy = next(iter(assigns(fleet.s.tick(fleet.now))), None)
+        if copy is not None:
+            break
+    assert copy is not None and copy.worker == "a"
+    fleet.now += 0.5
+    _, actions = fleet.s.result("a", copy.slot, 0.5, fleet.now)
+    assert [a for a in actions if isinstance(a, Decoded)]
+    actions = fleet.s.applied(fleet.s.version + 1, fleet.now)
+    # the next round: all of it on a, which answers alone, well before b's deadline
+    given = assigns(actions)
+    assert [t.worker for t in given] == ["a"] and given[0].work.samples == 120, given
+    fleet.now += 1.0
+    _, actions = fleet.s.result("a", given[0].slot, 1.0, fleet.now)
+    assert [a for a in actions if isinstance(a, Decoded)]
