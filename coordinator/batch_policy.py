@@ -8,8 +8,9 @@ steps, each of them noisier than it needs to be, and, on a fleet, more rounds (e
 fixed costs: a model sent, a decode, a step). The policy here lets the round batch grow towards
 B_simple as it is measured:
 
-- never below the job's batch B0 (the base), never above MAX (`adaptive:MAX`, and `--max-batch`)
-  nor above what the fleet computes in `ROUND_S` seconds at its measured samples/s;
+- never below the job's batch B0 (the base); it grows no further than MAX (`adaptive:MAX`, and
+  `--max-batch`) nor than what the fleet computes in `ROUND_S` seconds at its measured
+  samples/s (a fleet that shrinks brings it down, halving per change);
 - smoothly: a change at most doubles or halves the batch, and lands on a multiple of the
   round's partitions (or of the workers of a synchronous round);
 - with hysteresis: the target must stand more than `BAND` away from the batch for `PATIENCE`
@@ -194,12 +195,15 @@ class BatchPolicy:
             new = int(goal // m) * m
             if new <= batch:  # the multiple is too coarse for this step: the step itself
                 new = int(goal)
-        else:
-            goal = max(target, batch / self.step)
-            new = int(math.ceil(goal / m)) * m
-            if new >= batch:
-                new = int(math.ceil(goal))
-        return int(max(self.base, min(new, int(upper))))
+            return max(self.base, new)
+        # Down (the noise scale fell, or the fleet's capacity did): halving at most, even below
+        # a capacity that dropped at once (its estimate moves with churn); to the base itself
+        # rather than to a multiple above it.
+        goal = max(target, batch / self.step)
+        new = int(math.ceil(goal / m)) * m
+        if new >= batch:
+            new = int(math.ceil(goal))
+        return self.base if goal <= self.base else max(self.base, new)
 
     def state_dict(self) -> dict:
         return {"base": self.base, "batch": self.batch, "streak": self.streak,

@@ -433,7 +433,7 @@ class RoundCore:
         staleness = self.backend.version - decoded.version
         out: list = []
         if self.batching.adaptive and hasattr(self.backend, "lr_factor"):
-            self.backend.lr_factor = self.batching.factor(  # type: ignore[attr-defined]
+            self.backend.lr_factor = self.batching.factor(
                 decoded.samples, self.noise.gradient_sq, self.noise.trace)
         try:
             weight = self.backend.apply(terms, norms, decoded.samples, decoded.version,
