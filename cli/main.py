@@ -158,6 +158,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-batch", type=_positive(int), metavar="N",
                    help="cap on a round's batch; surplus workers buy redundancy and more open "
                         "rounds (default: the job's batch size)")
+    c.add_argument("--batch", default="fixed", metavar="fixed|adaptive[:MAX]",
+                   help="the round batch: fixed (the job's batch size) or adaptive: grown "
+                        "towards the measured gradient noise scale, never below the job's "
+                        "batch, at most MAX (and --max-batch) and what the fleet computes in "
+                        "10 s, at most doubled per change (default: fixed)")
+    c.add_argument("--batch-lr", default="auto",
+                   choices=["auto", "sqrt", "adascale", "linear", "none"],
+                   help="with --batch adaptive, the learning rate of a step of B samples, "
+                        "B0 the job's batch: sqrt (lr*sqrt(B/B0)), linear (lr*B/B0), adascale "
+                        "(lr times AdaScale's gain from the noise estimates, within 1..B/B0) "
+                        "or none; auto: adascale for SGD, sqrt for Adam and any other "
+                        "optimizer. The job's schedule counts samples/B0 (default: auto)")
     c.add_argument("--no-speculate", dest="speculate", action="store_false",
                    help="do not duplicate late tasks to free workers")
     c.add_argument("--task", default="gradient", metavar="KIND",
@@ -403,7 +415,8 @@ def _run_coordinator(args) -> int:
         eval_on=args.eval_on, settle_on=args.settle_on, min_deadline_s=args.task_timeout,
         threads=args.threads, pause_grace_s=args.pause_grace,
         redundancy=str(parse_redundancy(args.redundancy)), mode=args.mode,
-        max_batch=args.max_batch, speculate=args.speculate, secret_key=args.secret_key,
+        max_batch=args.max_batch, batch=args.batch, batch_lr=args.batch_lr,
+        speculate=args.speculate, secret_key=args.secret_key,
         allow_keys=args.allow_keys, monitor_keys=args.monitor_keys,
         operator_keys=args.operator_keys, enrolled=args.enrolled, insecure=args.insecure,
         ledger_path=args.ledger,

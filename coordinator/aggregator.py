@@ -19,7 +19,12 @@ moves as it would have with the gradient fresh. How that is done depends on the 
 
 The job's recipe acts here too: the round's mean gradient is clipped to the job's global norm
 before it is weighted (so the same whatever the code that decoded it: every code decodes the
-same mean), and the job's learning-rate schedule is stepped once per step taken.
+same mean), and the job's learning-rate schedule is stepped once per step taken, or, with
+`progress_base` B0 set (`--batch adaptive`), once per B0 samples applied: a step of B samples
+advances it B / B0 steps (fractions carried), so the schedule counts base-batch steps. The
+step's learning rate is the schedule's times `lr_factor` (set before each step by the round
+core, from the batch rule: batch_policy.py), restored after the step so the schedule never
+sees it.
 
 With `--delay-compensation` the round's mean gradient is corrected towards the gradient at the
 current model (coordinator/compensation.py) before clipping and weighting; `mean_square` (the
@@ -67,6 +72,11 @@ class Aggregator:
         self.mean_square: Optional[float] = None
         self._weigh = _weighing_for(optimizer)
         self.compensator = DelayCompensator(compensation)
+        self.lr_factor = 1.0  # the next step's learning rate is the schedule's times this
+        # the schedule counts base-batch steps of this many samples (None: optimizer steps)
+        self.progress_base: Optional[int] = None
+        self.progress = 0.0  # base-batch steps applied (with progress_base)
+        self.schedule_steps = 0  # the schedule's steps taken for them
 
     def weight_for(self, round_version: int) -> Optional[float]:
         return self.rule.weight(self.version - round_version)
@@ -132,11 +142,44 @@ class Aggregator:
             self.clipped += 1
         if weight != 1.0:
             self._weigh(self.optimizer, self.model.grads, weight)
-        self.optimizer.step()
-        if self.schedule is not None:
-            self.schedule.step()
+        self._step()
+        self._advance_schedule(samples)
         self.version += 1
         return weight
+
+    def _step(self) -> None:
+        """The optimizer's step, at `lr_factor` times each group's learning rate."""
+        factor = self.lr_factor
+        if factor == 1.0:
+            self.optimizer.step()
+            return
+        groups = self.optimizer.param_groups
+        kept = [group["lr"] for group in groups]
+        try:
+            for group, lr in zip(groups, kept):
+                group["lr"] = lr * factor
+            self.optimizer.step()
+        finally:
+            for group, lr in zip(groups, kept):
+                group["lr"] = lr
+
+    def _advance_schedule(self, samples: int) -> None:
+        if self.schedule is None:
+            return
+        if self.progress_base is None:
+            self.schedule.step()
+            return
+        self.progress += samples / self.progress_base
+        while self.schedule_steps < math.floor(self.progress + 1e-9):
+            self.schedule.step()
+            self.schedule_steps += 1
+
+    def progress_state(self) -> dict:
+        return {"progress": self.progress, "schedule_steps": self.schedule_steps}
+
+    def load_progress_state(self, state: dict) -> None:
+        self.progress = float(state.get("progress", 0.0))
+        self.schedule_steps = int(state.get("schedule_steps", 0))
 
 
 def merge_buffers(current: torch.Tensor, states: Sequence[tuple[torch.Tensor, float]],

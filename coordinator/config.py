@@ -14,6 +14,7 @@ from ..common import security
 from ..common.coding import Redundancy
 from ..common.errors import ConfigError, JobError
 from . import local
+from .batch_policy import BatchSetting, parse_batch, parse_lr_rule
 from .budgets import BudgetConfig
 from .staleness import (NO_COMPENSATION, DelayCompensation, StalenessRule,
                         parse_delay_compensation)
@@ -62,6 +63,10 @@ class CoordinatorConfig:
     # the other settings ask for asynchronous ones
     mode: str = "auto"
     max_batch: Optional[int] = None  # cap on a round's batch
+    # fixed (the job's batch) | adaptive[:MAX] (towards the gradient noise scale: batch_policy.py)
+    batch: str = "fixed"
+    # the learning rate of a step of a larger batch: auto | sqrt | adascale | linear | none
+    batch_lr: str = "auto"
     speculate: bool = True  # duplicate late slots to free workers
     secret_key: Optional[str] = None  # CURVE: this coordinator's NAME.key_secret file
     allow_keys: Optional[str] = None  # CURVE: directory of the workers' NAME.key files
@@ -106,6 +111,7 @@ class Checked:
     keys: Optional[KeyLists]  # CURVE: who holds which role; None without keys
     compensation: DelayCompensation = NO_COMPENSATION  # --delay-compensation, parsed
     mode: Mode = Mode(False, "--async")  # synchronous or asynchronous rounds, and why
+    batch: BatchSetting = BatchSetting()  # --batch, parsed
 
     @property
     def allowed(self) -> Optional[frozenset[bytes]]:
@@ -133,6 +139,7 @@ def check(config: CoordinatorConfig) -> Checked:
                         verify_replicas=config.verify_replicas, partitions=config.partitions,
                         open_rounds=config.open_rounds, compensation=compensation.on)
     local.check_redundancy(task_mode, redundancy, mode.sync)
+    batch = _check_batch(config, task_mode)
     # the scheduler's own rules between its options, before the job is built (the real
     # SchedulerConfig needs the job's batch size)
     SchedulerConfig(batch_size=1, redundancy=redundancy, sync=mode.sync,
@@ -150,7 +157,19 @@ def check(config: CoordinatorConfig) -> Checked:
                           f"{str(config.settle_on)[:40]!r}")
     _check_paths(config)
     _check_data(config)
-    return Checked(task_mode, redundancy, keypair, keys, compensation, mode)
+    return Checked(task_mode, redundancy, keypair, keys, compensation, mode, batch)
+
+
+def _check_batch(config: CoordinatorConfig, task_mode: TaskMode) -> BatchSetting:
+    batch = parse_batch(config.batch)
+    parse_lr_rule(config.batch_lr)
+    if batch.adaptive and task_mode.local:
+        raise ConfigError("--batch adaptive grows rounds of gradients: local tasks are sized by "
+                          "their steps (use it with --task gradient)")
+    if not batch.adaptive and config.batch_lr != "auto":
+        raise ConfigError(f"--batch-lr {config.batch_lr} scales the learning rate of a larger "
+                          "batch: it needs --batch adaptive")
+    return batch
 
 
 def _check_paths(config: CoordinatorConfig) -> None:

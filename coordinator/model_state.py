@@ -82,6 +82,15 @@ class ModelState:
     def mean_square(self) -> Optional[float]:
         return self.aggregator.mean_square
 
+    @property
+    def lr_factor(self) -> float:
+        """The next step's learning-rate factor (--batch adaptive: the round core sets it)."""
+        return self.aggregator.lr_factor
+
+    @lr_factor.setter
+    def lr_factor(self, factor: float) -> None:
+        self.aggregator.lr_factor = factor
+
     def merge_buffers(self, states: Sequence[tuple[torch.Tensor, int]], weight: float) -> None:
         model = self.model
         if model.buffers:
@@ -189,6 +198,8 @@ class ModelState:
                  "optimizer": self.optimizer.state_dict()}
         if self.schedule is not None:
             state["schedule"] = self.schedule.state_dict()
+            # base-batch steps counted (--batch adaptive), so a resumed schedule is where it was
+            state["schedule_progress"] = self.aggregator.progress_state()
         return state
 
     def load(self, state: dict, with_optimizer: bool) -> None:
@@ -204,6 +215,8 @@ class ModelState:
             if self.schedule is not None:
                 if "schedule" in state:
                     self.schedule.load_state_dict(state["schedule"])
+                    if isinstance(state.get("schedule_progress"), dict):
+                        self.aggregator.load_progress_state(state["schedule_progress"])
                 else:
                     log.warning("the checkpoint holds no learning-rate schedule: the job's "
                                 "schedule starts from its beginning")

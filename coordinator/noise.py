@@ -132,6 +132,24 @@ class NoiseScale:
             return None
         return max(0.0, trace) / gradient_sq
 
+    def state_dict(self) -> dict:
+        """The estimator's state, for checkpoints (plain numbers): a resumed run measures on
+        from where it was, rather than from no rounds."""
+        last = self.last
+        return {"smoothing": self.smoothing, "rounds": self.rounds,
+                "gradient_sq": self._gradient_sq, "trace": self._trace,
+                "last": None if last is None else [last.gradient_sq, last.trace, last.slots,
+                                                   last.samples]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.smoothing = float(state.get("smoothing", self.smoothing))
+        self.rounds = int(state.get("rounds", 0))
+        self._gradient_sq = float(state.get("gradient_sq", 0.0))
+        self._trace = float(state.get("trace", 0.0))
+        last = state.get("last")
+        self.last = (None if last is None else
+                     RoundNoise(float(last[0]), float(last[1]), int(last[2]), int(last[3])))
+
     def summary(self) -> dict:
         """For the status snapshot and the metrics log (plain numbers: msgpack and JSON)."""
         def rounded(value: Optional[float]) -> Optional[float]:

@@ -75,6 +75,8 @@ class RoundBook:
         self.rounds_at: Counter[int] = Counter()  # open rounds per model version
         self.speculating = config.speculating
         self.last_code = "none"  # the code of the newest round
+        # the batch of new rounds when it is not the job's (--batch adaptive: batch_policy.py)
+        self.batch: Optional[int] = None
         self.last_costs: dict[str, float] = {}  # adaptive: the predictions behind the choice
         self._choice: tuple[Redundancy, int] = (Redundancy(), -1)  # adaptive: choice, at obs #
         self._choice_key: tuple[int, int] = (0, 0)
@@ -193,7 +195,7 @@ class RoundBook:
             speed = worker.speed if worker is not None else WorkerSpeed()
             return k * self.task_mode.slot_samples(speed.s_per_sample, self.config.batch_size,
                                                    speed.link_s)
-        batch = self.config.batch_size
+        batch = self.batch or self.config.batch_size
         if self.config.max_batch:
             batch = max(1, min(batch, self.config.max_batch))
         return batch

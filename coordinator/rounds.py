@@ -25,7 +25,9 @@ each with the samples its slot covers, and the round's staleness weight (the rul
 backend's: coordinator/aggregator.py's `merge_buffers`). A backend with tensors may say
 `mean_square`: the squared norm of the mean gradient its last `apply` stepped with, before
 clipping and weighting (None when it stepped with none); the noise scale (noise.py) is measured
-only where it does.
+only where it does. With `--batch adaptive` (batch_policy.py) the core moves the batch of new
+rounds towards the measured noise scale after each measured round, and, where the backend has
+a settable `lr_factor`, sets it before each step to the rule's factor for that round's samples.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from .credits import shares
 from .effects import (Applied, Ban, Compute, Contribution, Effect, Evaluated, Event, Joined,
                       Refused, Replanned, Used)
 from .eval_slots import EvalShape, WorkerEvaluation
+from .batch_policy import Batching, BatchSetting
 from .noise import NoiseScale, round_estimate
 from .scheduler import Action, CompareCopies, Decoded, Drained, Evicted, Scheduler
 from .slots import Assign, CancelSlots, SlotWork, Stored
@@ -78,9 +81,11 @@ class RoundCore:
     key, or its worker id without keys): the driver names it when the worker joins."""
 
     def __init__(self, scheduler: Scheduler, backend: Backend, trust: TrustPolicy,
-                 samples_applied: int = 0, settle_on_workers: bool = False):
+                 samples_applied: int = 0, settle_on_workers: bool = False,
+                 batching: Optional[Batching] = None):
         """`settle_on_workers`: a suspect or a disagreement is computed by a third worker
-        rather than here (verify.py)."""
+        rather than here (verify.py); `batching`: the batch policy and learning-rate rule
+        (None: the job's fixed batch)."""
         self.scheduler = scheduler
         self.backend = backend
         self.trust = trust
@@ -96,6 +101,10 @@ class RoundCore:
         self.settlement.on_workers = settle_on_workers
         self.evaluation: Optional[WorkerEvaluation] = None  # the one handed to workers, if any
         self.noise = NoiseScale()  # the gradient noise scale, from the applied rounds (noise.py)
+        self.batching = batching if batching is not None else Batching(
+            BatchSetting(), "none", scheduler.config.batch_size)
+        if self.batching.adaptive:
+            scheduler.set_batch(self.batching.batch)  # a resumed policy's batch
         self._acts: dict[type, Callable[[Any, float], list]] = {
             Decoded: self._apply, CompareCopies: self.settlement.compare,
             Drained: self._drained, Evicted: self._evicted}
@@ -423,6 +432,9 @@ class RoundCore:
             store.pop(slot, None)
         staleness = self.backend.version - decoded.version
         out: list = []
+        if self.batching.adaptive and hasattr(self.backend, "lr_factor"):
+            self.backend.lr_factor = self.batching.factor(
+                decoded.samples, self.noise.gradient_sq, self.noise.trace)
         try:
             weight = self.backend.apply(terms, norms, decoded.samples, decoded.version,
                                         self.scheduler.version_in_use)
@@ -443,12 +455,30 @@ class RoundCore:
             self.rate.append((now, self.samples_applied))
             mean_square = getattr(self.backend, "mean_square", None)  # optional (above)
             if observed and mean_square is not None:
-                self.noise.observe(round_estimate(
-                    observed, [part[2] for part in decoded.parts], mean_square))
+                estimate = round_estimate(observed, [part[2] for part in decoded.parts],
+                                          mean_square)
+                self.noise.observe(estimate)
+                if estimate is not None:
+                    out += self._rebatch()
             out.append(Applied(decoded.round, self.backend.version, decoded.parts,
                                decoded.samples, staleness, weight, len(terms), decoded.slots,
                                credits))
         return out + self._interpret(self.scheduler.applied(self.backend.version, now), now)
+
+    def _rebatch(self) -> list:
+        """After a measured round: the batch of new rounds, as the policy now has it."""
+        scheduler = self.scheduler
+        before = scheduler.batch
+        batch = self.batching.observe(self.noise.b_simple, scheduler.fleet_rate(),
+                                      scheduler.round_multiple())
+        if batch is None:
+            return []
+        scheduler.set_batch(batch)
+        self.counters["batch_changes"] += 1
+        b_simple = self.noise.b_simple
+        return [Event("batch", f"round batch {before} -> {batch} (noise scale "
+                               f"{'-' if b_simple is None else f'{b_simple:.0f}'}; learning "
+                               f"rate by {self.batching.rule})")]
 
     @staticmethod
     def _used(decoded: Decoded) -> list[int]:

@@ -209,6 +209,34 @@ class Scheduler:
     def finished(self) -> bool:
         return self.sampler.exhausted and not self.book.rounds
 
+    @property
+    def batch(self) -> int:
+        """The batch new rounds of gradient tasks are planned with (before --max-batch)."""
+        return self.book.batch or self.config.batch_size
+
+    def set_batch(self, batch: int) -> None:
+        """Plan new rounds of `batch` samples (rounds open now keep theirs): --batch adaptive."""
+        if batch < 1:
+            raise ValueError("a round's batch is at least 1")
+        self.book.batch = None if batch == self.config.batch_size else int(batch)
+
+    def fleet_rate(self) -> Optional[float]:
+        """The active workers' samples per second as the speed model predicts them (workers
+        not yet measured count at the fleet's mean); None before any is measured."""
+        rate = 0.0
+        for worker in self.fleet.active():
+            prediction = self.speed.prediction(worker.speed)
+            if prediction is not None and prediction[0] > 0:
+                rate += 1.0 / prediction[0]
+        return rate or None
+
+    def round_multiple(self) -> int:
+        """What a round's batch is cut into: a part per active worker in synchronous rounds,
+        else the partitions."""
+        if self.config.sync:
+            return max(1, len(self.fleet.active()))
+        return max(1, self.config.partitions)
+
     def version_in_use(self, version: int) -> bool:
         """Whether an open round or side lease was planned at `version` (it needs that model)."""
         return self.book.rounds_at[version] > 0 or self.side_work.in_use(version)

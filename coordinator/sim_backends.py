@@ -124,6 +124,18 @@ class RealGradients:
     def mean_square(self) -> Optional[float]:
         return self.aggregator.mean_square
 
+    @property
+    def lr_factor(self) -> float:
+        return self.aggregator.lr_factor
+
+    @lr_factor.setter
+    def lr_factor(self, factor: float) -> None:
+        self.aggregator.lr_factor = factor
+
+    @property
+    def optimizer_name(self) -> str:
+        return type(self.aggregator.optimizer).__name__
+
     def apply(self, terms, norms, samples: int, round_version: int, in_use) -> Optional[float]:
         weight = self.aggregator.apply_terms(terms, samples, round_version, norms,
                                              self.snapshots.get(round_version))

@@ -54,6 +54,8 @@ class SimConfig:
     locality: bool = True  # sharded data: the shard-aware order and the scheduler's preference
     shuffle_window: int = 4  # shards whose samples are shuffled together
     cache_shards: Optional[int] = None  # shards a worker's cache keeps; None: no limit
+    batch: str = "fixed"  # fixed | adaptive[:MAX] (batch_policy.py; real gradients measure noise)
+    batch_lr: str = "auto"  # the learning-rate rule of --batch adaptive
 
 
 @dataclass

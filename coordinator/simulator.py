@@ -91,6 +91,7 @@ from .sampler import Sampler
 from .effects import Ban
 from .scheduler import Assign, CancelSlots, Drained, Evicted, Scheduler, SchedulerConfig
 from .sim_backends import CostlessGradients, RealGradients
+from .batch_policy import Batching, parse_batch, resolve_lr_rule
 from .sim_config import CoordinatorCosts, ModeResult, SimConfig
 from .sim_fleet import (FLEET_MIX, Churn, SimData, SimWorker, WorkerSpec, fleet_from_csv,
                         lognormal_fleet, mixed_fleet, parse_churn, sessions_from_trace)
@@ -141,7 +142,15 @@ class Simulation(WorkerSide):
             task_mode=parse_task(config.task),
             locality=Locality(data.order, group_for(redundancy_policy)) if sharded else None)
         # the server's own round core: the same decode, step, replan, compare and settle
-        self.core = RoundCore(self.scheduler, self.gradients, TrustPolicy(TrustConfig()))
+        setting = parse_batch(config.batch)
+        batching = Batching(setting, resolve_lr_rule(
+            config.batch_lr, getattr(self.gradients, "optimizer_name", "SGD")),
+            self.gradients.batch_size)
+        aggregator = getattr(self.gradients, "aggregator", None)
+        if setting.adaptive and aggregator is not None:
+            aggregator.progress_base = self.gradients.batch_size  # the schedule counts samples
+        self.core = RoundCore(self.scheduler, self.gradients, TrustPolicy(TrustConfig()),
+                              batching=batching)
         # ... and its run core: evaluations (on the workers' evaluation slots), target and stop
         self.run_core = RunCore(
             self.core, WORKERS if self.gradients.sums_evaluable else COORDINATOR,

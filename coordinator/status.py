@@ -162,6 +162,8 @@ def coordinator_snapshot(training, now: float, cursor: int = 0, stopping: bool =
         "evaluation": evaluation_summary(core.evaluation, scheduler),
         # the gradient noise scale, measured from the applied rounds (noise.py)
         "noise": core.noise.summary(),
+        # the round batch: now, the job's, and the learning-rate rule (batch_policy.py)
+        "batch": core.batching.summary(),
     }
     staleness = config.staleness
     compensator = training.model.aggregator.compensator

@@ -32,6 +32,7 @@ from ..common.job import (build, build_schedule, epoch_order, eval_size, evaluat
 from ..common.permutation import ShardOrder, epoch_blocks
 from ..common.job import FlatModel, job_differences
 from . import checkpoint, dataplane, outer
+from .batch_policy import Batching, resolve_lr_rule
 from .effects import Applied
 from .rates import AppliedRates
 from .config import Checked, CoordinatorConfig, naming_job_args
@@ -155,8 +156,17 @@ class Training:
             self.sampler, version=version, next_id=next_id, task_mode=self.task_mode,
             locality=Locality(self.order, group_for(checked.redundancy)) if sharded else None)
         self.eval_choice = self._choose_eval_on()
+        batching = Batching(checked.batch, resolve_lr_rule(config.batch_lr,
+                                                           type(optimizer).__name__),
+                            job.batch_size, config.max_batch)
+        if batching.adaptive:  # the job's schedule counts base-batch steps (aggregator.py)
+            self.model.aggregator.progress_base = job.batch_size
+        if state is not None:
+            batching.load_state_dict(state.get("batching"))
         self.core = RoundCore(scheduler, self.model, self._trust(), samples_applied=samples,
-                              settle_on_workers=self.settle_on == "workers")
+                              settle_on_workers=self.settle_on == "workers", batching=batching)
+        if state is not None and isinstance(state.get("noise"), dict):
+            self.core.noise.load_state_dict(state["noise"])
         # saved with the model, so that after a crash they are the checkpoint's, as the samples
         self.credits = Credits.from_state(state.get("credits") if state is not None else None)
         self.run = RunCore(self.core, self.eval_on, self.eval_parts(), config.eval_every,
@@ -401,7 +411,7 @@ class Training:
             "metrics": self.metrics, "workers": len(self.scheduler.workers),
             "samples_per_s": round(core.samples_per_s(now), 2),
             "bytes_per_sample": self.bytes_per_sample(), "task": str(self.task_mode),
-            "noise": core.noise.summary(),
+            "noise": core.noise.summary(), "batch": core.batching.summary(),
             "mode": self.mode.name, "slot_spread": self.scheduler.slot_spread,
             **({"data": self.data.summary()} if self.data.service is not None else {}),
             **({"snapshots": self.data.snapshots_summary()}
@@ -493,6 +503,9 @@ class Training:
             "elapsed": self.elapsed(now),
             "metrics": dict(self.metrics),
             "credits": self.credits.state_dict(),
+            # the batch policy and the noise estimates it follows (--batch adaptive)
+            "batching": self.core.batching.state_dict(),
+            "noise": self.core.noise.state_dict(),
         }
         try:
             path = checkpoint.save(self.config.checkpoint_dir, state)

@@ -176,6 +176,9 @@ def header(snap: Optional[dict], connection: Union[str, Text] = "", lost: bool =
     b_simple = noise_b_simple(snap)
     if b_simple is not None:
         line2.append(f"noise scale {number(b_simple, 1)}")
+    batch = batch_header(snap)
+    if batch:
+        line2.append(batch)
     line2.append(f"elapsed {duration(snap.get('elapsed_s'))}")
     text = Text.assemble(line1, "\n", gap.join(line2))
     if connection:
@@ -433,6 +436,47 @@ def noise_line(snap: dict) -> str:
     return f"{text}, over {number(rounds)} rounds"
 
 
+def _batch(snap: Optional[dict]) -> Optional[dict]:
+    """The snapshot's batch field when its figures are whole numbers of samples (untrusted)."""
+    batch = snap.get("batch") if isinstance(snap, dict) else None
+    if not isinstance(batch, dict):
+        return None
+    if not all(isinstance(batch.get(k), int) and not isinstance(batch.get(k), bool)
+               and 0 < batch[k] < 10 ** 12 for k in ("batch", "base")):
+        return None
+    return batch
+
+
+def batch_header(snap: Optional[dict]) -> str:
+    """The top header's batch: the round batch now, and, when it is adaptive, the rule."""
+    batch = _batch(snap)
+    if batch is None:
+        return ""
+    if batch.get("adaptive") is not True:
+        return f"batch {number(batch['batch'])}"
+    return f"batch {number(batch['batch'])} (adaptive, lr {shown(str(batch.get('rule')), 12)})"
+
+
+def batch_line(snap: dict) -> str:
+    """The round batch for `idlegrad status`: now, against the job's, and the learning-rate
+    rule with its last factor."""
+    batch = _batch(snap)
+    if batch is None:
+        return "-"
+    now, base = batch["batch"], batch["base"]
+    if batch.get("adaptive") is not True:
+        return f"{number(now)} (fixed: the job's)"
+    text = f"{number(now)} (adaptive from {number(base)}: {number(now / base, 2)}x"
+    cap = batch.get("max")
+    if _finite(cap) and cap > 0:
+        text += f", at most {number(cap)}"
+    factor = batch.get("lr_factor")
+    text += f"; lr by {shown(str(batch.get('rule')), 12)}"
+    if _finite(factor):
+        text += f", x{number(factor, 3)}"
+    return text + ")"
+
+
 def mode_line(snap: dict) -> str:
     """Which rounds run and why (coordinator/mode.py), and how close together a round's slots
     finish (the spread of their finish times over the round's time; untrusted: checked)."""
@@ -463,6 +507,7 @@ def summary_rows(snap: dict) -> list[tuple[str, str]]:
         ("elapsed", duration(snap.get("elapsed_s"))),
         ("workers", workers_count(snap)),
         ("noise scale", noise_line(snap)),
+        ("batch", batch_line(snap)),
         ("rounds", mode_line(snap)),
     ]
     trust = snap.get("trust")
