@@ -91,6 +91,9 @@ class RoundCore:
         self.trust = trust
         self.store: dict[int, Stored] = {}  # slot -> its arrived result, while its round is open
         self.identities: dict[str, str] = {}  # worker id -> its identity
+        # worker id -> when its last answer arrived: a worker computes its slots one after
+        # another, so two slots held at once are credited no more than the time they took
+        self.answered_at: dict[str, float] = {}
         self.identity_names: dict[str, str] = {}  # identity -> the worker id it last used
         self.counters: Counter[str] = Counter()
         self._job_errors: dict[str, str] = {}  # worker -> the last error its job raised, as told
@@ -195,7 +198,7 @@ class RoundCore:
         out = []
         if not accepted:
             self.counters["eval_results_dropped"] += 1
-        elif evaluation.answer(slot, sums, measured(compute_s, since, now)):
+        elif evaluation.answer(slot, sums, self._computed(worker_id, compute_s, since, now)):
             self.evaluation = None
             out.append(Evaluated(evaluation.version, evaluation.samples, evaluation.metrics(),
                                  evaluation.seconds(len(self.scheduler.workers))))
@@ -305,7 +308,8 @@ class RoundCore:
     def _result(self, worker_id: str, slot: int, gradient: Any, norm: float, compute_s: float,
                 now: float, waited_s: float, samples: int, loss: float, buffers: Any) -> list:
         identity = self.identity(worker_id)
-        compute_s = measured(compute_s, self.scheduler.held_since(worker_id, slot), now)
+        compute_s = self._computed(worker_id, compute_s,
+                                   self.scheduler.held_since(worker_id, slot), now)
         if slot in self.scheduler.side:  # a third worker's computation, to settle a dispute
             return self.settlement.answered(worker_id, identity, slot, gradient, norm, now)
         scale = self.scheduler.slot_scale(worker_id, slot)
@@ -385,6 +389,17 @@ class RoundCore:
         work = self.scheduler.slot_work(slot_id)
         return None if work is None else Compute(slot_id, work)
 
+    def _computed(self, worker_id: str, reported_s: float, since: Optional[float],
+                  now: float) -> float:
+        """The compute seconds credited for a slot held since `since`: at most the time since it
+        was dealt, or since the worker's previous answer if that came later (`answered_at`)."""
+        previous = self.answered_at.get(worker_id)
+        if since is not None and previous is not None:
+            since = max(since, min(previous, now))
+        if since is not None:
+            self.answered_at[worker_id] = now
+        return measured(reported_s, since, now)
+
     def _leave(self, worker_id: str, reason: str, now: float) -> list:
         if worker_id not in self.scheduler.workers:
             return []
@@ -416,6 +431,7 @@ class RoundCore:
 
     def _evicted(self, action: Evicted, now: float) -> list[Effect]:
         self.identities.pop(action.worker, None)
+        self.answered_at.pop(action.worker, None)
         slots = "slot" if action.requeued == 1 else "slots"
         return [Event("leave", f"{action.worker} left ({action.reason}); {action.requeued} {slots} "
                                "requeued", action.worker), action]

@@ -268,6 +268,17 @@ def test_credited_compute_seconds_are_at_most_the_time_the_slot_was_out():
     assert [c.compute_s for c in applied.credits] == [0.3]  # an honest report stands
 
 
+def test_two_slots_held_at_once_are_credited_no_more_than_the_time_both_took():
+    rounds, _ = cores(samples=400)
+    rounds.join("w", {}, "w", 10.0)
+    first, second = [a for a in rounds.ready("w", 2, 10.0) if isinstance(a, Assign)]
+    credited = []
+    for task, now in ((first, 12.0), (second, 13.0)):  # each claims all the time it was out
+        out = rounds.result("w", task.slot, [torch.ones(1) * 4.0], 4.0, now - 10.0, now, samples=4)
+        credited += [c.compute_s for e in out if isinstance(e, Applied) for c in e.credits]
+    assert credited == [2.0, 1.0]  # 3 s of compute in 3 s, not 2 + 3
+
+
 def test_an_evaluations_compute_seconds_are_bounded_too():
     rounds, run = cores()
     task = planned(rounds, run, "w", 1.0)
