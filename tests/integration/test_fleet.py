@@ -24,7 +24,8 @@ from idlegrad.common import protocol as proto
 from idlegrad.common.security import client_keys
 from idlegrad.monitor.source import ZmqStatusSource
 
-from .test_invite import _two_free_ports, idlegrad
+from .hostile_peers import two_free_ports
+from .test_invite import idlegrad
 from .test_security import keys_generate
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
@@ -45,7 +46,7 @@ def one_error_line(proc_or_out, *words: str) -> str:
 
 
 def test_a_fleet_joins_earns_sees_its_own_credit_and_is_governed_by_its_operator(cluster):
-    cluster.address = address = f"tcp://127.0.0.1:{_two_free_ports()}"
+    cluster.address = address = f"tcp://127.0.0.1:{two_free_ports()}"
     keys, enrolled = cluster.dir / "keys", cluster.dir / "enrolled"
     folders = {name: cluster.dir / name for name in ("allow", "monitors", "operators")}
     for folder in folders.values():
