@@ -50,12 +50,15 @@ def test_worker_kill9_mid_training_loses_and_duplicates_nothing(cluster, digits_
         cluster, ["survivor", "victim"], epochs, total, ckpt)
     victim.kill9()
 
-    # The silent worker is evicted after 3 missed heartbeats, and what it held goes back.
+    # The silent worker is evicted after 3 missed heartbeats, and what it held goes back: its
+    # part of a synchronous round (the default) speculated to the survivor once late, which is
+    # before the eviction, or requeued at the eviction.
     status.wait_for(lambda s: status.events_of("leave", "victim"), "eviction of the killed worker",
                     alive=[coordinator])
     (leave,) = status.events_of("leave", "victim")
     requeued = int(re.search(r"(\d+) slots? requeued", leave["text"]).group(1))
-    assert "silent" in leave["text"] and requeued > 0, leave
+    speculated = status.last["redundancy"]["slots_speculated"]
+    assert "silent" in leave["text"] and requeued + speculated > 0, (leave, speculated)
     assert status.last["rounds"].get("slots_requeued", 0) >= requeued
     assert status.last["rounds"].get("workers_removed", 0) >= 1
 
