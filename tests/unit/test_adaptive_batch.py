@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,6 +16,8 @@ from idlegrad.coordinator.batch_policy import (Batching, BatchPolicy, BatchSetti
                                                adascale_gain, lr_factor, parse_batch,
                                                resolve_lr_rule)
 from idlegrad.coordinator.noise import NoiseScale, RoundNoise
+
+from .known_noise import KnownNoise, drive
 
 
 def feed(policy: BatchPolicy, b_simple, rounds: int, capacity=None, multiple: int = 1) -> list:
@@ -266,54 +267,6 @@ def test_the_parser_passes_the_flags_to_the_config():
 # a real coordinator ---------------------------------------------------------------------------
 
 
-class KnownNoise:
-    """Per-sample gradients G + noise with B_simple = `b_simple` (|G|^2 = 1)."""
-
-    def __init__(self, b_simple: float, dim: int, seed: int = 0):
-        self.rng = np.random.default_rng(seed)
-        self.mean = np.ones(dim) / np.sqrt(dim)
-        self.variance = b_simple / dim
-        self.dim = dim
-
-    def partition_sum(self, samples: int) -> np.ndarray:
-        return (samples * self.mean
-                + np.sqrt(self.variance * samples) * self.rng.standard_normal(self.dim))
-
-
-def drive(training, problem, rounds_wanted: int, now: float = 100.0) -> tuple[set, float]:
-    from idlegrad.coordinator.effects import Applied
-    from idlegrad.coordinator.scheduler import Assign
-
-    core = training.core
-    held: dict[str, Assign] = {}
-    batches = set()
-
-    def perform(effects):
-        for e in effects:
-            if isinstance(e, Assign):
-                held[e.worker] = e
-            elif isinstance(e, Applied):
-                batches.add(e.samples)
-                training.applied(e, now)
-
-    workers = ["a", "b", "c", "d"]
-    for worker in workers:
-        perform(core.join(worker, {}, worker, now) + core.ready(worker, 1, now))
-    start = core.noise.rounds
-    for _ in range(4 * rounds_wanted):  # bounded
-        if core.noise.rounds - start >= rounds_wanted:
-            break
-        now += 0.1
-        for worker in workers:
-            task = held.pop(worker)
-            gradient = sum(c * problem.partition_sum(part[2])
-                           for part, c in zip(task.parts, task.coefficients))
-            flat = torch.from_numpy(gradient).to(training.model.model.dtype)
-            perform(core.result(worker, task.slot, [flat], float(flat.norm()), 0.001, now,
-                                samples=task.work.samples, loss=1.0))
-    return batches, now
-
-
 def test_a_coordinator_grows_its_rounds_shows_the_batch_and_resumes_it(tmp_path):
     from idlegrad.coordinator.config import CoordinatorConfig, check
     from idlegrad.coordinator.status import coordinator_snapshot
@@ -328,8 +281,9 @@ def test_a_coordinator_grows_its_rounds_shows_the_batch_and_resumes_it(tmp_path)
     first = training()
     assert first.core.batching.rule == "sqrt"  # auto, for digits' Adam
     assert first.model.aggregator.progress_base == 32
-    problem = KnownNoise(200.0, first.model.model.numel, seed=3)
-    batches, now = drive(first, problem, 60)
+    problem = KnownNoise(200.0, seed=3, dim=first.model.model.numel)
+    driven = drive(first, problem, 60)
+    batches, now = driven.batches, driven.now
     # 32 -> 64 -> 128 -> the measured B_simple (within its band), on multiples of 4
     batch = first.scheduler.batch
     assert 160 <= batch <= 256 and batch % 4 == 0
@@ -362,7 +316,8 @@ def test_a_fixed_coordinator_keeps_the_jobs_batch_and_says_so():
     config = CoordinatorConfig(job="digits", partitions=4)
     training = Training(config, check(config))
     assert training.model.aggregator.progress_base is None
-    batches, now = drive(training, KnownNoise(200.0, training.model.model.numel), 20)
+    driven = drive(training, KnownNoise(200.0, dim=training.model.model.numel), 20)
+    batches, now = driven.batches, driven.now
     assert max(batches) == 32  # (fewer at an epoch's end)
     assert training.scheduler.batch == 32
     snap = coordinator_snapshot(training, now)

@@ -10,25 +10,7 @@ from idlegrad.common import coding
 from idlegrad.common.coding import Redundancy
 from idlegrad.coordinator.noise import NoiseScale, round_estimate
 
-DIM = 100
-
-
-class KnownNoise:
-    """Per-sample gradients G + sqrt(variance) z, z standard normal in DIM dimensions: |G|^2 = 1,
-    tr(Sigma) = DIM * variance, so B_simple = DIM * variance."""
-
-    def __init__(self, b_simple: float, seed: int = 0, dim: int = DIM):
-        self.rng = np.random.default_rng(seed)
-        self.dim = dim
-        self.mean = np.ones(dim) / np.sqrt(dim)
-        self.variance = b_simple / dim
-        self.b_simple = b_simple
-
-    def partition_sum(self, samples: int) -> np.ndarray:
-        """The summed gradient of `samples` fresh samples."""
-        return (samples * self.mean
-                + np.sqrt(self.variance * samples) * self.rng.standard_normal(self.dim))
-
+from .known_noise import KnownNoise, drive
 
 def plain_round(problem: KnownNoise, sizes: list[int]):
     """One round of plain partitions (code none): each slot's (|g_j|^2, row), and |mean|^2."""
@@ -135,47 +117,19 @@ def test_a_coordinator_measures_it_and_its_status_and_metrics_log_show_it():
     """The real round core, model state and status of a digits coordinator, fed results whose
     gradients are drawn with a known noise scale (the model's own gradients have an unknown one):
     4 partitions of a batch of 30 (7 and 8 samples; fewer at an epoch's end)."""
-    import torch
-
     from idlegrad.coordinator.config import CoordinatorConfig, check
-    from idlegrad.coordinator.effects import Applied
-    from idlegrad.coordinator.scheduler import Assign
     from idlegrad.coordinator.status import coordinator_snapshot
     from idlegrad.coordinator.training import Training
     from idlegrad.monitor import view
 
     config = CoordinatorConfig(job="digits", partitions=4, max_batch=30)
     training = Training(config, check(config))
-    core, numel = training.core, training.model.model.numel
-    problem = KnownNoise(150.0, seed=3, dim=numel)
-    held: dict[str, Assign] = {}
-    sizes = set()
-
-    def perform(effects):
-        for e in effects:
-            if isinstance(e, Assign):
-                held[e.worker] = e
-            elif isinstance(e, Applied):
-                training.applied(e, now)
-
-    now = training.started = 100.0
-    workers = ["a", "b", "c", "d"]
-    for worker in workers:
-        perform(core.join(worker, {}, worker, now) + core.ready(worker, 1, now))
-    for _ in range(400):  # bounded: a core that never measures fails below, not hangs
-        if core.noise.rounds >= 120:
-            break
-        now += 0.1
-        for worker in workers:
-            task = held.pop(worker)
-            assert task.kind == "gradient"
-            gradient = sum(c * problem.partition_sum(part[2])
-                           for part, c in zip(task.parts, task.coefficients))
-            sizes.add(task.work.samples)
-            flat = torch.from_numpy(gradient).to(training.model.model.dtype)
-            perform(core.result(worker, task.slot, [flat], float(flat.norm()), 0.001, now,
-                                samples=task.work.samples, loss=1.0))
-    assert {7, 8} <= sizes
+    problem = KnownNoise(150.0, seed=3, dim=training.model.model.numel)
+    training.started = 100.0
+    driven = drive(training, problem, 120)
+    now = driven.now
+    assert driven.kinds == {"gradient"}
+    assert {7, 8} <= driven.slot_sizes
     snap = coordinator_snapshot(training, now)
     noise = snap["noise"]
     assert noise["rounds"] >= 120 and noise["batch"] <= 30
