@@ -138,6 +138,10 @@ def check(config: CoordinatorConfig) -> Checked:
     mode = resolve_mode(config.mode, local_tasks=task_mode.local, redundancy=str(redundancy),
                         verify_replicas=config.verify_replicas, partitions=config.partitions,
                         open_rounds=config.open_rounds, compensation=compensation.on)
+    if mode.sync and redundancy.kind != "none":
+        raise ConfigError(f"--redundancy {redundancy} cannot be used with --sync: synchronous "
+                          "rounds are one part per worker, without copies or coded rows (without "
+                          "--sync, --redundancy runs asynchronous rounds)")
     local.check_redundancy(task_mode, redundancy, mode.sync)
     batch = _check_batch(config, task_mode)
     # the scheduler's own rules between its options, before the job is built (the real

@@ -47,3 +47,12 @@ def test_the_checked_config_carries_the_mode_the_scheduler_runs():
         check(CoordinatorConfig(job="digits", mode="sync", redundancy="replicate:2",
                                 verify_replicas=True))
     assert "\n" not in str(info.value)
+
+
+def test_sync_with_copies_or_codes_is_one_line_not_a_silent_no_op():
+    for redundancy in ("replicate:2", "cyclic:1", "adaptive"):
+        with pytest.raises(ConfigError) as info:
+            check(CoordinatorConfig(job="digits", mode="sync", redundancy=redundancy))
+        assert f"--redundancy {redundancy} cannot be used with --sync" in str(info.value)
+        assert "\n" not in str(info.value)
+        assert not check(CoordinatorConfig(job="digits", redundancy=redundancy)).mode.sync
