@@ -175,8 +175,8 @@ class RoundBook:
         together instead of waiting for the slowest worker's equal part. A worker is sized by
         its own seconds per sample from its first result, by the fleet's mean before
         (`SpeedModel.sizing`); None (equal parts) while the fleet has too few readings for
-        that, or for fewer than two workers. Only sync rounds are sized, and they are always code none: a row is one part,
-        decoded with weight 1 whatever its size (the step divides the sum by the round's
+        that, or for fewer than two workers. Only sync rounds are sized, and they are always
+        code none: a row is one part, decoded with weight 1 whatever its size (the step divides the sum by the round's
         samples), and credits and buffers are shared by samples. Coded rounds (replicate,
         cyclic) keep equal parts: their rows mix parts, and one row's copies go to several
         workers."""
