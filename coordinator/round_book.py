@@ -176,10 +176,10 @@ class RoundBook:
         its own seconds per sample from its first result, by the fleet's mean before
         (`SpeedModel.sizing`); None (equal parts) while the fleet has too few readings for
         that, or for fewer than two workers. Only sync rounds are sized, and they are always
-        code none: a row is one part, decoded with weight 1 whatever its size (the step divides the sum by the round's
-        samples), and credits and buffers are shared by samples. Coded rounds (replicate,
-        cyclic) keep equal parts: their rows mix parts, and one row's copies go to several
-        workers."""
+        code none: a row is one part, decoded with weight 1 whatever its size (the step
+        divides the sum by the round's samples), and credits and buffers are shared by
+        samples. Coded rounds (replicate, cyclic) keep equal parts: their rows mix parts, and
+        one row's copies go to several workers."""
         if len(workers) < 2:
             return None
         shares = []
