@@ -33,8 +33,10 @@ evaluation of the final checkpoint on the held-out set meets it), `accuracy` (th
 `honest_banned` (bans.json entries of honest keys: must be 0), `honest_offences` (offences
 counted against honest names), `suspected` (suspicions of the run; every one honest in
 dropout_job), `hostile_banned` (hostile keys in bans.json), `samples_lost` (from the ledger: the
-samples of every finished epoch the final model never saw, plus any difference between the
-final metrics' sample count and the ledger lineage's), `duplicates`, and `throughput` (samples
+samples of every finished epoch the final model never saw and the final checkpoint does not
+replan, plus any difference between the final metrics' sample count and the ledger lineage's),
+`samples_in_flight` (those of a finished epoch in a round still open at the stop: the checkpoint
+replans them on a resume), `duplicates`, and `throughput` (samples
 applied per second, first to last step, in the ledger) over its baseline's: the clean run with
 the same flags (`clean` or, for verified replicas, `clean_verify`, run when needed). Acceptance:
 reached, honest_banned == 0, samples_lost == 0, throughput ratio >= 0.7 (and, for dropout_job,
@@ -74,7 +76,7 @@ LR = 2e-6
 COORDINATOR_ARGS = ("--threads", "1", "--heartbeat", "0.5", "--log-level", "info",
                     "--eval-on", "workers", "--settle-on", "workers",
                     "--min-workers", str(len(HONEST)), "--checkpoint-every", "5",
-                    "--target", f"accuracy={TARGET}", "--epochs", "200")
+                    "--target", f"accuracy={TARGET}", "--epochs", "1000")
 VERIFY = ("--redundancy", "replicate:2", "--verify-replicas")
 # every worker, honest or not, at normal priority: a worker at nice 19 on these 2 busy cores
 # gets the CPU only in gaps, a straggler of its own making that sync rounds would wait for
@@ -323,6 +325,11 @@ def measure(name: str, scenario: Scenario, directory: Path, timeout: float) -> d
     records = read(str(ledger)) if ledger.exists() else []
     final_samples = int(final.get("samples", state["samples"] if state else 0))
     account = audit(records, n_train, final_samples // n_train)
+    # rounds open when the run stopped are in the checkpoint, replanned on a resume: in flight,
+    # not lost (an epoch counted finished may still have one open)
+    replan = ((state or {}).get("sampler") or {}).get("replan") or []
+    in_flight = sum(count for parts in replan for epoch, _, count in parts
+                    if epoch < final_samples // n_train)
     applied_t = [r["t"] for r in records if r.get("event") == "applied" and "t" in r]
     span = (max(applied_t) - min(applied_t)) if len(applied_t) > 1 else math.nan
     honest_pub = {public_text(p) for p in fleet.honest_keys.values()}
@@ -356,7 +363,8 @@ def measure(name: str, scenario: Scenario, directory: Path, timeout: float) -> d
         "trust": {k: trust.get(k) for k in ("accepted", "refused", "suspected", "banned_count")},
         "hostile_keys": len(fleet.hostile_keys),
         "samples": final_samples, "ledger_samples": account.samples,
-        "samples_lost": account.lost + abs(final_samples - account.samples),
+        "samples_lost": max(0, account.lost - in_flight) + abs(final_samples - account.samples),
+        "samples_in_flight": in_flight,
         "duplicates": account.duplicates,
         "samples_per_s": account.samples / span if span and span > 0 else None,
         "span_s": span,
@@ -448,6 +456,8 @@ def main() -> int:
     for name, row in summary.items():
         ratio = row["throughput_vs_clean"]
         notes = ", ".join(row["failures"]) or "ok"
+        if row.get("samples_in_flight"):
+            notes += f"; {row['samples_in_flight']} samples in flight at the stop (replanned)"
         if row["liar_compute_s"] is not None:
             notes += (f"; liar credited {row['liar_compute_s']:.1f} s vs honest "
                       f"{row['honest_compute_s'] or 0:.1f} s")

@@ -12,6 +12,11 @@ whose shards it holds (or a round of its home block). Side leases go first, but 
 while it holds none and its last lease was a round's, so side work interleaves with training
 instead of starving it; only when no round work is left does a worker take them back to back.
 
+A worker that has answered no round slot yet is unproven: while any active worker is proven, it
+takes no side lease; once one of its slots turned late it holds one slot at most and takes no
+second chance (a lease handed out before, or a speculative copy). A name that only asks for
+work then delays the first copy of a row by a speculation at a time, not a row's every copy.
+
 Nothing is dealt before the quorum of `min_workers` joined, while the operator has paused
 training, or to a draining worker; a draining worker that holds nothing is announced `Drained`.
 The events of the scheduler never deal: the round core calls `deal` once at the end of each of its
@@ -48,8 +53,17 @@ class Dealer:
         self.sampler = sampler
         self.locality = locality
         self.paused = False  # the operator paused training: nothing is dealt
+        self._proven: Optional[bool] = None  # `_proven_active`, found out once per deal
+
+    def _proven_active(self) -> bool:
+        """Whether an active worker has answered a round slot (asked only about a worker that
+        has not: walking the fleet once per deal, and only then)."""
+        if self._proven is None:
+            self._proven = any(w.active and w.done > 0 for w in self.fleet.workers.values())
+        return self._proven
 
     def deal(self, now: float) -> list[Action]:
+        self._proven = None
         actions: list[Action] = [Drained(w) for w in self.fleet.drained()]
         if not self.fleet.quorate() or self.paused or not self.fleet.hungry:
             return actions
@@ -77,7 +91,8 @@ class Dealer:
                 if not pending and not can_open:
                     return actions  # nothing left for the rest of the pass either
                 worker = self.fleet.workers[worker_id]
-                if worker.free > 0 and not (self.config.sync and worker.assigned):
+                if worker.free > 0 and not (worker.assigned and (
+                        self.config.sync or (worker.done == 0 and worker.speed.late))):
                     # With locality: a waiting lease of its shards, else a round of its own
                     # block, else whatever is waiting.
                     local = self.locality is not None
@@ -133,6 +148,9 @@ class Dealer:
                 continue
             if self._reserved_for_another(lease, worker):
                 skipped.append(lease_id)
+                continue
+            if worker.done == 0 and worker.speed.late and (lease.speculated or lease.started):
+                skipped.append(lease_id)  # a second chance: not for one that never answers
                 continue
             if local and not self._local_for(worker, lease):
                 skipped.append(lease_id)
@@ -190,7 +208,7 @@ class Dealer:
 
     def _deal_side(self, now: float, alternate: bool) -> list[Action]:
         """Hand waiting side leases to hungry workers holding none; with `alternate`, only to
-        those whose last lease was a round's."""
+        those whose last lease was a round's; to proven workers only while one is active."""
         actions: list[Action] = []
         open_side = self.side.open
         for worker_id in self.fleet.hungry_in_order():
@@ -198,7 +216,8 @@ class Dealer:
                 break
             worker = self.fleet.workers[worker_id]
             if (worker.free <= 0 or (alternate and worker.side_last)
-                    or any(s in open_side for s in worker.assigned)):
+                    or any(s in open_side for s in worker.assigned)
+                    or (worker.done == 0 and self._proven_active())):
                 continue
             lease = self._next_side_for(worker)
             if lease is None:

@@ -389,13 +389,25 @@ class RoundBook:
         if prediction is None:
             return
         queued = max(1, len(worker.assigned))  # it computes its slots one after another
+        candidates = []
         for lease_id in list(worker.assigned):
             lease = self.leases.get(lease_id)
             if (lease is None or lease.side or lease.speculated or not lease.needed
                     or lease.round not in self.rounds or worker.id not in lease.started):
                 continue
             elapsed = now - lease.started[worker.id]
-            if not self.speed.is_late(prediction, lease.samples, queued, elapsed):
+            candidates.append((lease, elapsed,
+                               self.speed.is_late(prediction, lease.samples, queued, elapsed)))
+        # A worker that has never answered computes none of its slots, as far as anyone knows,
+        # once the first it was handed is late on its own (computed first, it waits for none of
+        # the others): every slot it holds is late then. One that asks for many and answers
+        # nothing would otherwise be judged by its whole queue's time, one slot at a time.
+        every = False
+        if worker.done == 0 and candidates:
+            first, elapsed, _ = max(candidates, key=lambda c: c[1])
+            every = self.speed.is_late(prediction, first.samples, 1, elapsed)
+        for lease, elapsed, late in candidates:
+            if not (late or every):
                 continue
             round_ = self.rounds[lease.round]
             round_.code = coding.speculate(round_.code, lease.index)

@@ -174,6 +174,23 @@ def test_side_slots_go_back_to_back_when_there_is_no_training_left():
     assert b.kind == "eval" and b.parts == [[0, 4, 4]]
 
 
+def test_eval_slots_go_to_workers_that_answered_a_round_slot_while_one_is_active():
+    # a name that only asks for work (a flood of them) must not hold a range for the long
+    # deadline of a worker never measured
+    s = Dealing(Scheduler(SchedulerConfig(batch_size=4, heartbeat_s=1.0, liveness=3),
+                          Sampler(4, 1)))  # one round in all
+    first = assigns(start(s, "a", 1))
+    answer_round(s, "a", first[0].slot, 1.0)
+    assert assigns(start(s, "newcomer", 4, 1.0)) == []
+    s.add_side(s.version, plan_ranges(8, 4), 1.0)
+    out = assigns(s.deal(1.0))
+    assert [(x.worker, x.kind) for x in out] == [("a", "eval")]
+    # with nobody proven left, the newcomer takes what is waiting
+    s.seen("newcomer", 4.0)
+    out = assigns(s.tick(4.1))
+    assert out and {x.worker for x in out} == {"newcomer"}
+
+
 def test_a_vanished_holders_eval_slot_goes_to_another_worker():
     s = make(n=400, batch=4, heartbeat_s=1.0, liveness=3)
     start(s, "a", 2)

@@ -862,6 +862,46 @@ def test_a_worker_late_twice_holds_fewer_slots():
     assert len(held(s, "a")) <= s.workers["a"].limit  # ... but only up to its smaller limit
 
 
+def test_a_name_that_never_answers_holds_one_slot_and_takes_no_second_chance():
+    # one key's name asking for many slots and answering nothing (issue 27's flood): its
+    # slots are speculated as soon as the first it was handed is late on its own, and from
+    # then on it holds at most one slot, never a copy handed out before
+    s = coded("none", n=400, batch=4, open_rounds=16, min_deadline_s=5.0, heartbeat_s=1000.0,
+              speculate=True, spec_floor_s=0.5, spec_min_results=2)
+    start(s, "a", 1)
+    now = 0.0
+    for _ in range(3):  # a: 0.1 s per sample, steady
+        (x,) = list(held(s, "a"))
+        now += 0.4
+        answer(s, "a", x, 0.4, now)
+    start(s, "flood", 8, now)
+    flooded = held(s, "flood")
+    assert len(flooded) == 8
+    s.seen("a", now + 1.0)
+    s.seen("flood", now + 1.0)
+    s.tick(now + 1.0)  # 1.0 s: past one slot's 0.4 s + 0.5 s, far from eight slots' time
+    assert all(s.slots[x].speculated for x in flooded)
+    for _ in range(10):  # a answers the copies: the flood's are cancelled as they arrive
+        (x,) = held(s, "a")
+        now += 0.4
+        answer(s, "a", x, 0.4, now + 1.0)
+    assert len(held(s, "flood")) == 1  # (its late streak alone would leave it two of eight)
+    # a slot past a's deadline goes back to the queue: a second chance, not for the flood
+
+    # a slot past its holder's deadline goes back to the queue: a second chance, which a late
+    # name that never answered does not take, and a newcomer does
+    s = coded("none", n=400, batch=4, open_rounds=1, min_deadline_s=5.0, heartbeat_s=1000.0)
+    (x,) = assigns(start(s, "a", 1))
+    s.seen("a", 6.0)
+    s.tick(6.0)
+    assert s.stats["deadline_requeues"] == 1
+    s.join("flood", {"host": "flood"}, 6.0)
+    s.workers["flood"].speed.late = 1  # (a slot of its turned late before)
+    assert assigns(s.ready("flood", 8, 6.0)) == []
+    (c,) = assigns(start(s, "c", 1, 6.0))
+    assert c.slot == x.slot
+
+
 def test_max_batch_caps_the_round():
     s = make(n=100, batch=10, max_batch=4)
     (x,) = assigns(start(s, "a", 1))
