@@ -71,7 +71,7 @@ from harness import Run, read_metrics, stopped_on_interrupt  # noqa: E402
 HONEST = ("w1", "w2", "w3")
 TARGET = 0.9
 HIDDEN = 4096
-# A small step, so that the run lasts long enough (~15 s here) for every attack to land.
+# A small step, so that the run lasts long enough (~30 s here) for every attack to land.
 LR = 2e-6
 COORDINATOR_ARGS = ("--threads", "1", "--heartbeat", "0.5", "--log-level", "info",
                     "--eval-on", "workers", "--settle-on", "workers",
