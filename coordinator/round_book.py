@@ -121,6 +121,13 @@ class RoundBook:
         # (alive, heart-beating, computing nothing: its part would hold up the round)
         takers = [w for w in self.fleet.active() if not w.speed.owes] if self.config.sync else []
         k = max(1, len(takers)) if self.config.sync else self.config.partitions
+        if self.config.sync and not self.stats["rounds_decoded"]:
+            # The first round opens as soon as one worker announces credits: cut for it alone,
+            # it would compute the whole batch while the others finish starting up. A part
+            # for each of those too (equal, anyone's: nothing is measured yet), so that they
+            # take theirs as they come, and whoever is free computes those that never do.
+            k += sum(1 for w in self.fleet.workers.values()
+                     if not (w.settled or w.capacity or w.draining))
         block = None
         if self.locality is not None and worker is not None:
             block = self.locality.block_for(worker.id, self.sampler.epoch,

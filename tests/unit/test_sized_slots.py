@@ -69,28 +69,48 @@ def test_sync_slots_are_cut_to_each_workers_speed_and_the_round_finishes_togethe
     # b joined first: its part is row 0, which the faster a (hungry first) must skip
     fleet = SyncFleet(["b", "a"])
     spans = [fleet.round() for _ in range(8)]
-    assert fleet.rounds[0] == {"b": 120}  # a announced its credit after b opened the round
-    assert fleet.rounds[1] == {"a": 60, "b": 60}  # nothing measured yet: equal parts
+    # b's credits opened the first round; a, still starting up, had a part of it all the same
+    assert fleet.rounds[0] == {"a": 60, "b": 60}  # nothing measured yet: equal parts
     last = fleet.rounds[-1]
     assert sum(last.values()) == 120
     assert last["a"] == pytest.approx(3 * last["b"], abs=2)  # 90 and 30
     # equal parts wait for b: 60 x 0.03 = 1.8 s; sized ones finish together at about 0.9 s
-    assert spans[1] == pytest.approx(1.8)
+    assert spans[0] == pytest.approx(1.8)
     assert spans[-1] == pytest.approx(0.9, abs=0.03)
     assert fleet.s.stats["rounds_sized"] >= 5
 
 
+def test_the_first_sync_round_has_a_part_for_each_worker_still_starting_up():
+    # cut for the first worker to announce credits alone, it would compute the whole batch
+    fleet = SyncFleet([])
+    s = fleet.s
+    for w in ("b", "a", "c"):
+        s.join(w, {}, 0.0)
+    (first,) = assigns(s.ready("b", 1, 0.0))
+    assert first.work.samples == 40 and s.pending() == 2  # a third each, the rest waiting
+    (second,) = assigns(s.ready("a", 1, 0.1))
+    assert second.work.samples == 40
+    _, actions = s.result("a", second.slot, 0.4, 0.5)
+    (third,) = assigns(actions)  # c never came: whoever is free takes its part
+    assert third.worker == "a" and third.work.samples == 40
+    _, actions = s.result("a", third.slot, 0.4, 0.9)
+    _, actions = s.result("b", first.slot, 1.2, 1.2)
+    assert [d.samples for d in actions if isinstance(d, Decoded)] == [120]
+    s.applied(s.version + 1, 1.2)
+    assert len(s.rounds) == 1 and len(s.rounds[next(iter(s.rounds))].slots) == 2  # a and b
+
+
 def test_a_workers_first_result_sizes_its_next_part():
-    # A fleet that has just started: after round 1 (b alone) and round 2 (equal parts), each
-    # worker has one or two results, fewer than the three its deadlines wait for. Its own
-    # reading sizes its part at once; the fleet's mean in its place gave both the same and round
-    # 3 cut equal parts again, at b's pace.
+    # A fleet that has just started: after round 1 (equal parts), each worker has one result,
+    # fewer than the three its deadlines wait for. Its own reading sizes its part at once; the
+    # fleet's mean in its place gave both the same and round 2 cut equal parts again, at b's
+    # pace.
     fleet = SyncFleet(["b", "a"])
     spans = [fleet.round() for _ in range(4)]
-    assert fleet.rounds[1] == {"a": 60, "b": 60}
-    assert fleet.rounds[2]["a"] == pytest.approx(90, abs=2)
-    assert fleet.rounds[2]["b"] == pytest.approx(30, abs=2)
-    assert spans[2] == pytest.approx(0.9, abs=0.03)
+    assert fleet.rounds[0] == {"a": 60, "b": 60}
+    assert fleet.rounds[1]["a"] == pytest.approx(90, abs=2)
+    assert fleet.rounds[1]["b"] == pytest.approx(30, abs=2)
+    assert spans[1] == pytest.approx(0.9, abs=0.03)
     speed = fleet.s.speed
     one = fleet.s.workers["a"].speed
     assert speed.sizing(one) == pytest.approx(SPEED["a"])
@@ -175,7 +195,6 @@ def test_credits_of_a_sized_round_follow_each_workers_samples():
 
 def test_a_sync_round_reports_how_close_together_its_slots_finish():
     fleet = SyncFleet(["b", "a"])
-    fleet.round()
     fleet.round()  # equal parts: a done at 0.6 s, b at 1.8 s of a 1.8 s round
     equal = fleet.s.slot_spread
     assert equal == pytest.approx((0.9 * 1.8 + 0.1 * 0.6 - (0.1 * 1.8 + 0.9 * 0.6)) / 1.8)
