@@ -85,6 +85,10 @@ class RoundBook:
         # round's slots finish together (sized parts), or does it wait for one?
         self.spreads: deque[float] = deque(maxlen=_SPREADS_KEPT)
         self._late_due: list[tuple[float, int, str]] = []  # (when a slot may be late, seq, worker)
+        # the entries of `_late_due` timed by a prediction (not "at the next tick"): when the
+        # driver should look next, between its ticks
+        self._timed_due: list[tuple[float, int, str]] = []
+        self.round_times: deque[float] = deque(maxlen=_SPREADS_KEPT)  # first hand-out to decode
 
     def round_of(self, lease: Lease) -> Optional[Round]:
         return self.rounds.get(lease.round)
@@ -333,6 +337,8 @@ class RoundBook:
         to its decode; rounds of one slot say nothing."""
         starts = [t for slot_id in round_.slots
                   for t in self.leases.leases[slot_id].started.values()]
+        if starts and now > min(starts):
+            self.round_times.append(now - min(starts))
         if len(round_.finished) < 2 or not starts or not now > min(starts):
             return
         p10, p90 = np.percentile(round_.finished, [10, 90])
@@ -344,6 +350,29 @@ class RoundBook:
         return float(np.median(self.spreads)) if self.spreads else None
 
     # speculation ------------------------------------------------------------------------------
+
+    def spec_floor(self) -> float:
+        """Seconds past its prediction a slot must run to be late: `spec_floor_s`, and in sync
+        rounds at most the median of the recent rounds' times (once three are measured). A sync
+        round waits for its last part while the workers that finished theirs sit idle: a copy
+        on one of them costs nothing, and half a second of floor against rounds of tens of
+        milliseconds let a dead or stopped worker's part hold the fleet for many rounds' time."""
+        floor = self.config.spec_floor_s
+        if self.config.sync and len(self.round_times) >= 3:
+            floor = min(floor, float(np.median(self.round_times)))
+        return floor
+
+    def next_speculation_at(self) -> float:
+        """When a slot may next turn late, by a prediction (math.inf: none is timed); slots
+        judged "at the next tick" are not in it."""
+        timed = self._timed_due
+        while timed:
+            _, seq, worker_id = timed[0]
+            worker = self.fleet.get(worker_id)
+            if worker is not None and worker.late_check == seq:
+                return timed[0][0]
+            heapq.heappop(timed)
+        return math.inf
 
     def watch_late(self, worker: WorkerRecord, now: float, after: Optional[float] = None) -> None:
         """Queue the first moment a slot of `worker` may turn late (as `speculate_late` judges).
@@ -357,29 +386,37 @@ class RoundBook:
             worker.late_check = None
             return
         prediction = self.speed.prediction(worker.speed)
-        due = math.inf
+        due = timed = math.inf
         if prediction is None or (len(self.fleet) <= _RECHECK_FLEET
                                   and self.speed.judged_by_fleet(worker.speed)):
             due = now  # the next tick
         if prediction is not None:
             queued = max(1, len(worker.assigned))
+            floor = self.spec_floor()
             for lease_id in worker.assigned:
                 lease = self.leases.get(lease_id)
                 if (lease is None or lease.side or lease.speculated or not lease.needed
                         or worker.id not in lease.started):
                     continue
-                due = min(due, self.speed.late_at(prediction, lease.samples, queued,
-                                                  lease.started[worker.id]))
+                timed = min(timed, self.speed.late_at(prediction, lease.samples, queued,
+                                                      lease.started[worker.id], floor))
+        due = min(due, timed)
         if due == math.inf:
             worker.late_check = None
             return
         if after is not None:
             due = max(due, math.nextafter(after, math.inf))
+            timed = max(timed, math.nextafter(after, math.inf))
         worker.late_check = next(self._seq)
         heapq.heappush(self._late_due, (due, worker.late_check, worker.id))
+        if timed < math.inf:
+            heapq.heappush(self._timed_due, (timed, worker.late_check, worker.id))
 
     def speculate_due(self, now: float) -> None:
         """Speculate on the workers whose slots may have turned late by `now`."""
+        timed = self._timed_due
+        while timed and timed[0][0] <= now:  # looked at now, through `_late_due`
+            heapq.heappop(timed)
         due = self._late_due
         while due and due[0][0] <= now:
             _, seq, worker_id = heapq.heappop(due)
@@ -396,6 +433,7 @@ class RoundBook:
         if prediction is None:
             return
         queued = max(1, len(worker.assigned))  # it computes its slots one after another
+        floor = self.spec_floor()
         candidates = []
         for lease_id in list(worker.assigned):
             lease = self.leases.get(lease_id)
@@ -403,8 +441,8 @@ class RoundBook:
                     or lease.round not in self.rounds or worker.id not in lease.started):
                 continue
             elapsed = now - lease.started[worker.id]
-            candidates.append((lease, elapsed,
-                               self.speed.is_late(prediction, lease.samples, queued, elapsed)))
+            candidates.append((lease, elapsed, self.speed.is_late(prediction, lease.samples,
+                                                                  queued, elapsed, floor)))
         # A worker that has never answered computes none of its slots, as far as anyone knows,
         # once the first it was handed is late on its own (computed first, it waits for none of
         # the others): every slot it holds is late then. One that asks for many and answers
@@ -412,7 +450,7 @@ class RoundBook:
         every = False
         if worker.done == 0 and candidates:
             first, elapsed, _ = max(candidates, key=lambda c: c[1])
-            every = self.speed.is_late(prediction, first.samples, 1, elapsed)
+            every = self.speed.is_late(prediction, first.samples, 1, elapsed, floor)
         for lease, elapsed, late in candidates:
             if not (late or every):
                 continue

@@ -151,6 +151,13 @@ class RoundCore:
         return self._dealt(self._interpret(self.scheduler.tick(now), now)
                            + self.settlement.check(now), now)
 
+    def speculate(self, now: float) -> list:
+        """Copies of the slots late by `now` (`next_speculation_at`), dealt to free workers."""
+        return self._dealt(self._interpret(self.scheduler.speculate(now), now), now)
+
+    def next_speculation_at(self) -> float:
+        return self.scheduler.next_speculation_at()
+
     def stop(self, now: float) -> list:
         """Shutdown: every slot withdrawn, nothing dealt again."""
         self.evaluation = None  # its slots are withdrawn with the rest

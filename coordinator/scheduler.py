@@ -451,6 +451,16 @@ class Scheduler:
         self.book.speculate_due(now)
         return actions
 
+    def next_speculation_at(self) -> float:
+        """When a held slot may next turn late by its prediction (math.inf: none is timed): the
+        driver calls `speculate` then, between its ticks."""
+        return self.book.next_speculation_at()
+
+    def speculate(self, now: float) -> list[Action]:
+        """Speculate on the slots that turned late by `now`; nothing else a tick does."""
+        self.book.speculate_due(now)
+        return []
+
     def pause(self) -> None:
         """Hand out no more slots; the slots already held are finished and applied."""
         self.dealer.paused = True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import time
 from typing import Optional
@@ -136,10 +137,15 @@ class Coordinator:
         recv = asyncio.ensure_future(transport.receive())
         self._stopping = asyncio.get_running_loop().create_future()
         run = self.training.run
+        # A slot's lateness is looked at when its prediction says, not only at the ticks: in
+        # sync rounds of tens of ms a tick (half a heartbeat) is many rounds. At most this often.
+        spec_every = min(tick_every, 0.01)
+        spec_seen = -math.inf
         try:
             while self.stop_reason is None:
                 now = self.clock()
-                due = min(next_tick, next_checkpoint, run.next_at())
+                spec_at = max(self.core.next_speculation_at(), spec_seen + spec_every)
+                due = min(next_tick, next_checkpoint, run.next_at(), spec_at)
                 # chunks waiting to be served: look at the socket, and come straight back
                 wait = 0.0 if self.training.data.pending else max(0.0, due - now)
                 waiting = {recv, self._stopping} | self.offloop.futures()
@@ -173,6 +179,9 @@ class Coordinator:
                     now = self.clock()
                     await self.perform(self.core.tick(now))
                     next_tick = now + tick_every
+                elif now >= spec_at:
+                    spec_seen = now
+                    await self.perform(self.core.speculate(now))
                 evaluation = self.offloop.evaluated()
                 if evaluation is not None:
                     await self.evaluated(evaluation, "coordinator")

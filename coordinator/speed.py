@@ -158,18 +158,20 @@ class SpeedModel:
         return wait
 
     def late_at(self, prediction: Prediction, samples: int, queued: int,
-                started: float) -> float:
+                started: float, floor: Optional[float] = None) -> float:
         """The first moment a slot started at `started` may be late (see `is_late`)."""
         mean, sd = prediction
-        return started + (mean + self.spec_sd * sd) * samples * queued + self.spec_floor_s
+        floor = self.spec_floor_s if floor is None else floor
+        return started + (mean + self.spec_sd * sd) * samples * queued + floor
 
     def is_late(self, prediction: Prediction, samples: int, queued: int,
-                elapsed: float) -> bool:
+                elapsed: float, floor: Optional[float] = None) -> bool:
         """Whether a slot of `samples` samples running `elapsed` seconds, on a worker that
         computes its `queued` slots one after another, is past its prediction by `spec_sd`
-        deviations and `spec_floor_s` seconds."""
+        deviations and `floor` seconds (default `spec_floor_s`)."""
         mean, sd = prediction
-        return elapsed > (mean + self.spec_sd * sd) * samples * queued + self.spec_floor_s
+        floor = self.spec_floor_s if floor is None else floor
+        return elapsed > (mean + self.spec_sd * sd) * samples * queued + floor
 
     # missed predictions -------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from idlegrad.coordinator.scheduler import CompareCopies, Decoded, Scheduler, Sc
 
 _EVENTS = ("join", "ready", "result", "failed", "handback", "leave", "tick", "resume", "drain",
            "applied", "copies_agreed", "copies_disagreed", "copies_settled", "side_result",
-           "drop_side", "drop_side_slot")
+           "drop_side", "drop_side_slot", "speculate")
 
 
 class Dealing:

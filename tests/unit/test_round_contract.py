@@ -48,9 +48,9 @@ from .fakes import RecordingTransport
 
 ENTRY_POINTS = ("join", "ready", "resend", "leave", "tick", "malformed", "result", "computed",
                 "seen", "control", "stop", "evaluate", "drop_evaluation", "evaluated", "handback",
-                "job_failed",
-                "expel")
-QUERIES = ("version", "identity", "kin", "samples_per_s", "trust_summary")
+                "job_failed", "expel", "speculate")
+QUERIES = ("version", "identity", "kin", "samples_per_s", "trust_summary",
+           "next_speculation_at")
 
 
 def test_the_contract_wraps_every_entry_point_of_the_round_core():

@@ -807,8 +807,9 @@ def test_the_next_round_is_planned_at_the_stepped_version_sync_and_async():
 
 
 def late_setup(**config):
-    s = coded("none", n=400, batch=4, open_rounds=2, min_deadline_s=1000.0, heartbeat_s=1000.0,
-              speculate=True, spec_floor_s=0.5, spec_min_results=2, **config)
+    config = {"open_rounds": 2, "min_deadline_s": 1000.0, **config}
+    s = coded("none", n=400, batch=4, heartbeat_s=1000.0, speculate=True, spec_floor_s=0.5,
+              spec_min_results=2, **config)
     start(s, "a", 1)
     now = 0.0
     for _ in range(3):  # a: 0.1 s per sample, steady
@@ -866,14 +867,7 @@ def test_a_name_that_never_answers_holds_one_slot_and_takes_no_second_chance():
     # one key's name asking for many slots and answering nothing (issue 27's flood): its
     # slots are speculated as soon as the first it was handed is late on its own, and from
     # then on it holds at most one slot, never a copy handed out before
-    s = coded("none", n=400, batch=4, open_rounds=16, min_deadline_s=5.0, heartbeat_s=1000.0,
-              speculate=True, spec_floor_s=0.5, spec_min_results=2)
-    start(s, "a", 1)
-    now = 0.0
-    for _ in range(3):  # a: 0.1 s per sample, steady
-        (x,) = list(held(s, "a"))
-        now += 0.4
-        answer(s, "a", x, 0.4, now)
+    s, now = late_setup(open_rounds=16, min_deadline_s=5.0)
     start(s, "flood", 8, now)
     flooded = held(s, "flood")
     assert len(flooded) == 8

@@ -4,6 +4,8 @@ clock: every worker computes its slot in (its seconds per sample) x (samples).""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from idlegrad.coordinator.sampler import Sampler, _cuts_by_shares
@@ -229,6 +231,29 @@ def test_a_sync_part_late_on_a_slowed_worker_is_speculated_to_one_that_finished(
     decoded = [a for a in actions if isinstance(a, Decoded)]
     assert decoded and decoded[0].samples == 120
     assert fleet.s.stats["slots_speculated"] == 1
+
+
+def test_a_sync_part_is_speculated_a_rounds_time_past_its_prediction_between_ticks():
+    # rounds of a tenth of a second: half a second of floor would be five rounds of waiting
+    fleet = SyncFleet(["b", "a"], batch=12, speculate=True)
+    for _ in range(8):
+        fleet.round()
+    book = fleet.s.scheduler.book
+    round_s = sorted(book.round_times)[len(book.round_times) // 2]
+    assert round_s == pytest.approx(0.09, abs=0.01)  # 9 + 3 samples at 0.01 and 0.03 s each
+    assert book.spec_floor() == pytest.approx(round_s, abs=0.005)
+    handed = fleet.now
+    stopped = fleet.held.pop("b")  # b's owner took its cores: alive, its part far behind
+    task = fleet.held.pop("a")
+    fleet.now += SPEED["a"] * task.work.samples
+    fleet.s.result("a", task.slot, SPEED["a"] * task.work.samples, fleet.now)
+    due = fleet.s.next_speculation_at()  # the driver wakes then, tick or not
+    predicted = SPEED["b"] * stopped.work.samples
+    assert due == pytest.approx(handed + predicted + round_s, abs=0.01)
+    assert assigns(fleet.s.speculate(due - 0.001)) == []
+    (copy,) = assigns(fleet.s.speculate(due + 0.001))
+    assert copy.worker == "a" and copy.work.parts == stopped.work.parts
+    assert fleet.s.next_speculation_at() == math.inf  # nothing else is timed
 
 
 def test_a_sync_round_reserves_no_part_for_a_worker_still_holding_a_late_one():
