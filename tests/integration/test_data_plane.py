@@ -166,8 +166,11 @@ def test_a_worker_whose_transfer_cap_is_spent_hands_its_slots_back_and_others_tr
     wait_for_hellos(cluster.address, ["capped", "helper"], [capped.popen, helper.popen], DEADLINE)
     # a full shuffle (no locality): every worker reads every shard, so what the coordinator
     # serves is known exactly
-    coordinator = cluster.coordinator(*PACKED, "--data", str(pack_dir), "--epochs", "3",
-                                      "--metrics", str(metrics), "--locality", "off")
+    # both in from the start, and epochs enough: the helper alone can finish three epochs (a
+    # third of a second) before the capped worker has loaded the job
+    coordinator = cluster.coordinator(*PACKED, "--data", str(pack_dir), "--epochs", "10",
+                                      "--metrics", str(metrics), "--locality", "off",
+                                      "--min-workers", "2")
     assert coordinator.wait(DEADLINE) == 0, coordinator.tail()
     for proc in (capped, helper):
         assert proc.wait(DEADLINE) == 0, proc.tail()

@@ -18,7 +18,7 @@ from .harness import final_metrics
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 # A small learning rate: training must outlast the checks made while the victim is stopped.
-SLOW_DIGITS = ("--job", "digits", "--job-arg", "hidden=4096", "--job-arg", "lr=0.0003")
+SLOW_DIGITS = ("--job", "digits", "--job-arg", "hidden=4096", "--job-arg", "lr=0.00015")
 
 
 def worker_of(snap: dict, name: str):
