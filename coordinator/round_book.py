@@ -399,7 +399,8 @@ class RoundBook:
                         or worker.id not in lease.started):
                     continue
                 timed = min(timed, self.speed.late_at(prediction, lease.samples, queued,
-                                                      lease.started[worker.id], floor))
+                                                      lease.started[worker.id],
+                                                      _allowance(worker, lease, floor)))
         due = min(due, timed)
         if due == math.inf:
             worker.late_check = None
@@ -441,8 +442,8 @@ class RoundBook:
                     or lease.round not in self.rounds or worker.id not in lease.started):
                 continue
             elapsed = now - lease.started[worker.id]
-            candidates.append((lease, elapsed, self.speed.is_late(prediction, lease.samples,
-                                                                  queued, elapsed, floor)))
+            candidates.append((lease, elapsed, self.speed.is_late(
+                prediction, lease.samples, queued, elapsed, _allowance(worker, lease, floor))))
         # A worker that has never answered computes none of its slots, as far as anyone knows,
         # once the first it was handed is late on its own (computed first, it waits for none of
         # the others): every slot it holds is late then. One that asks for many and answers
@@ -450,7 +451,8 @@ class RoundBook:
         every = False
         if worker.done == 0 and candidates:
             first, elapsed, _ = max(candidates, key=lambda c: c[1])
-            every = self.speed.is_late(prediction, first.samples, 1, elapsed, floor)
+            every = self.speed.is_late(prediction, first.samples, 1, elapsed,
+                                       _allowance(worker, first, floor))
         for lease, elapsed, late in candidates:
             if not (late or every):
                 continue
@@ -466,6 +468,14 @@ class RoundBook:
             if lease.samples:  # a bound: it has not answered yet
                 self.speed.observe(elapsed / lease.samples, worker.speed)
             self.speed.slot_late(worker.speed)
+
+
+def _allowance(worker: WorkerRecord, lease: Lease, floor: float) -> float:
+    """Seconds a slot may run past its compute prediction before it is late: the floor, and
+    for a slot sent with its model the worker's typical link time (the prediction is compute
+    only; a model and a gradient on a slow link are not lateness)."""
+    link_s = worker.speed.link_s if worker.id in lease.with_model else None
+    return floor + (link_s or 0.0)
 
 
 def _queue_order(code: Code) -> list[int]:

@@ -4,8 +4,9 @@ Nobody can run ten thousand volunteers on one machine; but the scheduler (`sched
 codes (`common/coding.py`), adaptive redundancy and the staleness rule (`aggregator.py`) are pure
 logic that takes `now`, so the same code can be driven by a discrete-event simulation: a heap of
 virtual events (a worker comes online, a message reaches a worker or the coordinator, a
-computation ends, a session's tick, the coordinator's tick) processed in time order. Nothing of
-the socket loops is used.
+computation ends, a session's tick, the coordinator's tick, the moment a held slot may turn
+late by its prediction, which the server's loop wakes for too) processed in time order. Nothing
+of the socket loops is used.
 
 The model, and what it leaves out:
 
@@ -107,7 +108,8 @@ __all__ = ["Churn", "CoordinatorCosts", "CostlessGradients", "FLEET_MIX", "ModeR
            "sessions_from_trace", "simulate"]
 
 # the coordinator's events, after the workers' (sim_worker.py), in order of kind at equal times
-_TICK, _SAMPLE, _EVAL, _NEXT_MESSAGE = range(_BEAT + 1, _BEAT + 5)
+_TICK, _SAMPLE, _EVAL, _NEXT_MESSAGE, _SPECULATE = range(_BEAT + 1, _BEAT + 6)
+SPECULATE_EVERY_S = 0.01  # as the server: lateness looked at when predicted, at most this often
 INSTANCE = "simulated"  # the coordinator process (one per simulation)
 COORDINATOR_BEAT = proto.Heartbeat(state="coordinator")
 
@@ -158,6 +160,8 @@ class Simulation(WorkerSide):
             config.eval_every_s, target)
         self.evaluates = config.eval_every_s is not None or target is not None
         self._eval_at = math.inf  # when the run core's next tick is queued
+        self._spec_at = math.inf  # when the next look at late slots is queued ...
+        self._spec_seen = -math.inf  # ... and when the last was
         self.workers = {}
         for i, spec in enumerate(fleet):
             sessions = spec.sessions if spec.sessions is not None else [(0.0, math.inf)]
@@ -254,7 +258,7 @@ class Simulation(WorkerSide):
         return {_ONLINE: self._online, _OFFLINE: self._offline, _CONNECT: self._connect,
                 _TO_WORKER: self._deliver, _DONE: self._done, _TO_COORDINATOR: self._from_worker,
                 _BEAT: self._beat, _TICK: self._tick, _SAMPLE: self._sample, _EVAL: self._run_tick,
-                _NEXT_MESSAGE: self._next_message}
+                _NEXT_MESSAGE: self._next_message, _SPECULATE: self._speculate}
 
     # coordinator side ------------------------------------------------------------------------
 
@@ -351,9 +355,21 @@ class Simulation(WorkerSide):
             self.sched_s += time.perf_counter() - t0
         return out
 
+    def _speculate(self) -> None:
+        """A slot may have turned late by its prediction, between ticks (as the server looks)."""
+        self._spec_at, self._spec_seen = math.inf, self.now
+        self._perform(self.core.speculate(self.now))
+
+    def _next_speculation(self) -> None:
+        at = max(self.core.next_speculation_at(), self._spec_seen + SPECULATE_EVERY_S)
+        if at < self._spec_at:
+            self._spec_at = at
+            self._at(max(at, self.now), _SPECULATE)
+
     def _perform(self, effects: list, computed: Optional[dict] = None) -> None:
         """What the round core asks for, in virtual time. `computed`: the compute seconds of
         the results these effects answer."""
+        self._next_speculation()  # what led to these may have changed when a slot turns late
         costs = self.config.costs
         for effect in effects:
             if isinstance(effect, Assign):

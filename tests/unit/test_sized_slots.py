@@ -250,6 +250,15 @@ def test_a_sync_part_is_speculated_a_rounds_time_past_its_prediction_between_tic
     due = fleet.s.next_speculation_at()  # the driver wakes then, tick or not
     predicted = SPEED["b"] * stopped.work.samples
     assert due == pytest.approx(handed + predicted + round_s, abs=0.01)
+    # a slot sent with its model is late only past the worker's typical link time as well
+    # (the prediction is compute only): none measured here, 0.3 s on a slower link
+    b = fleet.s.workers["b"]
+    assert b.id in fleet.s.slots[stopped.slot].with_model and b.speed.link_s == pytest.approx(0)
+    b.speed.link_times.extend([0.3] * 8)
+    book.watch_late(b, fleet.now)
+    assert fleet.s.next_speculation_at() == pytest.approx(due + 0.3)
+    b.speed.link_times.clear()
+    book.watch_late(b, fleet.now)
     assert assigns(fleet.s.speculate(due - 0.001)) == []
     (copy,) = assigns(fleet.s.speculate(due + 0.001))
     assert copy.worker == "a" and copy.work.parts == stopped.work.parts
