@@ -19,7 +19,7 @@ SLOW_DIGITS = ("--job", "digits", "--job-arg", "hidden=4096")
 
 
 def test_frozen_coordinator_workers_resume_their_sessions_and_resend(cluster, digits_train_size):
-    epochs = 100  # long enough to outlast up to five freezes on a fast data path
+    epochs = 200  # long enough to outlast up to five freezes on a fast data path
     total = epochs * digits_train_size
     ckpt = cluster.dir / "ckpt"
     # Heartbeats of 0.5 s and liveness 3: workers give up after 1.5 s of silence. The coordinator
