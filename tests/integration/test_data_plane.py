@@ -60,8 +60,11 @@ def test_cold_workers_fetch_the_shards_from_the_coordinator_and_train(cluster, p
     wait_for_hellos(cluster.address, list(caches), [p.popen for p in procs], DEADLINE)
     # a full shuffle (no locality): every worker reads every shard, so what the coordinator
     # serves is known exactly
-    coordinator = cluster.coordinator(*PACKED, "--data", str(pack_dir), "--epochs", "3",
-                                      "--metrics", str(metrics), "--locality", "off")
+    # (both in from the start, and epochs enough: one worker alone can finish three epochs
+    # before the other has loaded the job, and would then have read no shard)
+    coordinator = cluster.coordinator(*PACKED, "--data", str(pack_dir), "--epochs", "10",
+                                      "--metrics", str(metrics), "--locality", "off",
+                                      "--min-workers", "2")
     assert coordinator.wait(DEADLINE) == 0, coordinator.tail()
     for proc in procs:
         assert proc.wait(DEADLINE) == 0, proc.tail()
