@@ -13,7 +13,15 @@ compute; each DDP rank by the same factor, benchmarks/job_ddp.py `--slowdown`):
   fails and the job restarts from a checkpoint), so DDP runs this fleet without the churn: its
   best case.
 
-`--fleets equal` (four workers, no slowdown; not in the default list) is the control: the slot
+Each fleet's slowdowns are relative: they are scaled by the least factor k >= 1 under which the
+fleet's workers, all computing, fit in `--worker-cores` cores (default: all but one, which the
+coordinator and this script keep). A slowdown is a sleep after the compute, so an emulated
+machine is a share of a real core; a fleet that needs more cores than this machine has would
+measure its workers (and DDP's ranks) queueing for the same cores rather than the fleet. On 2
+cores spread becomes 1.88, 3.75, 7.5, 15 (k = 1.875) and lognormal's six workers k = 5; the
+churn's times scale by the same k.
+
+`--fleets equal` (four equal workers; not in the default list) is the control: the slot
 spread of sized rounds where there is nothing to size, the floor this machine's shared cores
 and per-slot overheads put under the others.
 
@@ -80,11 +88,22 @@ KILLED, STOPPED, LATE = "w2", "w3", "w4"  # the churn fleet's
 
 
 def fleets(sigma: float, seed: int) -> dict[str, list[float]]:
-    """Each fleet's slowdowns, worker w1 first."""
+    """Each fleet's relative slowdowns, worker w1 first."""
     rng = random.Random(seed)
     lognormal = [round(max(1.0, rng.lognormvariate(0.0, sigma)), 2) for _ in range(6)]
     return {"spread": [1, 2, 4, 8], "one_fast": [1, 8, 8, 8], "lognormal": lognormal,
             "churn": [1, 2, 4, 8], "equal": [1, 1, 1, 1]}
+
+
+def fitted(slowdowns: list, worker_cores: float) -> tuple[list, float]:
+    """The slowdowns times the least factor k >= 1 under which the fleet's workers, computing
+    without pause, need at most `worker_cores` of this machine's cores (sum of 1/slowdown),
+    and k. A slowdown is a sleep after the compute, so each emulated machine is a share of a
+    real core: a fleet that needs more cores than there are measures their contention (its
+    workers and DDP's ranks queueing for the same cores), not the fleet. k scales every worker
+    alike, so DDP's wait for its slowest rank, relative to the fleet, is the fleet's."""
+    k = max(1.0, sum(1.0 / x for x in slowdowns) / worker_cores)
+    return [round(x * k, 2) for x in slowdowns], k
 
 
 def worker_args(name: str, slowdown: float, address: str, threads: int) -> list:
@@ -292,6 +311,10 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker and rank")
     p.add_argument("--sigma", type=float, default=0.7, help="the lognormal fleet's sigma")
     p.add_argument("--fleet-seed", type=int, default=0, help="the lognormal fleet's draw")
+    p.add_argument("--worker-cores", type=float, default=max(1, (os.cpu_count() or 2) - 1),
+                   help="cores the emulated fleet may use (default: all but one, left to the "
+                   "coordinator and this script): each fleet's slowdowns are scaled up "
+                   "until its workers fit in them")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds of training per run at most (default: the job's)")
     p.add_argument("--dir", default=None, help="keep logs here (default: a temp dir)")
@@ -300,6 +323,11 @@ def main() -> int:
     args = p.parse_args()
     jobs = [j for j in args.jobs.split(",") if j]
     all_fleets = fleets(args.sigma, args.fleet_seed)
+    if args.worker_cores <= 0:
+        p.error("--worker-cores must be positive")
+    scales = {}
+    for n, relative in all_fleets.items():
+        all_fleets[n], scales[n] = fitted(relative, args.worker_cores)
     names = [f for f in args.fleets.split(",") if f]
     candidates = [c for c in args.candidates.split(",") if c]
     for what, got, known in (("job", jobs, JOBS), ("fleet", names, all_fleets),
@@ -311,14 +339,17 @@ def main() -> int:
         for spec in specs.values():
             spec["budget"] = args.budget
     base = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="idlegrad-fleet-"))
-    print(f"logs under {base}; fleets {json.dumps({n: all_fleets[n] for n in names})}; "
-          f"threads {args.threads}", flush=True)
+    print(f"logs under {base}; fleets {json.dumps({n: all_fleets[n] for n in names})} "
+          f"(fitted to {args.worker_cores:g} worker cores); threads {args.threads}", flush=True)
     rows: dict[str, dict[str, list[dict]]] = {}
     summary = {}
     with stopped_on_interrupt():
         for job in jobs:
-            spec = specs[job]
             for fleet in names:
+                # the churn's times scale with the fleet, so that each event falls at the same
+                # point of the run
+                spec = {**specs[job], "churn": tuple(t * scales[fleet]
+                                                     for t in specs[job]["churn"])}
                 name = f"{fleet}/{job}"
                 slowdowns = all_fleets[fleet]
                 rows[name] = {c: [] for c in candidates}
@@ -347,6 +378,7 @@ def main() -> int:
         print(f"curves in {args.plot}")
     if args.json:
         print(json.dumps({"fleets": summary, "slowdowns": {n: all_fleets[n] for n in names},
+                          "worker_cores": args.worker_cores,
                           "targets": {j: specs[j]["target"] for j in jobs},
                           "repeats": args.repeats}))
     return 0

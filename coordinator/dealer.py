@@ -114,7 +114,7 @@ class Dealer:
         """The oldest waiting round lease `worker` may take (see the module's rules). `local`:
         only one whose shards it holds or may take anyway, among the first `_LOCAL_SCAN`."""
         pending = self.leases.pending
-        if not pending:
+        if not pending or self.rounds.sits_out(worker):
             return None
         leases, rounds = self.leases.leases, self.rounds.rounds
         scan = _LOCAL_SCAN if local else math.inf

@@ -35,7 +35,8 @@ from .speed import SpeedModel, WorkerSpeed
 from .verified_rows import VerifiedRows
 
 _RECHECK_FLEET = 256  # fleets up to this size look at a newcomer's slots every tick
-_SPREADS_KEPT = 50  # rounds whose slot finish spread the median is taken over
+_SPREADS_KEPT = 50
+_UNSIZED_PARTS = 4  # parts per worker of a sync round cut before anything sizes them  # rounds whose slot finish spread the median is taken over
 
 
 @dataclass
@@ -123,7 +124,8 @@ class RoundBook:
             return False
         # sync: a part for every active worker but one whose late slot is still unanswered
         # (alive, heart-beating, computing nothing: its part would hold up the round)
-        takers = [w for w in self.fleet.active() if not w.speed.owes] if self.config.sync else []
+        takers = ([w for w in self.fleet.active() if not self.sits_out(w)]
+                  if self.config.sync else [])
         k = max(1, len(takers)) if self.config.sync else self.config.partitions
         if self.config.sync and not self.stats["rounds_decoded"]:
             # The first round opens as soon as one worker announces credits: cut for it alone,
@@ -138,10 +140,17 @@ class RoundBook:
                                             self.sampler.open_blocks())
         sized: list[WorkerRecord] = []
         shares = None
+        batch = self.round_batch(k, worker)
         if self.config.sync and not self.sampler.replanning:
-            sized = takers
-            shares = self.slot_shares(sized)
-        parts = self.sampler.next_round(self.round_batch(k, worker), k, block, shares)
+            sized, shares = self.slot_shares(takers, self.sampler.next_count(batch, block))
+            if shares is not None:
+                k = len(sized)
+            elif k >= 2:
+                # Nothing to size by: more parts than workers, anyone's, so that a fast worker
+                # takes several while a slow one computes one (a sync worker holds one part of
+                # a round at a time), and each comes away with a first reading.
+                k *= _UNSIZED_PARTS
+        parts = self.sampler.next_round(batch, k, block, shares)
         if parts is None:
             return False
         if shares is None or len(parts) != len(sized):
@@ -180,26 +189,47 @@ class RoundBook:
         self.stats["rounds_opened"] += 1
         return True
 
-    def slot_shares(self, workers: list[WorkerRecord]) -> Optional[list[float]]:
-        """Slots sized to their worker (`--sync`): each worker's share of the round's batch, in
-        proportion to its measured samples per second, so that the round's slots finish
-        together instead of waiting for the slowest worker's equal part. A worker is sized by
-        its own seconds per sample from its first result, by the fleet's mean before
-        (`SpeedModel.sizing`); None (equal parts) while the fleet has too few readings for
-        that, or for fewer than two workers. Only sync rounds are sized, and they are always
-        code none: a row is one part, decoded with weight 1 whatever its size (the step
-        divides the sum by the round's samples), and credits and buffers are shared by
-        samples. Coded rounds (replicate, cyclic) keep equal parts: their rows mix parts, and
-        one row's copies go to several workers."""
+    def slot_shares(self, workers: list[WorkerRecord],
+                    samples: int) -> tuple[list[WorkerRecord], Optional[list[float]]]:
+        """Slots sized to their worker (`--sync`): the workers a round of `samples` samples is
+        cut for and each one's samples, so that the round's slots finish together instead of
+        waiting for the slowest worker's equal part. A worker with three slots answered is
+        sized by its slot times (`SlotTimes`: fixed seconds a and seconds per sample b): the
+        round ends at the T where the parts (T - a) / b add up to `samples`, and a worker
+        whose a alone is past T gets no part (it would end the round late whatever it
+        computed); one worker left alone computes the whole round. Before three, by its
+        seconds per sample from its first result, by the fleet's mean before
+        (`SpeedModel.sizing`), fixed 0. Shares None (equal parts, for all of `workers`) while the fleet has too few readings for that, or for fewer than
+        two workers. Only sync rounds are sized, and they are always code none: a row is one
+        part, decoded with weight 1 whatever its size (the step divides the sum by the
+        round's samples), and credits and buffers are shared by samples. Coded rounds
+        (replicate, cyclic) keep equal parts: their rows mix parts, and one row's copies go
+        to several workers."""
         if len(workers) < 2:
-            return None
-        shares = []
+            return workers, None
+        lines = []  # (fixed s, s per sample, worker)
         for w in workers:
-            s_per_sample = self.speed.sizing(w.speed)
-            if s_per_sample is None or not s_per_sample > 0:
-                return None
-            shares.append(1.0 / s_per_sample)
-        return shares
+            fit = w.speed.slot_times.fit()
+            if fit is None:
+                s_per_sample = self.speed.sizing(w.speed)
+                if s_per_sample is None or not s_per_sample > 0:
+                    return workers, None
+                fit = (0.0, s_per_sample)
+            lines.append((fit[0], fit[1], w))
+        lines.sort(key=lambda line: line[0])
+        # water-filling, in order of fixed part: the round of those taken ends at
+        # T = (samples + sum a/b) / sum 1/b, and the next is taken while its a is under that T
+        num, den, taken = float(samples), 0.0, 0
+        for fixed, per_sample, _ in lines:
+            if taken and fixed >= num / den:
+                break
+            num, den, taken = num + fixed / per_sample, den + 1.0 / per_sample, taken + 1
+        end = num / den
+        chosen = lines[:taken]
+        order = {w.id: i for i, w in enumerate(workers)}  # the order they were given in
+        chosen.sort(key=lambda line: order[line[2].id])
+        return ([line[2] for line in chosen],
+                [(end - fixed) / per_sample for fixed, per_sample, _ in chosen])
 
     def round_batch(self, k: int = 1, worker: Optional[WorkerRecord] = None) -> int:
         if self.task_mode.local:  # a slot as long as the worker opening the round should run
@@ -468,6 +498,23 @@ class RoundBook:
             if lease.samples:  # a bound: it has not answered yet
                 self.speed.observe(elapsed / lease.samples, worker.speed)
             self.speed.slot_late(worker.speed)
+            self._owing(worker)
+
+    def sits_out(self, worker: WorkerRecord) -> bool:
+        """Whether sync rounds keep `worker` out for now (`_owing`): cut no part, dealt none
+        of another's."""
+        return (self.config.sync and worker.speed.owes
+                and self.stats["rounds_decoded"] < worker.speed.owes_until)
+
+    def _owing(self, worker: WorkerRecord) -> None:
+        """A slot of `worker` turned late: sync rounds cut it no part for the next
+        2^(late streak) - 1 rounds (or until it answers), then one on probation. Its late part
+        is usually cancelled by the copy's answer, so an honest worker that was late once
+        (its owner busy for a moment) never answers that part: without a term it would sit
+        out the run. One that never answers, hostile or stopped, costs the fleet a probe's
+        wait in ever fewer rounds: 1 in 2, then 1 in 4, 1 in 8, ..."""
+        streak = min(worker.speed.late_streak, 10)
+        worker.speed.owes_until = self.stats["rounds_decoded"] + 2 ** streak
 
 
 def _allowance(worker: WorkerRecord, lease: Lease, floor: float) -> float:

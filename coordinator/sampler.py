@@ -64,13 +64,7 @@ class Sampler:
             return self._replan.popleft()
         if self.epochs is not None and self.epoch >= self.epochs:
             return None
-        if self.blocks is None:
-            start, end = self.offset, self.n
-        else:
-            if block not in self._open:
-                block = next(iter(self._open))
-            span = self.blocks(self.epoch)[block]
-            start, end = self._cursors.get(block, span.start), span.end
+        block, start, end = self._span(block)
         count = min(batch_size, end - start)
         cuts = _cuts_by_shares(count, shares) if shares else None
         parts = [(self.epoch, start + a, b - a) for a, b in cuts or _cuts(count, partitions)]
@@ -84,6 +78,21 @@ class Sampler:
             self.epoch, self.offset = self.epoch + 1, 0
             self._start_epoch()
         return parts
+
+    def _span(self, block: Optional[int]) -> tuple[Optional[int], int, int]:
+        """The block the next round is planned from and its positions left, [start, end)."""
+        if self.blocks is None:
+            return block, self.offset, self.n
+        if block not in self._open:
+            block = next(iter(self._open))
+        span = self.blocks(self.epoch)[block]
+        return block, self._cursors.get(block, span.start), span.end
+
+    def next_count(self, batch_size: int, block: Optional[int] = None) -> int:
+        """The samples `next_round(batch_size, ..., block)` would plan, outside a replan: fewer
+        than the batch at an epoch's (or a block's) end."""
+        _, start, end = self._span(block)
+        return min(batch_size, end - start)
 
     def open_blocks(self) -> list[int]:
         """Blocks of the current epoch with positions left, in the epoch's order (none without

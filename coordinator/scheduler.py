@@ -349,9 +349,12 @@ class Scheduler:
         worker.compute_s += max(0.0, compute_s)
         if lease.samples and compute_s > 0:
             self.speed.observe_result(worker.speed, compute_s / lease.samples)
-        if worker_id in lease.with_model and worker_id in lease.started:
-            self.speed.observe_link(worker.speed, now - lease.started[worker_id], compute_s,
-                                    waited_s)
+        if worker_id in lease.started:
+            wall_s = now - lease.started[worker_id]
+            if lease.samples and wall_s > waited_s >= 0:
+                worker.speed.slot_times.observe(lease.samples, wall_s - waited_s)
+            if worker_id in lease.with_model:
+                self.speed.observe_link(worker.speed, wall_s, compute_s, waited_s)
         self.speed.slot_answered(worker.speed, lease.speculated)
         self._freed(worker, now)
         verified = round_.verified

@@ -21,6 +21,46 @@ Prediction = tuple[float, float]  # (mean, sd) of seconds per sample
 
 
 @dataclass
+class SlotTimes:
+    """A worker's slot times as t = fixed + per_sample * n: what its slots take from hand-out to
+    answer (model down, compute, gradient up) against their samples, fitted by least squares
+    weighted to its recent slots. A slot has costs that do not shrink with it (the model and
+    the gradient are the same size whatever the part; a slow machine pays its per-slot Python
+    at its pace too), so seconds per sample alone overstate a small part's time: the slowest
+    workers' parts of a short round (an epoch's end) ran long by that fixed part."""
+
+    DECAY = 0.8  # weight of a reading per newer one: the fit follows about the last five
+    weight: float = 0.0
+    n: float = 0.0
+    nn: float = 0.0
+    t: float = 0.0
+    nt: float = 0.0
+
+    def observe(self, samples: int, seconds: float) -> None:
+        d = self.DECAY
+        self.weight = d * self.weight + 1.0
+        self.n = d * self.n + samples
+        self.nn = d * self.nn + samples * samples
+        self.t = d * self.t + seconds
+        self.nt = d * self.nt + samples * seconds
+
+    def fit(self) -> Optional[tuple[float, float]]:
+        """(fixed seconds, seconds per sample), or None before three readings. Slots of sizes
+        too alike to tell the two apart (spread under 10%) give fixed 0, their mean rate: at
+        one size the two cut parts alike."""
+        if self.weight < 2.0 or self.n <= 0:
+            return None
+        mean_n, mean_t = self.n / self.weight, self.t / self.weight
+        var_n = self.nn / self.weight - mean_n * mean_n
+        if var_n > (0.1 * mean_n) ** 2:
+            per_sample = (self.nt / self.weight - mean_n * mean_t) / var_n
+            fixed = mean_t - per_sample * mean_n
+            if per_sample > 0 and fixed >= 0:
+                return fixed, per_sample
+        return 0.0, mean_t / mean_n
+
+
+@dataclass
 class WorkerSpeed:
     """One worker's measurements; the `SpeedModel` writes them."""
 
@@ -33,13 +73,16 @@ class WorkerSpeed:
     size_factor: float = 1.0  # < 1: it keeps missing predictions, so it holds fewer slots
     late: int = 0  # slots of its that turned late past its prediction
     late_streak: int = 0
-    # A slot of its turned late and it has answered nothing since: a --sync round reserves it
-    # no part until it does (round_book.py `open_round`), or one worker that never answers
-    # would hold up every round
+    # A slot of its turned late and it has answered nothing since: --sync rounds reserve it no
+    # part until it does, or until `owes_until` rounds have decoded (round_book.py): one that
+    # never answers would hold up every round, and one whose late part a copy made moot (it
+    # is cancelled, so it never answers that one) would never get a part again
     owes: bool = False
+    owes_until: int = 0
     # Seconds its recent slots that came with a model spent on the link (down and up): from task
     # sent to result arrived, less compute and the wait in its queue. Local tasks size H from it.
     link_times: deque = field(default_factory=lambda: deque(maxlen=8))
+    slot_times: SlotTimes = field(default_factory=SlotTimes)  # sizes sync parts
 
     def slots_allowed(self, credits: int) -> int:
         """Slots it may hold at once: its credits, fewer while it keeps missing predictions."""
@@ -136,7 +179,7 @@ class SpeedModel:
 
     def sizing(self, speed: WorkerSpeed) -> Optional[float]:
         """Seconds per sample to size the worker's part of a sync round by: its own EWMA from its
-        first result on, the fleet's mean before (None while the fleet has too few readings).
+        first result on, the mean of the fleet's readings before (None while it has none).
 
         Deadlines and lateness wait for `min_results` of its own (`prediction`): a worker judged
         late on one reading would be speculated against for nothing. A part sized on one
@@ -145,8 +188,7 @@ class SpeedModel:
         so that its first rounds went at the slowest worker's pace."""
         if speed.observed >= 1 and speed.s_per_sample is not None:
             return speed.s_per_sample
-        prediction = self.prediction(speed)
-        return prediction[0] if prediction is not None else None
+        return self._times_sum / len(self.times) if self.times else None
 
     def deadline_s(self, speed: WorkerSpeed, samples: int, credits: int) -> float:
         """Seconds a worker holding up to `credits` slots gets for one of `samples` samples

@@ -77,6 +77,7 @@ def build_engine(job: Job, welcome: proto.Welcome, config, device: torch.device,
     engine = Engine(built, epoch_order(built.train, welcome.seed, welcome.shuffle_window), device)
     engine.slowdown, engine.stall, engine.poison = config.slowdown, config.stall, config.poison
     engine.store = store
+    engine.warm_up()
     return built, engine
 
 

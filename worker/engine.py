@@ -130,6 +130,33 @@ class Engine:
                 raise ValueError(f"part [{epoch}, {offset}, {count}] outside a data set of "
                                  f"{n} samples")
 
+    WARM_UP_SAMPLES = 48  # three micro-batches of the first size
+
+    def warm_up(self) -> None:
+        """Compute one small gradient at the model as built and throw it away, before the
+        first task: torch's first forward and backward pay for lazy set-up (allocations,
+        kernel choices; a GPU's context), and a first task paying it made the machine look
+        several times slower than it is (its first result sizes its next parts, and a slowed
+        machine paid the set-up times its slowdown). Its micro-batches measure the engine's
+        speed, so the first task's micro-batches are sized too. No injected delay: it is no
+        task."""
+        count = min(self.WARM_UP_SAMPLES, len(self.built.train))
+        if count == 0:
+            return
+        model = self.built.model
+        gate = _MicroBatchGate(self, threading.Event(), None)
+        on_cpu = model.grads.device.type == "cpu"
+        if on_cpu:
+            model.use_grads(self._gradients.take())
+        model.grads.zero_()
+        accumulate_coded_gradient(
+            self.built.job, model, self.built.train, self.seed, [(0, 0, count)], [1.0],
+            micro_batch=lambda: self.micro_batch, device=self.device, between=gate.between,
+            observe=gate.observe, block=self.built.random_block)
+        model.grads.zero_()
+        if on_cpu:
+            self._gradients.give(model.grads)
+
     SNAPSHOTS_KEPT = 3
     PAUSE_POLL_S = 0.25  # while paused, how often the cancel flag is looked at
 

@@ -617,3 +617,32 @@ def test_a_batchnorm_job_computes_whatever_micro_batch_the_worker_picks(micro, d
                                   block=built.random_block)
         assert torch.isfinite(built.model.grads).all() and built.model.grads.abs().sum() > 0
     assert min(sizes) >= 2, sizes
+
+
+def test_a_warmed_up_engine_has_measured_its_speed_and_computes_the_same_gradients():
+    """The worker warms its engine up when it builds the job (a first forward and backward pay
+    torch's set-up, which a first task paid at its slowdown's multiple): the warm-up sizes the
+    micro-batches, leaves the model as built, and changes no task's gradient."""
+    import threading
+
+    from idlegrad.common.builtin_jobs import digits
+    from idlegrad.common.job import build
+    from idlegrad.worker.engine import Engine, Work
+
+    built = build(digits())
+    cold = Engine(built, seed=3, device=torch.device("cpu"))
+    warm = Engine(built, seed=3, device=torch.device("cpu"))
+    before = built.model.params.clone()
+    warm.warm_up()
+    assert warm._s_per_sample is not None and cold._s_per_sample is None
+    assert warm.micro_batch != 16  # sized from the warm-up's micro-batches
+    assert torch.equal(built.model.params, before)
+    for engine in (warm, cold):  # the same micro-batches: the same sums
+        engine.micro_batch = 8
+        engine._observe = lambda *a: None
+    params = 0.2 * torch.randn(built.model.numel, generator=torch.Generator().manual_seed(0))
+    work = Work(1, 0, params, [[0, 5, 40]], [1.0])
+    a = cold.compute(work, threading.Event())
+    cold_gradient = a.gradient.clone()
+    b = warm.compute(work, threading.Event())
+    assert torch.equal(b.gradient, cold_gradient) and b.samples == a.samples == 40

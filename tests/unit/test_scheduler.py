@@ -754,10 +754,12 @@ def test_sync_one_round_one_partition_per_ready_worker_one_slot_each():
     got = assigns(actions) + assigns(s.ready("b", 2, 0.0)) + assigns(s.ready("c", 2, 0.0))
     assert len(s.rounds) == 1
     (round_,) = s.rounds.values()
-    assert round_.code.name == "none" and len(round_.parts) == 3
+    # nothing measured to size parts by: more parts than workers (4 each, at most the batch)
+    assert round_.code.name == "none" and len(round_.parts) == 6
     assert sorted(x.worker for x in got) == ["a", "b", "c"]  # one slot each, credits or not
     ok, actions = s.result("a", got[0].slot, 0.1, 1.0)
-    assert assigns(actions) == []  # the next round waits for the whole batch: wait for all
+    (more,) = assigns(actions)  # a, done first, takes another part of the same round
+    assert more.worker == "a" and more.round == got[0].round and len(s.rounds) == 1
 
 
 def test_the_next_round_is_planned_at_the_stepped_version_sync_and_async():
@@ -771,7 +773,16 @@ def test_the_next_round_is_planned_at_the_stepped_version_sync_and_async():
         s.workers[w].capacity = 1
     got = assigns(s.ready("a", 1, 0.0)) + assigns(s.ready("b", 1, 0.0))
     now = 0.0
-    for v in range(4):
+    # the first round, cut before anything is measured, has more parts than workers: each
+    # worker answers the next until it decodes
+    while not s.stats["rounds_decoded"]:
+        now += 0.1
+        task = got.pop(0)
+        _, actions = s.result(task.worker, task.slot, 0.1, now)
+        assert not assigns(actions) or s.version == 0 and len(s.rounds) == 1
+        got += assigns(actions)
+    got = assigns(s.applied(1, now))
+    for v in range(1, 5):
         assert sorted(x.worker for x in got) == ["a", "b"] and len(s.rounds) == 1
         assert all(x.version == v for x in got) and len({x.round for x in got}) == 1
         assert all(x.send_model for x in got)  # a new version each round: the model goes along
