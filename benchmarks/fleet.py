@@ -2,7 +2,8 @@
 `--async` against torch DDP, real processes on this machine over loopback.
 
 Fleets (each worker slowed with the worker's `--slowdown X`: every task takes X times its
-compute; each DDP rank by the same factor, benchmarks/job_ddp.py `--slowdown`):
+compute, counted as CPU time; each DDP rank by the same factor, benchmarks/job_ddp.py
+`--slowdown`):
 
 - spread: slowdowns 1, 2, 4, 8;
 - one_fast: 1, 8, 8, 8;

@@ -13,8 +13,10 @@ initialised from `--seed`), and trained with the same data plan and recipe:
 - BatchNorm statistics: DDP's own rule (rank 0's buffers broadcast before each forward).
 `--slowdown X` makes this rank X times as slow as its compute, as the worker's `--slowdown`
 does: before each backward (the gradient all-reduce waits in it) it sleeps (X - 1) times the
-step's compute, estimated as its forward time times the (forward + backward) / forward ratio
-timed on the plain module before training (benchmarks/fleet.py's heterogeneous fleets).
+step's compute, estimated as its forward's CPU time (the worker counts a slot's CPU time too: a
+wait for a core shared with the other ranks is no compute) times the (forward + backward) /
+forward ratio timed on the plain module before training (benchmarks/fleet.py's heterogeneous
+fleets).
 Rank 0 evaluates (the job's evaluation) every `--eval-every` seconds of training and at the end;
 all ranks stop at the first evaluation that reaches `--target`, at `--budget` seconds of
 training, or after `--epochs`. Rank 0 writes one JSON object to `--out`: steps, samples,
@@ -134,14 +136,14 @@ def main() -> None:
         count = min(batch, n - offset)
         start, mine = share(count, args.world, args.rank)
         module.train()
-        f0 = time.perf_counter()
+        f0 = time.thread_time()  # CPU time, as the worker's --slowdown counts
         if mine:
             data = part_batch(built.train, order, epoch, offset + start, mine, job.collate)
             loss = job.loss(model, data) * (mine * args.world / count)
         else:  # a short last batch: this rank adds a zero gradient, DDP's reduction waits for it
             loss = job.loss(model, part_batch(built.train, order, epoch, offset, 1, job.collate)) * 0.0
         if args.slowdown > 1:  # before the backward, whose all-reduce the peers wait in
-            time.sleep((args.slowdown - 1.0) * (time.perf_counter() - f0) * fb_ratio)
+            time.sleep((args.slowdown - 1.0) * (time.thread_time() - f0) * fb_ratio)
         optimizer.zero_grad()
         loss.backward()
         if job.clip_norm:  # the global norm of the averaged gradient, as the coordinator's

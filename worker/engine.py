@@ -101,6 +101,7 @@ class Engine:
         self._s_per_sample: Optional[float] = None
         # fault injection for tests and benchmarks (the worker's --slowdown and --stall)
         self.slowdown = 1.0
+        self._cpu_start = 0.0  # this thread's CPU time when the slot began (--slowdown)
         self.poison: Optional[tuple[str, float]] = None  # fault injection: a hostile worker
         self.stall: Optional[tuple[float, float]] = None  # (probability, seconds)
         self._random = random.Random()
@@ -165,6 +166,7 @@ class Engine:
         """The slot's coded gradient. `running`: a gate, set while computing is allowed; when it
         is clear the engine waits at the next micro-batch boundary (until set, or cancelled)."""
         start = time.perf_counter()
+        self._cpu_start = time.thread_time()
         gate = _MicroBatchGate(self, cancel, running)
         gated = self.store.gated(gate) if self.store is not None else contextlib.nullcontext()
         with gated:
@@ -239,7 +241,7 @@ class Engine:
             micro_batch=lambda: self.micro_batch, device=self.device, between=gate.between,
             observe=gate.observe, version=work.version, block=self.built.random_block)
         paused_s = gate.paused_s
-        injected = self._injected_delay(time.perf_counter() - start - paused_s)
+        injected = self._injected_delay(self._slot_cpu_s())
         if injected > 0:
             paused_s += self._sleep(injected, cancel, running)
         if on_cpu:
@@ -258,6 +260,7 @@ class Engine:
         """The evaluation sums of the model at `work.version` over its range of the test set, in
         micro-batches (forward only: sized from the training speed, they take less time)."""
         start = time.perf_counter()
+        self._cpu_start = time.thread_time()
         gate = _MicroBatchGate(self, cancel, running)
         model = self.built.model
         if work.params is not self._loaded:
@@ -269,7 +272,7 @@ class Engine:
         sums = evaluation_sums(self.built.job, model.module, self.built.test, offset, count,
                                chunk=lambda: self.micro_batch, between=gate.between)
         paused_s = gate.paused_s
-        injected = self._injected_delay(time.perf_counter() - start - paused_s)
+        injected = self._injected_delay(self._slot_cpu_s())
         if injected > 0:
             paused_s += self._sleep(injected, cancel, running)
         return Outcome(work.slot, work.version, None, count, 0.0,
@@ -311,7 +314,7 @@ class Engine:
                               observe=gate.observe, version=work.version,
                               block=self.built.random_block)
         paused_s = gate.paused_s
-        injected = self._injected_delay(time.perf_counter() - start - paused_s)
+        injected = self._injected_delay(self._slot_cpu_s())
         if injected > 0:
             paused_s += self._sleep(injected, cancel, running)
         change = result.change.to("cpu")
@@ -322,6 +325,13 @@ class Engine:
                        max(0.0, time.perf_counter() - start - paused_s), buffers=self._buffers())
 
     INJECT_STEP_S = 0.05  # injected delays sleep in steps this small: cancel and pause stay prompt
+
+    def _slot_cpu_s(self) -> float:
+        """This thread's CPU seconds since the slot began (the engine computes a slot in one
+        thread): what --slowdown multiplies. By the wall clock, workers sharing a machine's
+        cores (a fleet emulated on one machine) had their waits for the cores multiplied too,
+        and X-slowed workers on too few cores ran as machines several times slower still."""
+        return time.thread_time() - self._cpu_start
 
     def _injected_delay(self, compute_s: float) -> float:
         delay = max(0.0, self.slowdown - 1.0) * compute_s

@@ -53,6 +53,17 @@ def test_injected_delay():
     assert engine._injected_delay(0.3) == 0.0
 
 
+def test_the_slowdown_multiplies_the_slots_cpu_time_not_its_wait_for_the_cores():
+    engine = bare_engine()
+    engine._cpu_start = time.thread_time()
+    time.sleep(0.2)  # waiting (for a core, for anything) is no compute
+    assert engine._slot_cpu_s() < 0.05
+    spin_until = time.perf_counter() + 0.1
+    while time.perf_counter() < spin_until:
+        pass
+    assert engine._slot_cpu_s() > 0.05
+
+
 def test_injected_sleep_is_cancellable_and_pausable():
     engine = bare_engine()
     cancel, running = threading.Event(), threading.Event()
