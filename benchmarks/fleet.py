@@ -19,8 +19,7 @@ fleet's workers, all computing, fit in `--worker-cores` cores (default: all but 
 coordinator and this script keep). A slowdown is a sleep after the compute, so an emulated
 machine is a share of a real core; a fleet that needs more cores than this machine has would
 measure its workers (and DDP's ranks) queueing for the same cores rather than the fleet. On 2
-cores spread becomes 1.88, 3.75, 7.5, 15 (k = 1.875) and lognormal's six workers k = 5; the
-churn's times scale by the same k.
+cores spread becomes 1.88, 3.75, 7.5, 15 (k = 1.875) and lognormal's six workers k = 5.
 
 `--fleets equal` (four equal workers; not in the default list) is the control: the slot
 spread of sized rounds where there is nothing to size, the floor this machine's shared cores
@@ -326,9 +325,8 @@ def main() -> int:
     all_fleets = fleets(args.sigma, args.fleet_seed)
     if args.worker_cores <= 0:
         p.error("--worker-cores must be positive")
-    scales = {}
     for n, relative in all_fleets.items():
-        all_fleets[n], scales[n] = fitted(relative, args.worker_cores)
+        all_fleets[n], _ = fitted(relative, args.worker_cores)
     names = [f for f in args.fleets.split(",") if f]
     candidates = [c for c in args.candidates.split(",") if c]
     for what, got, known in (("job", jobs, JOBS), ("fleet", names, all_fleets),
@@ -347,10 +345,7 @@ def main() -> int:
     with stopped_on_interrupt():
         for job in jobs:
             for fleet in names:
-                # the churn's times scale with the fleet, so that each event falls at the same
-                # point of the run
-                spec = {**specs[job], "churn": tuple(t * scales[fleet]
-                                                     for t in specs[job]["churn"])}
+                spec = specs[job]
                 name = f"{fleet}/{job}"
                 slowdowns = all_fleets[fleet]
                 rows[name] = {c: [] for c in candidates}

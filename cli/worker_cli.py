@@ -67,7 +67,8 @@ SETTING_FLAGS: list[tuple[str, str, str, str]] = [
     ("--blob-mirror", "blob_mirrors", "URL",
      "an http(s) mirror of data shards, tried before the coordinator's (repeatable)"),
     ("--slowdown", "slowdown", "X",
-     "fault injection for tests and benchmarks: every task takes X times its compute (CPU) time (default: 1)"),
+     "fault injection for tests and benchmarks: every task takes X times its compute (CPU) "
+     "time (default: 1)"),
     ("--stall", "stall", "P:SECONDS",
      "fault injection for tests and benchmarks: with probability P a task stalls SECONDS "
      "(default: never)"),

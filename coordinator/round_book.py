@@ -199,8 +199,8 @@ class RoundBook:
         whose a alone is past T gets no part (it would end the round late whatever it
         computed); one worker left alone computes the whole round. Before three, by its
         seconds per sample from its first result, by the fleet's mean before
-        (`SpeedModel.sizing`), fixed 0. Shares None (equal parts, for all of `workers`) while the fleet has too few readings for that, or for fewer than
-        two workers. Only sync rounds are sized, and they are always code none: a row is one
+        (`SpeedModel.sizing`), fixed 0. Shares None (unsized parts, for all of `workers`)
+        while the fleet has no reading, or for fewer than two workers. Only sync rounds are sized, and they are always code none: a row is one
         part, decoded with weight 1 whatever its size (the step divides the sum by the
         round's samples), and credits and buffers are shared by samples. Coded rounds
         (replicate, cyclic) keep equal parts: their rows mix parts, and one row's copies go
