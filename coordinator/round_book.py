@@ -498,21 +498,26 @@ class RoundBook:
             if lease.samples:  # a bound: it has not answered yet
                 self.speed.observe(elapsed / lease.samples, worker.speed)
             self.speed.slot_late(worker.speed)
-            self._owing(worker)
+            self._owing(worker, now)
 
     def sits_out(self, worker: WorkerRecord) -> bool:
         """Whether sync rounds keep `worker` out for now (`_owing`): cut no part, dealt none
         of another's."""
-        return (self.config.sync and worker.speed.owes
-                and self.stats["rounds_decoded"] < worker.speed.owes_until)
+        speed = worker.speed
+        return (self.config.sync and speed.owes
+                and (self.stats["rounds_decoded"] < speed.owes_until
+                     or worker.last_seen <= speed.owed_at))
 
-    def _owing(self, worker: WorkerRecord) -> None:
+    def _owing(self, worker: WorkerRecord, now: float) -> None:
         """A slot of `worker` turned late: sync rounds cut it no part for the next
-        2^(late streak) - 1 rounds (or until it answers), then one on probation. Its late part
-        is usually cancelled by the copy's answer, so an honest worker that was late once
-        (its owner busy for a moment) never answers that part: without a term it would sit
-        out the run. One that never answers, hostile or stopped, costs the fleet a probe's
-        wait in ever fewer rounds: 1 in 2, then 1 in 4, 1 in 8, ..."""
+        2^(late streak) - 1 rounds, nor before it is heard from again (a heartbeat), or until
+        it answers; then one on probation. Its late part is usually cancelled by the copy's
+        answer, so an honest worker that was late once (its owner busy for a moment) never
+        answers that one: without a term it would sit out the run. One killed or stopped sends
+        no heartbeat, so it is probed only if it comes back; one that heart-beats and never
+        answers, a hostile key's, costs the fleet a probe's wait in ever fewer rounds: 1 in 2,
+        then 1 in 4, 1 in 8, ..."""
+        worker.speed.owed_at = now
         streak = min(worker.speed.late_streak, 10)
         worker.speed.owes_until = self.stats["rounds_decoded"] + 2 ** streak
 

@@ -74,11 +74,13 @@ class WorkerSpeed:
     late: int = 0  # slots of its that turned late past its prediction
     late_streak: int = 0
     # A slot of its turned late and it has answered nothing since: --sync rounds reserve it no
-    # part until it does, or until `owes_until` rounds have decoded (round_book.py): one that
-    # never answers would hold up every round, and one whose late part a copy made moot (it
-    # is cancelled, so it never answers that one) would never get a part again
+    # part until it does, or until `owes_until` rounds have decoded and it has been heard from
+    # since `owed_at` (round_book.py): one that never answers would hold up every round, and
+    # one whose late part a copy made moot (it is cancelled, so it never answers that one)
+    # would never get a part again
     owes: bool = False
     owes_until: int = 0
+    owed_at: float = 0.0  # when its slot turned late
     # Seconds its recent slots that came with a model spent on the link (down and up): from task
     # sent to result arrived, less compute and the wait in its queue. Local tasks size H from it.
     link_times: deque = field(default_factory=lambda: deque(maxlen=8))

@@ -323,11 +323,12 @@ def test_a_sync_part_is_speculated_a_rounds_time_past_its_prediction_between_tic
     assert fleet.s.next_speculation_at() == math.inf  # nothing else is timed
 
 
-def _speculated_round_without(fleet: "SyncFleet", silent: str) -> list[Assign]:
-    """This round: `silent` never answers its part, the others answer theirs, and a copy of
-    the silent part (speculated once late, on whoever finished) decodes it. The next round's
-    hand-out."""
-    fleet.held.pop(silent)  # alive, heart-beating, never answering
+def _speculated_round_without(fleet: "SyncFleet", silent: str,
+                              beating: bool = True) -> list[Assign]:
+    """This round: `silent` never answers its part (heart-beating, or not), the others answer
+    theirs, and a copy of the silent part (speculated once late, on whoever finished) decodes
+    it. The next round's hand-out."""
+    fleet.held.pop(silent)  # alive, never answering
     for w in list(fleet.held):
         task = fleet.held.pop(w)
         fleet.now += SPEED[w] * task.work.samples
@@ -335,7 +336,8 @@ def _speculated_round_without(fleet: "SyncFleet", silent: str) -> list[Assign]:
     copy = None
     for _ in range(40):
         fleet.now += 0.1
-        fleet.s.seen(silent, fleet.now)
+        if beating:
+            fleet.s.seen(silent, fleet.now)
         copy = next(iter(assigns(fleet.s.tick(fleet.now))), None)
         if copy is not None:
             break
@@ -346,10 +348,11 @@ def _speculated_round_without(fleet: "SyncFleet", silent: str) -> list[Assign]:
     return assigns(fleet.s.applied(fleet.s.version + 1, fleet.now))
 
 
-def _answered_alone(fleet: "SyncFleet", given: list[Assign]) -> list[Assign]:
+def _answered_alone(fleet: "SyncFleet", given: list[Assign], beating: bool = True) -> list[Assign]:
     (task,) = given
     fleet.now += 1.0
-    fleet.s.seen("b", fleet.now)
+    if beating:
+        fleet.s.seen("b", fleet.now)
     _, actions = fleet.s.result(task.worker, task.slot, 1.0, fleet.now)
     assert [a for a in actions if isinstance(a, Decoded)]
     return assigns(fleet.s.applied(fleet.s.version + 1, fleet.now))
@@ -375,6 +378,22 @@ def test_a_sync_round_reserves_no_part_for_a_worker_still_holding_a_late_one():
     for _ in range(3):
         assert [t.worker for t in given] == ["a"], given
         given = _answered_alone(fleet, given)
+    assert sorted(t.worker for t in given) == ["a", "b"]
+
+
+def test_a_late_worker_that_stopped_heart_beating_is_not_probed_until_it_is_heard_again():
+    """A worker stopped (SIGSTOP: its owner's debugger, a laptop's lid) or killed sends no
+    heartbeat: after its term it is cut no probation part, whose wait would cost the fleet a
+    round each time, until it is heard from again."""
+    fleet = SyncFleet(["b", "a"], speculate=True)
+    for _ in range(8):
+        fleet.round()
+    given = _speculated_round_without(fleet, "b", beating=False)
+    for _ in range(4):  # its term is one round; silent, it stays out
+        assert [t.worker for t in given] == ["a"], given
+        given = _answered_alone(fleet, given, beating=False)
+    fleet.s.seen("b", fleet.now)  # SIGCONT: it heart-beats again
+    given = _answered_alone(fleet, given, beating=False)
     assert sorted(t.worker for t in given) == ["a", "b"]
 
 
