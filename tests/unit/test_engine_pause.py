@@ -93,6 +93,9 @@ class Clock:
     def perf_counter(self) -> float:
         return time.perf_counter() + self.offset
 
+    def thread_time(self) -> float:  # CPU time (--slowdown's): a pause spends none
+        return time.thread_time()
+
 
 def test_pause_stops_between_micro_batches_and_resume_gives_the_same_gradient(built, monkeypatch):
     work = Work(1, 0, params_of(built), [[0, 0, 40]], [1.0])
