@@ -77,7 +77,8 @@ def build_engine(job: Job, welcome: proto.Welcome, config, device: torch.device,
     engine = Engine(built, epoch_order(built.train, welcome.seed, welcome.shuffle_window), device)
     engine.slowdown, engine.stall, engine.poison = config.slowdown, config.stall, config.poison
     engine.store = store
-    engine.warm_up()
+    if job.data is None:  # data by manifest is read through fetches the session drives
+        engine.warm_up()
     return built, engine
 
 

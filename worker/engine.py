@@ -140,7 +140,8 @@ class Engine:
         several times slower than it is (its first result sizes its next parts, and a slowed
         machine paid the set-up times its slowdown). Its micro-batches measure the engine's
         speed, so the first task's micro-batches are sized too. No injected delay: it is no
-        task."""
+        task. Only for a job whose data is built here: one whose data comes by manifest reads
+        its samples through fetches the session drives (worker/building.py)."""
         count = min(self.WARM_UP_SAMPLES, len(self.built.train))
         if count == 0:
             return
