@@ -510,8 +510,8 @@ class RoundBook:
 
     def _owing(self, worker: WorkerRecord, now: float) -> None:
         """A slot of `worker` turned late: sync rounds cut it no part for the next
-        2^(late streak) - 1 rounds, nor before it is heard from again (a heartbeat), or until
-        it answers; then one on probation. Its late part is usually cancelled by the copy's
+        2^(late streak) - 1 rounds (4^s - 1 if it never answered anything), nor before it is
+        heard from again (a heartbeat), or until it answers; then one on probation. Its late part is usually cancelled by the copy's
         answer, so an honest worker that was late once (its owner busy for a moment) never
         answers that one: without a term it would sit out the run. One killed or stopped sends
         no heartbeat, so it is probed only if it comes back; one that heart-beats and never
@@ -519,7 +519,11 @@ class RoundBook:
         then 1 in 4, 1 in 8, ..."""
         worker.speed.owed_at = now
         streak = min(worker.speed.late_streak, 10)
-        worker.speed.owes_until = self.stats["rounds_decoded"] + 2 ** streak
+        # one that has never answered has shown nothing but lateness: 4^s - 1 rounds out (16
+        # heart-beating names that never compute, hostile.py's ready_flood, probed every 2^s
+        # cost the fleet 12% of its samples per second)
+        base = 4 if worker.done == 0 else 2
+        worker.speed.owes_until = self.stats["rounds_decoded"] + base ** streak
 
 
 def _allowance(worker: WorkerRecord, lease: Lease, floor: float) -> float:

@@ -381,6 +381,29 @@ def test_a_sync_round_reserves_no_part_for_a_worker_still_holding_a_late_one():
     assert sorted(t.worker for t in given) == ["a", "b"]
 
 
+def test_a_late_worker_that_never_answered_anything_sits_out_longer_terms():
+    """A name that has never answered a slot (hostile.py's ready_flood: heart-beating names that
+    never compute) sits out 4^s - 1 rounds a time, not 2^s - 1: it has shown nothing but
+    lateness, and each probe costs the fleet a round's wait."""
+    fleet = SyncFleet(["b", "a"], speculate=True)
+    for _ in range(8):
+        fleet.round()
+    fleet.s.join("c", {}, fleet.now)
+    fleet._take(fleet.s.ready("c", 1, fleet.now))
+    while "c" not in fleet.held:
+        fleet.round()
+    assert fleet.s.workers["c"].done == 0
+    given = _speculated_round_without(fleet, "c")
+    rounds_out = 0
+    while sorted(t.worker for t in given) == ["a", "b"]:
+        fleet.held = {t.worker: t for t in given}
+        fleet.s.seen("c", fleet.now)
+        fleet.round()
+        given = list(fleet.held.values())
+        rounds_out += 1
+    assert rounds_out == 3 and "c" in fleet.held
+
+
 def test_a_late_worker_that_stopped_heart_beating_is_not_probed_until_it_is_heard_again():
     """A worker stopped (SIGSTOP: its owner's debugger, a laptop's lid) or killed sends no
     heartbeat: after its term it is cut no probation part, whose wait would cost the fleet a
