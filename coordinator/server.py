@@ -156,6 +156,7 @@ class Coordinator:
                     self._event("absent", f"the coordinator did not run for {overslept:.1f}s: "
                                           "that time counts as no worker's silence",
                                 level=logging.WARNING)
+                awake = self.clock()
                 if recv.done():
                     await self._handle_batch(recv.result())
                     recv = asyncio.ensure_future(transport.receive())
@@ -177,6 +178,15 @@ class Coordinator:
                         await self._handle_batch(None)
                     recv = asyncio.ensure_future(transport.receive())
                     now = self.clock()
+                    # Stopped (or starved) while handling what came in rather than in the wait
+                    # above: that time is no worker's silence either (a SIGSTOP landing there
+                    # had both workers of test_exactly_once evicted on waking)
+                    busy = now - awake
+                    if busy > self.config.heartbeat_s:
+                        self.scheduler.absent(busy)
+                        self._event("absent", f"the coordinator did not run for {busy:.1f}s: "
+                                              "that time counts as no worker's silence",
+                                    level=logging.WARNING)
                     await self.perform(self.core.tick(now))
                     next_tick = now + tick_every
                 elif now >= spec_at:
