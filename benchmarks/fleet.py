@@ -95,15 +95,14 @@ def fleets(sigma: float, seed: int) -> dict[str, list[float]]:
             "churn": [1, 2, 4, 8], "equal": [1, 1, 1, 1]}
 
 
-def fitted(slowdowns: list, worker_cores: float) -> tuple[list, float]:
+def fitted(slowdowns: list, worker_cores: float) -> list:
     """The slowdowns times the least factor k >= 1 under which the fleet's workers, computing
-    without pause, need at most `worker_cores` of this machine's cores (sum of 1/slowdown),
-    and k. A slowdown is a sleep after the compute, so each emulated machine is a share of a
+    without pause, need at most `worker_cores` of this machine's cores (sum of 1/slowdown). A slowdown is a sleep after the compute, so each emulated machine is a share of a
     real core: a fleet that needs more cores than there are measures their contention (its
     workers and DDP's ranks queueing for the same cores), not the fleet. k scales every worker
     alike, so DDP's wait for its slowest rank, relative to the fleet, is the fleet's."""
     k = max(1.0, sum(1.0 / x for x in slowdowns) / worker_cores)
-    return [round(x * k, 2) for x in slowdowns], k
+    return [round(x * k, 2) for x in slowdowns]
 
 
 def worker_args(name: str, slowdown: float, address: str, threads: int) -> list:
@@ -325,8 +324,7 @@ def main() -> int:
     all_fleets = fleets(args.sigma, args.fleet_seed)
     if args.worker_cores <= 0:
         p.error("--worker-cores must be positive")
-    for n, relative in all_fleets.items():
-        all_fleets[n], _ = fitted(relative, args.worker_cores)
+    all_fleets = {n: fitted(relative, args.worker_cores) for n, relative in all_fleets.items()}
     names = [f for f in args.fleets.split(",") if f]
     candidates = [c for c in args.candidates.split(",") if c]
     for what, got, known in (("job", jobs, JOBS), ("fleet", names, all_fleets),

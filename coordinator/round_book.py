@@ -35,8 +35,8 @@ from .speed import SpeedModel, WorkerSpeed
 from .verified_rows import VerifiedRows
 
 _RECHECK_FLEET = 256  # fleets up to this size look at a newcomer's slots every tick
-_SPREADS_KEPT = 50
-_UNSIZED_PARTS = 4  # parts per worker of a sync round cut before anything sizes them  # rounds whose slot finish spread the median is taken over
+_SPREADS_KEPT = 50  # rounds whose slot finish spread the median is taken over
+_UNSIZED_PARTS = 4  # parts per worker of a sync round cut before anything sizes them
 
 
 @dataclass
@@ -200,11 +200,11 @@ class RoundBook:
         computed); one worker left alone computes the whole round. Before three, by its
         seconds per sample from its first result, by the fleet's mean before
         (`SpeedModel.sizing`), fixed 0. Shares None (unsized parts, for all of `workers`)
-        while the fleet has no reading, or for fewer than two workers. Only sync rounds are sized, and they are always code none: a row is one
-        part, decoded with weight 1 whatever its size (the step divides the sum by the
-        round's samples), and credits and buffers are shared by samples. Coded rounds
-        (replicate, cyclic) keep equal parts: their rows mix parts, and one row's copies go
-        to several workers."""
+        while the fleet has no reading, or for fewer than two workers. Only sync rounds are
+        sized, and they are always code none: a row is one part, decoded with weight 1
+        whatever its size (the step divides the sum by the round's samples), and credits and
+        buffers are shared by samples. Coded rounds (replicate, cyclic) keep equal parts:
+        their rows mix parts, and one row's copies go to several workers."""
         if len(workers) < 2:
             return workers, None
         lines = []  # (fixed s, s per sample, worker)
@@ -511,9 +511,10 @@ class RoundBook:
     def _owing(self, worker: WorkerRecord, now: float) -> None:
         """A slot of `worker` turned late: sync rounds cut it no part for the next
         2^(late streak) - 1 rounds (4^s - 1 if it never answered anything), nor before it is
-        heard from again (a heartbeat), or until it answers; then one on probation. Its late part is usually cancelled by the copy's
-        answer, so an honest worker that was late once (its owner busy for a moment) never
-        answers that one: without a term it would sit out the run. One killed or stopped sends
+        heard from again (a heartbeat), or until it answers; then one on probation. Its late
+        part is usually cancelled by the copy's answer, so an honest worker that was late once
+        (its owner busy for a moment) never answers that one: without a term it would sit out
+        the run. One killed or stopped sends
         no heartbeat, so it is probed only if it comes back; one that heart-beats and never
         answers, a hostile key's, costs the fleet a probe's wait in ever fewer rounds: 1 in 2,
         then 1 in 4, 1 in 8, ..."""

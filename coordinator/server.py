@@ -152,10 +152,7 @@ class Coordinator:
                 await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 overslept = self.clock() - now - wait
                 if overslept > self.config.heartbeat_s:  # stopped, suspended, or starved of CPU
-                    self.scheduler.absent(overslept)
-                    self._event("absent", f"the coordinator did not run for {overslept:.1f}s: "
-                                          "that time counts as no worker's silence",
-                                level=logging.WARNING)
+                    self._absent(overslept)
                 awake = self.clock()
                 if recv.done():
                     await self._handle_batch(recv.result())
@@ -181,12 +178,8 @@ class Coordinator:
                     # Stopped (or starved) while handling what came in rather than in the wait
                     # above: that time is no worker's silence either (a SIGSTOP landing there
                     # had both workers of test_exactly_once evicted on waking)
-                    busy = now - awake
-                    if busy > self.config.heartbeat_s:
-                        self.scheduler.absent(busy)
-                        self._event("absent", f"the coordinator did not run for {busy:.1f}s: "
-                                              "that time counts as no worker's silence",
-                                    level=logging.WARNING)
+                    if now - awake > self.config.heartbeat_s:
+                        self._absent(now - awake)
                     await self.perform(self.core.tick(now))
                     next_tick = now + tick_every
                 elif now >= spec_at:
@@ -205,6 +198,12 @@ class Coordinator:
         finally:
             recv.cancel()
             await self.offloop.settle()
+
+    def _absent(self, seconds: float) -> None:
+        """The loop did not run for `seconds`: that time is no worker's silence."""
+        self.scheduler.absent(seconds)
+        self._event("absent", f"the coordinator did not run for {seconds:.1f}s: that time "
+                              "counts as no worker's silence", level=logging.WARNING)
 
     async def _handle_batch(self, first: Optional[list]) -> None:
         """Handle `first` (if any) and what else is queued, up to a bound, through the plain
