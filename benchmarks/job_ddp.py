@@ -12,11 +12,12 @@ initialised from `--seed`), and trained with the same data plan and recipe:
   per step, its gradient clipping on the averaged gradient;
 - BatchNorm statistics: DDP's own rule (rank 0's buffers broadcast before each forward).
 `--slowdown X` makes this rank X times as slow as its compute, as the worker's `--slowdown`
-does: before each backward (the gradient all-reduce waits in it) it sleeps (X - 1) times the
-step's compute, estimated as its forward's CPU time (the worker counts a slot's CPU time too: a
-wait for a core shared with the other ranks is no compute) times the (forward + backward) /
-forward ratio timed on the plain module before training (benchmarks/fleet.py's heterogeneous
-fleets).
+does: a step's forward and backward last X times their CPU time in all (a sleep makes up the
+rest; a wait for a core shared with the other ranks is part of it, not added), and only then
+are the gradients all-reduced, so that the peers wait for the slowed rank as they would for a
+slow machine. The backward then runs under DDP's `no_sync` and the sleep is followed by one
+all-reduce of the flattened gradients, averaged: DDP's own reduction done after the sleep
+(its hooks would start it during the backward, before the sleep).
 Rank 0 evaluates (the job's evaluation) every `--eval-every` seconds of training and at the end;
 all ranks stop at the first evaluation that reaches `--target`, at `--budget` seconds of
 training, or after `--epochs`. Rank 0 writes one JSON object to `--out`: steps, samples,
@@ -28,6 +29,7 @@ Started rank by rank by benchmarks/real_jobs.py, which stops each by its PID.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -63,20 +65,15 @@ def fastest_threads(job, module, train, order, batch: int) -> int:
     return best
 
 
-def compute_ratio(job, module, data) -> float:
-    """(forward + backward) / forward seconds of one step on the plain module (no all-reduce in
-    its backward), the median of a few; the gradients are cleared after."""
-    import statistics
-
-    ratios = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        loss = job.loss(module, data)
-        t1 = time.perf_counter()
-        loss.backward()
-        ratios.append((time.perf_counter() - t0) / max(1e-6, t1 - t0))
-    module.zero_grad(set_to_none=True)
-    return statistics.median(ratios)
+def all_reduce_mean(module: torch.nn.Module, world: int) -> None:
+    """The gradients averaged over the ranks in one all-reduce, as DDP's reducer averages them."""
+    params = list(module.parameters())
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat /= world
+    for p, g in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
+        p.grad = g
 
 
 def main() -> None:
@@ -119,11 +116,7 @@ def main() -> None:
     n, batch = len(built.train), job.batch_size
     if args.threads == 0:  # the faster of one thread and every core, timed on a few batches
         args.threads = fastest_threads(job, module, built.train, order, batch)
-    fb_ratio = 1.0
-    if args.slowdown > 1:
-        start, mine = share(min(batch, n), args.world, args.rank)
-        fb_ratio = compute_ratio(job, module, part_batch(built.train, order, 0, start,
-                                                         max(1, mine), job.collate))
+    slowed = args.slowdown > 1
     if distributed:
         dist.barrier()
     t0 = time.perf_counter()
@@ -136,16 +129,21 @@ def main() -> None:
         count = min(batch, n - offset)
         start, mine = share(count, args.world, args.rank)
         module.train()
-        f0 = time.thread_time()  # CPU time, as the worker's --slowdown counts
-        if mine:
-            data = part_batch(built.train, order, epoch, offset + start, mine, job.collate)
-            loss = job.loss(model, data) * (mine * args.world / count)
-        else:  # a short last batch: this rank adds a zero gradient, DDP's reduction waits for it
-            loss = job.loss(model, part_batch(built.train, order, epoch, offset, 1, job.collate)) * 0.0
-        if args.slowdown > 1:  # before the backward, whose all-reduce the peers wait in
-            time.sleep((args.slowdown - 1.0) * (time.thread_time() - f0) * fb_ratio)
-        optimizer.zero_grad()
-        loss.backward()
+        w0, f0 = time.perf_counter(), time.thread_time()  # CPU time, as the worker's counts
+        with model.no_sync() if slowed and distributed else contextlib.nullcontext():
+            if mine:
+                data = part_batch(built.train, order, epoch, offset + start, mine, job.collate)
+                loss = job.loss(model, data) * (mine * args.world / count)
+            else:  # a short last batch: this rank adds a zero gradient, the reduction waits for it
+                loss = job.loss(model, part_batch(built.train, order, epoch, offset, 1,
+                                                  job.collate)) * 0.0
+            optimizer.zero_grad()
+            loss.backward()
+        if slowed:
+            time.sleep(max(0.0, args.slowdown * (time.thread_time() - f0)
+                           - (time.perf_counter() - w0)))
+            if distributed:
+                all_reduce_mean(module, args.world)
         if job.clip_norm:  # the global norm of the averaged gradient, as the coordinator's
             torch.nn.utils.clip_grad_norm_(module.parameters(), job.clip_norm)
         optimizer.step()

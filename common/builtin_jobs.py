@@ -55,27 +55,34 @@ def no_decay(name: str, parameter: nn.Parameter) -> bool:
 
 def adam(lr: float, weight_decay: float):
     """An optimizer factory: Adam, or with `weight_decay` AdamW whose groups leave biases and
-    norms undecayed (it takes named parameters: common/job.py's make_optimizer)."""
+    norms undecayed (it takes named parameters: common/job.py's make_optimizer); fused (`fused`)."""
     if not weight_decay:
-        return lambda params: torch.optim.Adam(params, lr=lr)
+        return lambda params: fused(torch.optim.Adam, params, lr=lr)
 
     def build_optimizer(named_parameters):
         decayed = [p for n, p in named_parameters if not no_decay(n, p)]
         undecayed = [p for n, p in named_parameters if no_decay(n, p)]
-        return torch.optim.AdamW([{"params": decayed, "weight_decay": weight_decay},
-                                  {"params": undecayed, "weight_decay": 0.0}], lr=lr)
+        return adamw([{"params": decayed, "weight_decay": weight_decay},
+                      {"params": undecayed, "weight_decay": 0.0}], lr=lr)
     return build_optimizer
 
 
 def adamw(groups, **settings) -> torch.optim.AdamW:
-    """AdamW, fused where torch has a kernel for the parameters' device (CPU from torch 2.4, and
-    CUDA): one pass over all parameters instead of a Python loop over them, which on a small
-    transformer is most of the coordinator's step (8 ms against 2.4 ms for lm tiny)."""
-    groups = list(groups)  # read twice when the fused one is refused
+    """AdamW, fused (`fused`)."""
+    return fused(torch.optim.AdamW, groups, **settings)
+
+
+def fused(optimizer, params, **settings) -> torch.optim.Optimizer:
+    """`optimizer` (Adam, AdamW) fused where torch has a kernel for the parameters' device (CPU
+    from torch 2.4, and CUDA): one pass over all parameters instead of several per parameter,
+    which is most of the coordinator's step, between one round and the next (8 ms against
+    2.4 ms for lm tiny; 1.2 ms against 0.26 ms for the 300,000 parameters of digits at
+    hidden=4096)."""
+    params = list(params)  # read twice when the fused one is refused
     try:
-        return torch.optim.AdamW(groups, fused=True, **settings)
+        return optimizer(params, fused=True, **settings)
     except (RuntimeError, TypeError, ValueError):  # an older torch, or a device without one
-        return torch.optim.AdamW(groups, **settings)
+        return optimizer(params, **settings)
 
 
 def warmup_cosine(warmup: int, steps: int, floor: float = 0.1):

@@ -59,7 +59,7 @@ class Dealer:
         """Whether an active worker has answered a round slot (asked only about a worker that
         has not: walking the fleet once per deal, and only then)."""
         if self._proven is None:
-            self._proven = any(w.active and w.done > 0 for w in self.fleet.workers.values())
+            self._proven = any(w.active and not w.unproven for w in self.fleet.workers.values())
         return self._proven
 
     def deal(self, now: float) -> list[Action]:
@@ -92,7 +92,7 @@ class Dealer:
                     return actions  # nothing left for the rest of the pass either
                 worker = self.fleet.workers[worker_id]
                 if worker.free > 0 and not (worker.assigned and (
-                        self.config.sync or (worker.done == 0 and worker.speed.late))):
+                        self.config.sync or (worker.unproven and worker.speed.late))):
                     # With locality: a waiting lease of its shards, else a round of its own
                     # block, else whatever is waiting.
                     local = self.locality is not None
@@ -149,7 +149,7 @@ class Dealer:
             if self._reserved_for_another(lease, worker):
                 skipped.append(lease_id)
                 continue
-            if worker.done == 0 and worker.speed.late and (lease.speculated or lease.started):
+            if worker.unproven and worker.speed.late and (lease.speculated or lease.started):
                 skipped.append(lease_id)  # a second chance: not for one that never answers
                 continue
             if local and not self._local_for(worker, lease):
@@ -217,7 +217,7 @@ class Dealer:
             worker = self.fleet.workers[worker_id]
             if (worker.free <= 0 or (alternate and worker.side_last)
                     or any(s in open_side for s in worker.assigned)
-                    or (worker.done == 0 and self._proven_active())):
+                    or (worker.unproven and self._proven_active())):
                 continue
             lease = self._next_side_for(worker)
             if lease is None:

@@ -72,6 +72,11 @@ class WorkerRecord:
         return self.speed.link_s
 
     @property
+    def unproven(self) -> bool:
+        """It has answered no slot yet: its speed and its honesty are still unknown."""
+        return self.done == 0
+
+    @property
     def active(self) -> bool:
         """Whether it takes work: credits announced, not paused, not draining."""
         return self.capacity > 0 and self.paused_since is None and not self.draining

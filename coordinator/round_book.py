@@ -479,7 +479,7 @@ class RoundBook:
         # the others): every slot it holds is late then. One that asks for many and answers
         # nothing would otherwise be judged by its whole queue's time, one slot at a time.
         every = False
-        if worker.done == 0 and candidates:
+        if worker.unproven and candidates:
             first, elapsed, _ = max(candidates, key=lambda c: c[1])
             every = self.speed.is_late(prediction, first.samples, 1, elapsed,
                                        _allowance(worker, first, floor))
@@ -523,7 +523,7 @@ class RoundBook:
         # one that has never answered has shown nothing but lateness: 4^s - 1 rounds out (16
         # heart-beating names that never compute, hostile.py's ready_flood, probed every 2^s
         # cost the fleet 12% of its samples per second)
-        base = 4 if worker.done == 0 else 2
+        base = 4 if worker.unproven else 2
         worker.speed.owes_until = self.stats["rounds_decoded"] + base ** streak
 
 

@@ -85,7 +85,7 @@ class Settings:
     daily_transfer_max_gb: Optional[float] = None  # per UTC day, kept across restarts
     blob_mirrors: tuple[str, ...] = ()  # http(s) mirrors (idlegrad data publish), tried first
     # fault injection, for tests and benchmarks only (off by default)
-    slowdown: float = 1.0  # every task takes this many times as long
+    slowdown: float = 1.0  # every task lasts this many times its CPU time
     stall: Optional[str] = None  # "P:SECONDS": with probability P a task stalls that long
     poison: Optional[str] = None  # "scale:X", "flip" or "nan": a hostile worker's gradients
     link_mbps: Optional[float] = None  # emulate a link of this many Mbit/s each way (link.py)

@@ -101,7 +101,8 @@ class Engine:
         self._s_per_sample: Optional[float] = None
         # fault injection for tests and benchmarks (the worker's --slowdown and --stall)
         self.slowdown = 1.0
-        self._cpu_start = 0.0  # this thread's CPU time when the slot began (--slowdown)
+        # this thread's CPU time and the wall clock when the slot began (--slowdown)
+        self._cpu_start = self._wall_start = 0.0
         self.poison: Optional[tuple[str, float]] = None  # fault injection: a hostile worker
         self.stall: Optional[tuple[float, float]] = None  # (probability, seconds)
         self._random = random.Random()
@@ -166,7 +167,7 @@ class Engine:
                 running: Optional[threading.Event] = None) -> Outcome:
         """The slot's coded gradient. `running`: a gate, set while computing is allowed; when it
         is clear the engine waits at the next micro-batch boundary (until set, or cancelled)."""
-        start = time.perf_counter()
+        start = self._wall_start = time.perf_counter()
         self._cpu_start = time.thread_time()
         gate = _MicroBatchGate(self, cancel, running)
         gated = self.store.gated(gate) if self.store is not None else contextlib.nullcontext()
@@ -242,7 +243,7 @@ class Engine:
             micro_batch=lambda: self.micro_batch, device=self.device, between=gate.between,
             observe=gate.observe, version=work.version, block=self.built.random_block)
         paused_s = gate.paused_s
-        injected = self._injected_delay(self._slot_cpu_s())
+        injected = self._injected_delay(self._slot_cpu_s(), self._slot_wall_s(paused_s))
         if injected > 0:
             paused_s += self._sleep(injected, cancel, running)
         if on_cpu:
@@ -260,7 +261,7 @@ class Engine:
                      running: Optional[threading.Event] = None) -> Outcome:
         """The evaluation sums of the model at `work.version` over its range of the test set, in
         micro-batches (forward only: sized from the training speed, they take less time)."""
-        start = time.perf_counter()
+        start = self._wall_start = time.perf_counter()
         self._cpu_start = time.thread_time()
         gate = _MicroBatchGate(self, cancel, running)
         model = self.built.model
@@ -273,7 +274,7 @@ class Engine:
         sums = evaluation_sums(self.built.job, model.module, self.built.test, offset, count,
                                chunk=lambda: self.micro_batch, between=gate.between)
         paused_s = gate.paused_s
-        injected = self._injected_delay(self._slot_cpu_s())
+        injected = self._injected_delay(self._slot_cpu_s(), self._slot_wall_s(paused_s))
         if injected > 0:
             paused_s += self._sleep(injected, cancel, running)
         return Outcome(work.slot, work.version, None, count, 0.0,
@@ -315,7 +316,7 @@ class Engine:
                               observe=gate.observe, version=work.version,
                               block=self.built.random_block)
         paused_s = gate.paused_s
-        injected = self._injected_delay(self._slot_cpu_s())
+        injected = self._injected_delay(self._slot_cpu_s(), self._slot_wall_s(paused_s))
         if injected > 0:
             paused_s += self._sleep(injected, cancel, running)
         change = result.change.to("cpu")
@@ -334,8 +335,18 @@ class Engine:
         and X-slowed workers on too few cores ran as machines several times slower still."""
         return time.thread_time() - self._cpu_start
 
-    def _injected_delay(self, compute_s: float) -> float:
-        delay = max(0.0, self.slowdown - 1.0) * compute_s
+    def _slot_wall_s(self, paused_s: float) -> float:
+        """Wall seconds since the slot began, less the owner's pauses."""
+        return time.perf_counter() - self._wall_start - paused_s
+
+    def _injected_delay(self, compute_s: float, wall_s: float = 0.0) -> float:
+        """The sleep that --slowdown X and --stall add to a slot of `compute_s` CPU seconds that
+        has lasted `wall_s` so far: with X, the slot lasts X times its CPU time in all. A machine
+        X times slower computes on a core of its own; waits here for a core that this machine's
+        other processes share are part of that time, not added to it (workers computing at
+        once at a round's start queued for the cores, and their slots ended by who got one
+        first)."""
+        delay = max(0.0, self.slowdown * compute_s - wall_s) if self.slowdown > 1 else 0.0
         if self.stall is not None and self._random.random() < self.stall[0]:
             delay += self.stall[1]
         return delay

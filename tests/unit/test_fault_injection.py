@@ -46,7 +46,9 @@ def test_injected_delay():
     engine = bare_engine()
     assert engine._injected_delay(0.3) == 0.0
     engine.slowdown = 3.0
-    assert engine._injected_delay(0.3) == pytest.approx(0.6)
+    assert engine._injected_delay(0.3, 0.3) == pytest.approx(0.6)  # 3x the CPU time in all
+    assert engine._injected_delay(0.3, 0.5) == pytest.approx(0.4)  # a wait for a core is in it
+    assert engine._injected_delay(0.3, 1.2) == 0.0  # waited past 3x already: nothing added
     engine.slowdown, engine.stall = 1.0, (1.0, 2.0)
     assert engine._injected_delay(0.3) == 2.0
     engine.stall = (0.0, 2.0)
