@@ -36,6 +36,7 @@ from .verified_rows import VerifiedRows
 
 _RECHECK_FLEET = 256  # fleets up to this size look at a newcomer's slots every tick
 _SPREADS_KEPT = 50  # rounds whose slot finish spread the median is taken over
+PROBE_AFTER = 8  # sync rounds a worker left out waits before its first probe (slot_shares)
 _UNSIZED_PARTS = 4  # parts per worker of a sync round cut before anything sizes them
 
 
@@ -197,14 +198,14 @@ class RoundBook:
         sized by its slot times (`SlotTimes`: fixed seconds a and seconds per sample b): the
         round ends at the T where the parts (T - a) / b add up to `samples`, and a worker
         whose a alone is past T gets no part (it would end the round late whatever it
-        computed); one worker left alone computes the whole round. Before three, by its
-        seconds per sample from its first result, by the fleet's mean before
-        (`SpeedModel.sizing`), fixed 0. Shares None (unsized parts, for all of `workers`)
-        while the fleet has no reading, or for fewer than two workers. Only sync rounds are
-        sized, and they are always code none: a row is one part, decoded with weight 1
-        whatever its size (the step divides the sum by the round's samples), and credits and
-        buffers are shared by samples. Coded rounds (replicate, cyclic) keep equal parts:
-        their rows mix parts, and one row's copies go to several workers."""
+        computed), but for a one-sample probe now and then; one worker left alone computes the
+        whole round. Before three, by its seconds per sample from its first result, by the
+        fleet's mean before (`SpeedModel.sizing`), fixed 0. Shares None (unsized parts, for
+        all of `workers`) while the fleet has no reading, or for fewer than two workers. Only
+        sync rounds are sized, and they are always code none: a row is one part, decoded with
+        weight 1 whatever its size (the step divides the sum by the round's samples), and
+        credits and buffers are shared by samples. Coded rounds (replicate, cyclic) keep equal
+        parts: their rows mix parts, and one row's copies go to several workers."""
         if len(workers) < 2:
             return workers, None
         lines = []  # (fixed s, s per sample, worker)
@@ -225,11 +226,21 @@ class RoundBook:
                 break
             num, den, taken = num + fixed / per_sample, den + 1.0 / per_sample, taken + 1
         end = num / den
-        chosen = lines[:taken]
-        order = {w.id: i for i, w in enumerate(workers)}  # the order they were given in
-        chosen.sort(key=lambda line: order[line[2].id])
-        return ([line[2] for line in chosen],
-                [(end - fixed) / per_sample for fixed, per_sample, _ in chosen])
+        shares = {line[2].id: (end - line[0]) / line[1] for line in lines[:taken]}
+        for _, _, w in lines[:taken]:
+            w.speed.left_out = w.speed.probes = 0
+        for _, _, w in lines[taken:]:
+            # A fixed time measured while its owner was busy would keep it out for good (no
+            # part, no new reading): a one-sample part re-reads it, after PROBE_AFTER rounds
+            # left out, then twice as many each time (one truly too slow costs a round that
+            # part's wait, ever more rarely)
+            speed = w.speed
+            speed.left_out += 1
+            if speed.left_out >= PROBE_AFTER << min(speed.probes, 20):
+                speed.left_out, speed.probes = 0, speed.probes + 1
+                shares[w.id] = 1.0
+        chosen = [w for w in workers if w.id in shares]  # in the order they were given
+        return chosen, [shares[w.id] for w in chosen]
 
     def round_batch(self, k: int = 1, worker: Optional[WorkerRecord] = None) -> int:
         if self.task_mode.local:  # a slot as long as the worker opening the round should run

@@ -85,6 +85,10 @@ class WorkerSpeed:
     # sent to result arrived, less compute and the wait in its queue. Local tasks size H from it.
     link_times: deque = field(default_factory=lambda: deque(maxlen=8))
     slot_times: SlotTimes = field(default_factory=SlotTimes)  # sizes sync parts
+    # --sync rounds in a row that left it out, its fixed slot time past the round's end, and the
+    # probes it has had since it last took part (round_book.py `slot_shares`)
+    left_out: int = 0
+    probes: int = 0
 
     def slots_allowed(self, credits: int) -> int:
         """Slots it may hold at once: its credits, fewer while it keeps missing predictions."""

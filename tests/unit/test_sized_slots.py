@@ -437,3 +437,35 @@ def test_a_worker_whose_late_part_a_copy_made_moot_is_cut_parts_again_and_sized_
         assert sorted(fleet.rounds[-1]) == ["a", "b"]
     assert fleet.rounds[-1]["b"] == pytest.approx(before, abs=2)
     assert fleet.s.workers["b"].speed.late_streak == 0
+
+
+def test_a_worker_left_out_by_a_fixed_time_measured_while_busy_is_probed_and_comes_back():
+    """b's first slots take 3 s whatever their size (its owner busy): its fixed time is past
+    the round's end, so it is cut no part, and would get no new reading either. After
+    PROBE_AFTER rounds left out it is cut one sample; the owner gone, that probe answers in
+    b's real time, and b is sized into the rounds again. Left out for good (its fixed time
+    really past the end), it is probed after 8, then 16, then 32 rounds."""
+    from idlegrad.coordinator.round_book import PROBE_AFTER
+
+    fleet = SyncFleet(["a", "b"], batch=120, fixed={"b": 3.0})
+    for _ in range(6):  # b's first readings, all at 3 s
+        fleet.round()
+    fleet.fixed["b"] = 0.0  # the owner gone
+    probes, back = [], None
+    for i in range(40):
+        fleet.round()
+        got = fleet.rounds[-1].get("b")
+        if got == 1:
+            probes.append(i)
+        elif got and back is None:
+            back = i
+    assert probes and probes[0] < PROBE_AFTER + 2  # the first probe, after 8 rounds out
+    assert back is not None and back < probes[0] + 6  # then b is sized in again
+    assert fleet.rounds[-1]["b"] == pytest.approx(30, abs=2)  # at its speed: a 3x as fast
+
+    stuck = SyncFleet(["a", "b"], batch=120, fixed={"b": 3.0})
+    rounds = [stuck.round() for _ in range(80)]
+    probed = [i for i, r in enumerate(stuck.rounds) if r.get("b") == 1]
+    gaps = [b - a for a, b in zip(probed, probed[1:])]
+    assert len(probed) >= 3 and gaps[:2] == [16, 32]  # a probe every 16, then every 32 rounds
+    assert sum(rounds) < 80 * 1.3 + 3 * 3.0  # each probe costs its round b's 3 s, no more
