@@ -16,7 +16,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 from idlegrad.cli.processes import free_port, spawn, stop, wait_for_hellos
 from idlegrad.monitor.source import ZmqStatusSource
@@ -204,17 +204,22 @@ class Cluster:
                           "--connect-timeout", f"{connect_timeout:g}", *WORKER_DEFAULTS, *args)
 
     def start_together(self, coordinator_args: Iterable[str], worker_names: Iterable[str],
-                       worker_args: Iterable[str] = ()) -> tuple[Proc, list[Proc]]:
+                       worker_args: Iterable[str] = (),
+                       others: Iterable[tuple[str, Sequence[str]]] = ()) -> tuple[Proc, list[Proc]]:
         """Workers first, then the coordinator once every worker is knocking: so that they all
         join within a moment of each other, not seconds apart (a short training run could be
         over before a late worker joins, which would then wait for a coordinator that is gone).
+        `others`: (name, args) of workers with arguments of their own (a hostile one), started
+        with the rest and returned after them.
 
         A stand-in ROUTER on the coordinator's address receives (and ignores) the workers' HELLOs;
         a worker that said HELLO is in its reconnect loop and will send the next one to the real
         coordinator as soon as it listens.
         """
-        names = list(worker_names)
-        workers = [self.worker(name, *worker_args) for name in names]
+        worker_args = list(worker_args)
+        started = [(name, worker_args) for name in worker_names] + list(others)
+        names = [name for name, _ in started]
+        workers = [self.worker(name, *args) for name, args in started]
         try:
             wait_for_hellos(self.address, names, [w.popen for w in workers], DEADLINE)
         except RuntimeError as exc:

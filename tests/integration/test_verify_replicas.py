@@ -33,8 +33,9 @@ def test_settled_on_workers_a_sign_flipper_is_still_refused_and_banned(cluster, 
     epochs = 20
     coordinator, workers = cluster.start_together(
         ["--job", "digits", "--epochs", str(epochs), "--checkpoint-dir", str(ckpt),
-         "--ban-after", "3", "--settle-on", "workers", *VERIFIED], ["w1", "w2", "w3", "w4"])
-    evil = cluster.worker("evil", "--poison", "flip")
+         "--ban-after", "3", "--settle-on", "workers", *VERIFIED], ["w1", "w2", "w3", "w4"],
+        others=[("evil", ("--poison", "flip"))])
+    *workers, evil = workers
     status = cluster.status()
     status.wait_for(lambda s: "evil" in s["trust"]["banned"], "the sign-flipping worker banned",
                     alive=[coordinator])
