@@ -19,8 +19,8 @@ fleet's workers, all computing, fit in `--worker-cores` cores (default: all but 
 coordinator and this script keep). A slowed slot (a DDP step) computes and then sleeps until it
 has lasted X times its CPU time, so an emulated machine is a share of a real core; a fleet that
 needs more cores than this machine has would measure its workers (and DDP's ranks) queueing for
-the same cores rather than the fleet. On 2
-cores spread becomes 1.88, 3.75, 7.5, 15 (k = 1.875) and lognormal's six workers k = 5.
+the same cores rather than the fleet. On 2 cores spread becomes 1.88, 3.75, 7.5, 15 (k = 1.875)
+and lognormal's six workers k = 5.
 
 `--fleets equal` (four equal workers; not in the default list) is the control: the slot
 spread of sized rounds where there is nothing to size, the floor this machine's shared cores
@@ -100,9 +100,10 @@ def fitted(slowdowns: list, worker_cores: float) -> list:
     """The slowdowns times the least factor k >= 1 under which the fleet's workers, computing
     without pause, need at most `worker_cores` of this machine's cores (sum of 1/slowdown). A
     slowed slot computes, then sleeps until it has lasted X times its CPU time, so each emulated
-    machine is a share of a real core: a fleet that needs more cores than there are measures their contention (its
-    workers and DDP's ranks queueing for the same cores), not the fleet. k scales every worker
-    alike, so DDP's wait for its slowest rank, relative to the fleet, is the fleet's."""
+    machine is a share of a real core: a fleet that needs more cores than there are measures
+    their contention (its workers and DDP's ranks queueing for the same cores), not the fleet.
+    k scales every worker alike, so DDP's wait for its slowest rank, relative to the fleet, is
+    the fleet's."""
     k = max(1.0, sum(1.0 / x for x in slowdowns) / worker_cores)
     return [round(x * k, 2) for x in slowdowns]
 

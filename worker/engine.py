@@ -242,10 +242,7 @@ class Engine:
             self.built.job, model, self.built.train, self.seed, work.parts, work.coefficients,
             micro_batch=lambda: self.micro_batch, device=self.device, between=gate.between,
             observe=gate.observe, version=work.version, block=self.built.random_block)
-        paused_s = gate.paused_s
-        injected = self._injected_delay(self._slot_cpu_s(), self._slot_wall_s(paused_s))
-        if injected > 0:
-            paused_s += self._sleep(injected, cancel, running)
+        paused_s = self._slowed(gate.paused_s, cancel, running)
         if on_cpu:
             gradient = model.grads  # the next slot computes into another buffer
         else:
@@ -273,10 +270,7 @@ class Engine:
         ((_, offset, count),) = work.parts
         sums = evaluation_sums(self.built.job, model.module, self.built.test, offset, count,
                                chunk=lambda: self.micro_batch, between=gate.between)
-        paused_s = gate.paused_s
-        injected = self._injected_delay(self._slot_cpu_s(), self._slot_wall_s(paused_s))
-        if injected > 0:
-            paused_s += self._sleep(injected, cancel, running)
+        paused_s = self._slowed(gate.paused_s, cancel, running)
         return Outcome(work.slot, work.version, None, count, 0.0,
                        max(0.0, time.perf_counter() - start - paused_s), sums=sums)
 
@@ -315,10 +309,7 @@ class Engine:
                               micro_batch=lambda: self.micro_batch, between=gate.between,
                               observe=gate.observe, version=work.version,
                               block=self.built.random_block)
-        paused_s = gate.paused_s
-        injected = self._injected_delay(self._slot_cpu_s(), self._slot_wall_s(paused_s))
-        if injected > 0:
-            paused_s += self._sleep(injected, cancel, running)
+        paused_s = self._slowed(gate.paused_s, cancel, running)
         change = result.change.to("cpu")
         if self.poison is not None:
             change = poisoned(change, *self.poison)
@@ -335,9 +326,15 @@ class Engine:
         and X-slowed workers on too few cores ran as machines several times slower still."""
         return time.thread_time() - self._cpu_start
 
-    def _slot_wall_s(self, paused_s: float) -> float:
-        """Wall seconds since the slot began, less the owner's pauses."""
-        return time.perf_counter() - self._wall_start - paused_s
+    def _slowed(self, paused_s: float, cancel: threading.Event,
+                running: Optional[threading.Event]) -> float:
+        """The slot's computation done, the sleep --slowdown and --stall add to it; `paused_s`
+        (the owner's pauses so far, no part of the slot's time) plus those during the sleep."""
+        wall_s = time.perf_counter() - self._wall_start - paused_s
+        injected = self._injected_delay(self._slot_cpu_s(), wall_s)
+        if injected > 0:
+            paused_s += self._sleep(injected, cancel, running)
+        return paused_s
 
     def _injected_delay(self, compute_s: float, wall_s: float = 0.0) -> float:
         """The sleep that --slowdown X and --stall add to a slot of `compute_s` CPU seconds that
