@@ -213,10 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="slots all the worker names of one key may hold at once (default: 64)")
     c.add_argument("--key-fetches", type=_positive(int), default=32, metavar="N",
                    help="blob chunk requests of one key waiting at once (default: 32)")
-    c.add_argument("--key-results-per-s", type=_non_negative(float), default=200.0,
+    c.add_argument("--key-results-per-s", type=_non_negative(float), default=1000.0,
                    metavar="R", help="results one key may send per second (bursts of twice "
-                                     "as many); more are dropped unread; 0: no limit "
-                                     "(default: 200)")
+                                     "as many); more are not read and their slots are dealt "
+                                     "again; 0: no limit (default: 1000)")
     c.add_argument("--ledger", metavar="FILE",
                    help="append every task sent, result acknowledged and round applied as JSON "
                         "lines, across restarts (for audits and benchmarks/chaos.py)")

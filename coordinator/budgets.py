@@ -11,9 +11,12 @@ decoded and normed before it was dropped):
 - credits: the credits of all the names of a key together are at most `credits` (a `ready` that
   asks for more is granted what is left), so the slots a key holds, and the rounds its hunger
   opens, are bounded;
-- results: at most `results_per_s` per key (a token bucket of `results_burst`); and a result for
-  a slot its sender does not hold is dropped before any of its gradient frames is decoded, so a
-  flood of them costs a dictionary lookup each;
+- results: a result for a slot its sender does not hold is dropped before any of its gradient
+  frames is decoded, so a flood of them costs a dictionary lookup each; and at most
+  `results_per_s` per key are read (a token bucket of `results_burst`). A result over that rate
+  is not read either, but its slot is not lost: it goes back to the round for the next worker
+  that asks (the server hands it back), or the round would wait for it until the slot's
+  deadline, and under `--sync` its holder would take nothing else meanwhile;
 - fetches: at most `fetches` chunk requests waiting per key (blobserve.py takes the keys in
   turn, so 256 names of one key are served as one).
 
@@ -36,8 +39,12 @@ class BudgetConfig:
     names: int = 16  # worker names one key may hold at once
     credits: int = 64  # credits (slots held at once) of all the names of one key together
     fetches: int = 32  # chunk requests waiting per key (blobserve.py)
-    results_per_s: float = 200.0  # results per second per key, over a burst; 0: no limit
-    results_burst: float = 400.0
+    # Results per second per key, over a burst (0: no limit). A key can only answer the slots it
+    # was dealt, so this bounds one that answers faster than anybody computes; it is well over
+    # what an honest worker sends on a small model (digits: about 270 a second each, two
+    # workers on this 2-core machine).
+    results_per_s: float = 1000.0
+    results_burst: float = 2000.0
 
     def __post_init__(self):
         if self.names < 1 or self.credits < 1 or self.fetches < 1:
@@ -67,6 +74,11 @@ class TokenBucket:
         self.tokens -= 1.0
         return True
 
+
+# What `KeyBudgets.result` says of a result
+DECODE = "decode"  # worth decoding
+UNHELD = "unheld"  # its sender does not hold the slot: dropped
+OVER_RATE = "over_rate"  # its key is over its rate: not read, the slot goes back to the round
 
 BUCKETS_KEPT = 4096  # over this many identities, the buckets that are full again are let go
 
@@ -125,14 +137,15 @@ class KeyBudgets:
             self.counters["credits_over_budget"] += asked - granted
         return granted
 
-    def result(self, identity: str, name: str, slot: int, now: float) -> bool:
-        """Whether a result of `name` for `slot` is worth decoding: its sender holds the slot
-        and its key is within its rate. Asked before any gradient frame is read."""
+    def result(self, identity: str, name: str, slot: int, now: float) -> str:
+        """What to do with a result of `name` for `slot`, asked before any gradient frame is
+        read: `DECODE` when its sender holds the slot and its key is within its rate, else
+        `UNHELD` or `OVER_RATE`."""
         if not self.holds(name, slot):
             self.counters["results_unheld"] += 1
-            return False
+            return UNHELD
         if self.config.results_per_s <= 0:
-            return True
+            return DECODE
         bucket = self._buckets.get(identity)
         if bucket is None:
             if len(self._buckets) >= BUCKETS_KEPT:
@@ -141,8 +154,8 @@ class KeyBudgets:
                 self.config.results_per_s, self.config.results_burst, now)
         if not bucket.take(now):
             self.counters["results_over_budget"] += 1
-            return False
-        return True
+            return OVER_RATE
+        return DECODE
 
     def _forget_full(self, now: float) -> None:
         # a full bucket is what a new one would be: forgetting it changes nothing

@@ -29,7 +29,7 @@ from .config import CoordinatorConfig, check
 from .effects import Applied, Ban, Compute, Evaluated, Event, Used
 from .offloop import OffLoop
 from .operators import Operators
-from .budgets import KeyBudgets
+from .budgets import DECODE, OVER_RATE, KeyBudgets
 from .gate import BANNED, REVOKED, Gate, NeedHello
 from .records import RunRecords
 from .run import EvaluateHere
@@ -60,6 +60,7 @@ class Coordinator:
         self.offloop = OffLoop(self.training, self.core)  # computations and evaluations in threads
         self._bad_logged = Throttle()  # bad messages, however hostile the peer
         self._refused_logged = Throttle()  # handshakes from keys not allowed
+        self._over_rate_logged = Throttle(60.0)  # results over their key's rate
         self.transport = None  # ZmqTransport while serving; anything with its `send` in tests
         self.clock = time.monotonic  # the loop's one clock (tests/unit/pair.py sets a virtual one)
         self.stop_reason: Optional[str] = None
@@ -362,8 +363,17 @@ class Coordinator:
         effects = []
         try:
             model, now = self.training.model, self.clock()
-            if not self.budgets.result(self.gate.identity(worker_id, key), worker_id, msg.slot, now):
-                return  # not worth decoding (a slot it does not hold, or over its rate): acked
+            identity = self.gate.identity(worker_id, key)
+            verdict = self.budgets.result(identity, worker_id, msg.slot, now)
+            if verdict is not DECODE:  # not read (a slot it does not hold, or over its rate): acked
+                if verdict is OVER_RATE:  # the slot is not lost: the next worker that asks takes it
+                    await self.perform(self.core.handback(worker_id, [msg.slot], now))
+                    if self._over_rate_logged.ready(now):
+                        self._event("over_budget", f"results of {worker_id} over its key's budget "
+                                    f"({self.config.budgets.results_per_s:g} a second, "
+                                    "--key-results-per-s): not read, their slots dealt again",
+                                    level=logging.WARNING)
+                return
             try:
                 grad = model.gradient_of(msg.gradient)
                 buffers = model.buffers_of(msg.buffers)

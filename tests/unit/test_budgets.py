@@ -19,7 +19,8 @@ from idlegrad.common import protocol as proto
 from idlegrad.common.coding import Redundancy
 from idlegrad.common.errors import ConfigError
 from idlegrad.coordinator.blobserve import BlobService
-from idlegrad.coordinator.budgets import BudgetConfig, KeyBudgets, TokenBucket
+from idlegrad.coordinator.budgets import (DECODE, OVER_RATE, UNHELD, BudgetConfig, KeyBudgets,
+                                          TokenBucket)
 from idlegrad.coordinator.server import CoordinatorConfig
 from idlegrad.coordinator.transport import ZmqTransport
 
@@ -90,9 +91,9 @@ def test_results_for_slots_not_held_are_not_worth_decoding():
     fleet = Fleet()
     budgets = fleet.budgets()
     fleet.held.add(("a", 7))
-    assert budgets.result("a", "a", 7, now=0.0)
-    assert not budgets.result("a", "a", 8, now=0.0)
-    assert not budgets.result("a", "b", 7, now=0.0)  # another's slot
+    assert budgets.result("a", "a", 7, now=0.0) == DECODE
+    assert budgets.result("a", "a", 8, now=0.0) == UNHELD
+    assert budgets.result("a", "b", 7, now=0.0) == UNHELD  # another's slot
     assert budgets.counters["results_unheld"] == 2
 
 
@@ -101,14 +102,34 @@ def test_results_per_key_are_rationed_by_a_token_bucket():
     budgets = fleet.budgets(results_per_s=10.0, results_burst=5.0)
     fleet.held |= {("a", 1), ("b", 1)}
     # five at once (the burst), all names of one identity together
-    assert [budgets.result("me", n, 1, now=100.0) for n in "ababab"] == [True] * 5 + [False]
+    assert [budgets.result("me", n, 1, now=100.0) for n in "ababab"] == [DECODE] * 5 + [OVER_RATE]
     assert budgets.counters["results_over_budget"] == 1
-    assert budgets.result("other", "a", 1, now=100.0)  # another key's bucket
-    assert not budgets.result("me", "a", 1, now=100.0625)  # not a whole token back yet
-    assert budgets.result("me", "a", 1, now=100.125)
+    assert budgets.result("other", "a", 1, now=100.0) == DECODE  # another key's bucket
+    assert budgets.result("me", "a", 1, now=100.0625) == OVER_RATE  # not a whole token back yet
+    assert budgets.result("me", "a", 1, now=100.125) == DECODE
     # a second later the bucket is full again, never fuller
-    assert sum(budgets.result("me", "a", 1, now=101.25) for _ in range(20)) == 5
-    assert fleet.budgets(results_per_s=0).result("me", "a", 1, now=0.0)  # 0: no limit
+    assert sum(budgets.result("me", "a", 1, now=101.25) == DECODE for _ in range(20)) == 5
+    assert fleet.budgets(results_per_s=0).result("me", "a", 1, now=0.0) == DECODE  # no limit
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_result_over_its_keys_rate_is_not_read_and_its_slot_is_dealt_again(mode):
+    # Two workers answering faster than their budget. The results over it are not read, and
+    # their slots go back to the round: dropped with the slot still held, each worker held one
+    # it had already answered, and under --sync (a worker holding a slot takes no other) the
+    # run stopped for good (test_eval_on_workers, on digits at 270 results a second a worker).
+    budgets = BudgetConfig(results_per_s=10.0, results_burst=2.0)
+    p = Pair(CoordinatorConfig(job="synthetic", job_args={"params": PARAMS, "batch_size": 16},
+                               partitions=2, epochs=1, eval_every=3600, heartbeat_s=0.5,
+                               mode=mode, budgets=budgets))
+    p.worker("w1")
+    p.worker("w2")
+    p.run(steps=20_000)
+    assert p.coordinator.stop_reason == "epochs"
+    final = p.final()
+    assert p.counters["results_over_budget"] > 10
+    assert final["scheduler"]["slots_handed_back"] == p.counters["results_over_budget"]
+    assert p.events("over_budget")
 
 
 def test_a_token_bucket_refills_at_its_rate_up_to_its_burst():
