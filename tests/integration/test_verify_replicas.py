@@ -31,10 +31,13 @@ def test_settled_on_workers_a_sign_flipper_is_still_refused_and_banned(cluster, 
     ckpt = cluster.dir / "ckpt"
     # asynchronous rounds on five workers: 10 epochs ended at 0.85 once in CI, 20 leave a margin
     epochs = 20
+    # Nothing dealt before all five joined (--min-workers): their hellos reach the new
+    # coordinator up to a reconnect interval apart, and a dispute between the first two to join
+    # had no third worker to settle it (settled_here_no_third, once in CI).
     coordinator, workers = cluster.start_together(
         ["--job", "digits", "--epochs", str(epochs), "--checkpoint-dir", str(ckpt),
-         "--ban-after", "3", "--settle-on", "workers", *VERIFIED], ["w1", "w2", "w3", "w4"],
-        others=[("evil", ("--poison", "flip"))])
+         "--ban-after", "3", "--settle-on", "workers", "--min-workers", "5", *VERIFIED],
+        ["w1", "w2", "w3", "w4"], others=[("evil", ("--poison", "flip"))])
     *workers, evil = workers
     status = cluster.status()
     status.wait_for(lambda s: "evil" in s["trust"]["banned"], "the sign-flipping worker banned",
