@@ -199,17 +199,26 @@ class RoundBook:
         round ends at the T where the parts (T - a) / b add up to `samples`, and a worker
         whose a alone is past T gets no part (it would end the round late whatever it
         computed), but for a one-sample probe now and then; one worker left alone computes the
-        whole round. Before three, by its seconds per sample from its first result, by the
-        fleet's mean before (`SpeedModel.sizing`), fixed 0. Shares None (unsized parts, for
-        all of `workers`) while the fleet has no reading, or for fewer than two workers. Only
-        sync rounds are sized, and they are always code none: a row is one part, decoded with
-        weight 1 whatever its size (the step divides the sum by the round's samples), and
-        credits and buffers are shared by samples. Coded rounds (replicate, cyclic) keep equal
-        parts: their rows mix parts, and one row's copies go to several workers."""
+        whole round. Before three, by its seconds per sample from its first result, fixed 0.
+        A newcomer (no slot answered yet) beside measured workers gets a first round's part
+        (samples / (4 x workers)) and the others share the rest: sized at the fleet's mean
+        instead, a newcomer many times slower than the mean held its first round up by as many
+        times its part (a part is a small multiple of what it costs the others to cover). Shares
+        None (unsized parts, for all of `workers`) while the fleet has no reading (every worker
+        a newcomer: sized by the fleet's mean, `SpeedModel.sizing`, while it has one), or for
+        fewer than two workers. Only sync rounds are sized, and they are always code none: a
+        row is one part, decoded with weight 1 whatever its size (the step divides the sum by
+        the round's samples), and credits and buffers are shared by samples. Coded rounds
+        (replicate, cyclic) keep equal parts: their rows mix parts, and one row's copies go to
+        several workers."""
         if len(workers) < 2:
             return workers, None
+        measured = [w for w in workers if not w.unproven]
+        newcomers = [w for w in workers if w.unproven] if measured else []
+        first_part = max(1.0, samples / (_UNSIZED_PARTS * len(workers)))
+        shares = {w.id: first_part for w in newcomers}
         lines = []  # (fixed s, s per sample, worker)
-        for w in workers:
+        for w in measured or workers:
             fit = w.speed.slot_times.fit()
             if fit is None:
                 s_per_sample = self.speed.sizing(w.speed)
@@ -220,13 +229,13 @@ class RoundBook:
         lines.sort(key=lambda line: line[0])
         # water-filling, in order of fixed part: the round of those taken ends at
         # T = (samples + sum a/b) / sum 1/b, and the next is taken while its a is under that T
-        num, den, taken = float(samples), 0.0, 0
+        num, den, taken = float(samples) - first_part * len(newcomers), 0.0, 0
         for fixed, per_sample, _ in lines:
             if taken and fixed >= num / den:
                 break
             num, den, taken = num + fixed / per_sample, den + 1.0 / per_sample, taken + 1
         end = num / den
-        shares = {line[2].id: (end - line[0]) / line[1] for line in lines[:taken]}
+        shares.update((line[2].id, (end - line[0]) / line[1]) for line in lines[:taken])
         for _, _, w in lines[:taken]:
             w.speed.left_out = w.speed.probes = 0
         for _, _, w in lines[taken:]:
