@@ -1048,14 +1048,22 @@ def test_a_late_part_of_a_sync_round_is_speculated_to_the_worker_that_finished()
     assert not SchedulerConfig(batch_size=4, speculate=False, sync=True).speculating
     s = make(n=400, batch=4, sync=True, speculate=True, spec_min_results=1, spec_floor_s=0.0,
              min_deadline_s=1000.0, heartbeat_s=1000.0)
-    (first,) = assigns(start(s, "fast", 1))
-    assert not assigns(start(s, "slow", 1))  # one round at a time
-    _, actions = answer(s, "fast", first.slot, 0.1, 0.1)
-    fast, slow = sorted(assigns(actions), key=lambda a: a.worker)  # a partition each
-    answer(s, "fast", fast.slot, 0.1, 0.2)
-    for now in (1.0, 10.0, 100.0):  # slow is far past the fleet's prediction
-        s.seen("slow", now)
-        copies = assigns(s.tick(now))
+    # the first round is cut small (4 parts of 1), anyone's: each takes one, then the next
+    held = {a.worker: a for a in assigns(start(s, "fast", 1)) + assigns(start(s, "slow", 1))}
+    assert sorted(held) == ["fast", "slow"] and {a.round for a in held.values()} == {1}
+    now = 0.0
+    while {a.round for a in held.values()} == {1}:
+        now += 0.1
+        worker = min(held)  # fast first, then slow
+        _, actions = answer(s, worker, held.pop(worker).slot, 0.1, now)
+        held.update((a.worker, a) for a in assigns(actions))
+    fast, slow = held["fast"], held["slow"]  # the second round: a partition each
+    assert fast.round == slow.round != 1
+    answer(s, "fast", fast.slot, 0.1, now + 0.1)
+    began = now
+    for later in (1.0, 10.0, 100.0):  # slow is far past the fleet's prediction
+        s.seen("slow", began + later)
+        copies = assigns(s.tick(began + later))
         if copies:
             break
     assert [(c.worker, c.work.parts) for c in copies] == [("fast", slow.work.parts)]
