@@ -221,7 +221,8 @@ class RoundBook:
             return workers, None
         measured = [w for w in workers if not w.unproven]
         newcomers = [w for w in workers if w.unproven] if measured else []
-        first_part = max(1.0, samples / (_UNSIZED_PARTS * len(workers)))
+        # at most a quarter of the round in all: the measured workers always share the rest
+        first_part = samples / (_UNSIZED_PARTS * len(workers))
         shares = {w.id: first_part for w in newcomers}
         lines = []  # (fixed s, s per sample, worker)
         for w in measured or workers:

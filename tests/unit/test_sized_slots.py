@@ -497,3 +497,18 @@ def test_a_worker_left_out_by_a_fixed_time_measured_while_busy_is_probed_and_com
     gaps = [b - a for a, b in zip(probed, probed[1:])]
     assert len(probed) >= 3 and gaps[:2] == [16, 32]  # a probe every 16, then every 32 rounds
     assert sum(rounds) < 80 * 1.3 + 3 * 3.0  # each probe costs its round b's 3 s, no more
+
+
+def test_newcomers_in_a_round_of_few_samples_leave_the_measured_workers_a_positive_share():
+    fleet = SyncFleet(["a", "b"])
+    for _ in range(4):
+        fleet.round()
+    book = fleet.s.scheduler.book
+    for w in ("c", "d", "e"):
+        fleet.s.join(w, {}, fleet.now)
+    workers = list(fleet.s.scheduler.fleet.workers.values())
+    chosen, shares = book.slot_shares(workers, 3)
+    assert shares is not None and all(share > 0 for share in shares)
+    by_worker = dict(zip((w.id for w in chosen), shares))
+    assert by_worker["c"] == by_worker["d"] == by_worker["e"] == 3 / 20
+    assert sum(shares) == pytest.approx(3)
