@@ -365,8 +365,8 @@ class Coordinator:
             model, now = self.training.model, self.clock()
             identity = self.gate.identity(worker_id, key)
             verdict = self.budgets.result(identity, worker_id, msg.slot, now)
-            if verdict is not DECODE:  # not read (a slot it does not hold, or over its rate): acked
-                if verdict is OVER_RATE:  # the slot is not lost: the next worker that asks takes it
+            if verdict != DECODE:  # not read (a slot it does not hold, or over its rate): acked
+                if verdict == OVER_RATE:  # the slot is not lost: the next worker that asks takes it
                     await self.perform(self.core.handback(worker_id, [msg.slot], now))
                     if self._over_rate_logged.ready(now):
                         self._event("over_budget", f"results of {worker_id} over its key's budget "

@@ -193,31 +193,28 @@ def test_slot_times_fit_a_fixed_part_and_a_rate_and_fall_back_to_the_rate_at_one
     assert same.fit() == pytest.approx((0.0, 0.02))
 
 
-def test_a_newcomer_gets_a_first_rounds_part_and_its_first_answer_sizes_the_next():
+def test_a_newcomer_gets_a_first_rounds_part_and_its_first_answer_sizes_the_next(monkeypatch):
     # c is ten times slower than b. Sized at the fleet's mean it got about a third of the
     # round, which then lasted ten times its part at b's pace. A first round's part (samples /
     # (4 x workers)) bounds what an unknown machine holds up; a and b share the rest.
-    kept, SPEED["c"] = SPEED["c"], 0.3
-    try:
-        fleet = SyncFleet(["a", "b"])
-        for _ in range(6):
-            fleet.round()
-        fleet.s.join("c", {}, fleet.now)  # joins between rounds: takes part from the next one
-        fleet._take(fleet.s.ready("c", 1, fleet.now))
-        fleet.round()  # the round that was open when c joined
-        span = fleet.round()
-        first = fleet.rounds[-1]
-        assert first["c"] == 10  # 120 / (4 x 3)
-        assert first["a"] == pytest.approx(110 * 3 / 4, abs=1)  # a is three times b
-        assert first["a"] + first["b"] == 110
-        assert span == pytest.approx(3.0, abs=0.05)  # c's 10 samples at 0.3 s each
+    monkeypatch.setitem(SPEED, "c", 0.3)
+    fleet = SyncFleet(["a", "b"])
+    for _ in range(6):
         fleet.round()
-        sized = fleet.rounds[-1]  # c's own reading sizes it now
-        rates = {w: 1 / SPEED[w] for w in "abc"}
-        for w in "abc":
-            assert sized[w] == pytest.approx(120 * rates[w] / sum(rates.values()), abs=1.5)
-    finally:
-        SPEED["c"] = kept
+    fleet.s.join("c", {}, fleet.now)  # joins between rounds: takes part from the next one
+    fleet._take(fleet.s.ready("c", 1, fleet.now))
+    fleet.round()  # the round that was open when c joined
+    span = fleet.round()
+    first = fleet.rounds[-1]
+    assert first["c"] == 10  # 120 / (4 x 3)
+    assert first["a"] == pytest.approx(110 * 3 / 4, abs=1)  # a is three times b
+    assert first["a"] + first["b"] == 110
+    assert span == pytest.approx(3.0, abs=0.05)  # c's 10 samples at 0.3 s each
+    fleet.round()
+    sized = fleet.rounds[-1]  # c's own reading sizes it now
+    rates = {w: 1 / SPEED[w] for w in "abc"}
+    for w in "abc":
+        assert sized[w] == pytest.approx(120 * rates[w] / sum(rates.values()), abs=1.5)
 
 
 def test_a_slot_sized_to_a_worker_that_left_goes_to_whoever_asks():
