@@ -18,6 +18,7 @@ are the gradients all-reduced, so that the peers wait for the slowed rank as the
 slow machine. The backward then runs under DDP's `no_sync` and the sleep is followed by one
 all-reduce of the flattened gradients, averaged: DDP's own reduction done after the sleep
 (its hooks would start it during the backward, before the sleep).
+The C allocator keeps freed memory for the next step, as in idlegrad's workers (worker/allocator.py).
 Rank 0 evaluates (the job's evaluation) every `--eval-every` seconds of training and at the end;
 all ranks stop at the first evaluation that reaches `--target`, at `--budget` seconds of
 training, or after `--epochs`. Rank 0 writes one JSON object to `--out`: steps, samples,
@@ -98,9 +99,11 @@ def main() -> None:
     from idlegrad.common.job import (build, build_schedule, epoch_order, evaluate, load_job,
                                      make_optimizer, parse_job_args, part_batch)
     from idlegrad.coordinator.target import Target
+    from idlegrad.worker.allocator import keep_freed_memory
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # the C allocator as idlegrad's workers have it: equal machines
     distributed = args.world > 1
     if distributed:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",

@@ -33,6 +33,7 @@ from ..common.aio import on_stop_signals
 from ..common.blobs import BlobError
 from ..common.errors import ConfigError, PeerGone, ProtocolError, Refused
 from ..common.security import KEYS_HINT, ClientKeys
+from . import allocator
 from . import session as S
 from .building import (build_engine, check_same_job, held_model, hello_of, job_key, load_welcomed,
                        pick_device, refusal_message, session_outcome, task_work)
@@ -106,6 +107,7 @@ class Worker:
         if self.threads < 1:
             raise ConfigError("threads must be at least 1")
         torch.set_num_threads(self.threads)
+        allocator.keep_freed_memory()  # process-wide, as the threads are
         self.worker_id = config.worker_id or f"{pysocket.gethostname()}-{os.getpid()}"
         self.built = self.engine = self._built_for = None
         # the model of the last task that carried one: (version, its frames' views, buffers,

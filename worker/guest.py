@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Callable, Optional, Protocol
 
+from . import allocator
 from .idle import Decision, IdlePolicy, Readings
 from .probes import Probes
 
@@ -61,6 +62,7 @@ class Guest:
             log.info("resuming: the machine has been idle for %gs", self.policy.config.resume_after)
         else:
             self.running.clear()  # the engines stop at their next micro-batch boundary
+            allocator.return_freed_memory()  # sleeping, the worker holds what it uses, not its peak
             self.pauses += 1
             log.info("pausing: %s", "; ".join(decision.reasons))
         self.log_state("running" if decision.run else "paused", decision, readings)
