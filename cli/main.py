@@ -109,8 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--min-workers", type=_positive(int), default=1, metavar="N",
                    help="hand out the first slot once N workers have joined (default 1); "
                         "after that, workers come and go freely")
-    c.add_argument("--staleness", choices=["inverse", "sqrt", "constant"], default="inverse",
-                   help="step weight of a gradient tau versions old: 1/(1+tau), 1/sqrt(1+tau), 1")
+    c.add_argument("--staleness", choices=["inverse", "sqrt", "constant"],
+                   help="step weight of a gradient tau versions old: 1/(1+tau), 1/sqrt(1+tau), 1 "
+                        "(default: inverse; constant with --pipeline, whose rounds are all one "
+                        "step late)")
     c.add_argument("--max-staleness", type=_non_negative(int), default=32, metavar="TAU",
                    help="gradients staler than this are replanned, not applied (default: 32)")
     c.add_argument("--delay-compensation", default="off", metavar="dc[:LAMBDA]",
@@ -155,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "above 1, --open-rounds or --delay-compensation ask for asynchronous "
                             "rounds; the status says which and why)")
     c.set_defaults(mode="auto")
+    c.add_argument("--pipeline", type=_positive(int), default=1, metavar="N",
+                   help="synchronous rounds open at once: a worker computes its part of the "
+                        "next round while the last one is summed and stepped, whose gradient "
+                        "is then applied a step late, at full weight unless --staleness says "
+                        "otherwise (default: 1; docs/scaling.md has the measurements)")
     c.add_argument("--max-batch", type=_positive(int), metavar="N",
                    help="cap on a round's batch; surplus workers buy redundancy and more open "
                         "rounds (default: the job's batch size)")
@@ -380,6 +387,12 @@ def _setup_logging(level: str) -> None:
                         datefmt="%H:%M:%S")
 
 
+def staleness_kind(args) -> str:
+    """--staleness, by default inverse, or constant for pipelined rounds: each is one step late
+    by design, and inverse weights halved every step (1.8x the samples to target, measured)."""
+    return args.staleness or ("constant" if args.pipeline > 1 else "inverse")
+
+
 def _run_coordinator(args) -> int:
     import os
 
@@ -409,8 +422,9 @@ def _run_coordinator(args) -> int:
         metrics_path=metrics, epochs=args.epochs,
         target=Target.parse(args.target) if args.target else None, seed=args.seed,
         heartbeat_s=args.heartbeat, partitions=args.partitions, open_rounds=args.open_rounds,
+        pipeline=args.pipeline,
         min_workers=args.min_workers,
-        staleness=StalenessRule(args.staleness, args.max_staleness),
+        staleness=StalenessRule(staleness_kind(args), args.max_staleness),
         delay_compensation=args.delay_compensation, eval_every=args.eval_every,
         eval_on=args.eval_on, settle_on=args.settle_on, min_deadline_s=args.task_timeout,
         threads=args.threads, pause_grace_s=args.pause_grace,

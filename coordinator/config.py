@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from ..common import coding
@@ -44,6 +44,7 @@ class CoordinatorConfig:
     liveness: int = 3
     partitions: int = 1
     open_rounds: int = 0
+    pipeline: int = 1  # sync rounds open at once (SchedulerConfig)
     min_workers: int = 1  # no slot before this many workers have joined (once)
     staleness: StalenessRule = field(default_factory=StalenessRule)
     # stale rounds' gradients corrected towards the current model: off | dc[:L] | dc-a[:L]
@@ -147,7 +148,10 @@ def check(config: CoordinatorConfig) -> Checked:
     # the scheduler's own rules between its options, before the job is built (the real
     # SchedulerConfig needs the job's batch size)
     SchedulerConfig(batch_size=1, redundancy=redundancy, sync=mode.sync,
-                    verify_replicas=config.verify_replicas)
+                    verify_replicas=config.verify_replicas, pipeline=config.pipeline)
+    if config.pipeline > 1:
+        mode = replace(mode, reason=f"{mode.reason}; {config.pipeline} rounds pipelined "
+                                    "(--pipeline)")
     if config.verify_replicas:
         check_verify_replicas(config.result_dtype)
     if not 1 <= config.shuffle_window <= proto.MAX_SHUFFLE_WINDOW:

@@ -91,8 +91,9 @@ class Dealer:
                 if not pending and not can_open:
                     return actions  # nothing left for the rest of the pass either
                 worker = self.fleet.workers[worker_id]
-                if worker.free > 0 and not (worker.assigned and (
-                        self.config.sync or (worker.unproven and worker.speed.late))):
+                if worker.free > 0 and not (
+                        (self.config.sync and len(worker.assigned) >= self.config.pipeline)
+                        or (worker.assigned and worker.unproven and worker.speed.late)):
                     # With locality: a waiting lease of its shards, else a round of its own
                     # block, else whatever is waiting.
                     local = self.locality is not None

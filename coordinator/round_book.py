@@ -103,7 +103,7 @@ class RoundBook:
         plus two. So a worker that asks for many credits and answers nothing cannot open rounds
         without end (the credits of one key are bounded too: budgets.py)."""
         if self.config.sync:
-            return 1
+            return self.config.pipeline
         if self.config.open_rounds:
             return self.config.open_rounds
         return 2 * self.fleet.credits // max(1, self.config.partitions) + 2

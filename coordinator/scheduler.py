@@ -84,6 +84,9 @@ class SchedulerConfig:
     pause_grace_s: float = 5.0  # a paused worker's slots are withdrawn after this long
     redundancy: Redundancy = Redundancy()  # the code policy of new rounds
     sync: bool = False  # synchronous SGD: one round, code none, a partition per ready worker
+    # sync rounds open at once: each worker computes its part of the next while the last is
+    # summed and stepped, its gradient then applied up to pipeline - 1 versions after its model
+    pipeline: int = 1
     max_batch: Optional[int] = None  # a round's batch never exceeds this
     speculate: bool = False  # duplicate late slots to free workers
     spec_sd: float = 3.0  # late: past mean + spec_sd * sd of the holder's predicted time
@@ -113,6 +116,11 @@ class SchedulerConfig:
             if self.sync:
                 raise ConfigError("--verify-replicas cannot be used with --sync (its rounds have "
                                   "no copies to compare)")
+        if self.pipeline < 1:
+            raise ConfigError(f"--pipeline must be at least 1, not {self.pipeline}")
+        if self.pipeline > 1 and not self.sync:
+            raise ConfigError("--pipeline overlaps synchronous rounds: asynchronous ones open as "
+                              "many as --open-rounds says")
 
     @property
     def speculating(self) -> bool:

@@ -147,7 +147,8 @@ class Training:
             self.model.load(state, with_optimizer=kind == self.task_mode.kind)
         scheduler = Scheduler(
             SchedulerConfig(batch_size=job.batch_size, partitions=config.partitions,
-                            open_rounds=config.open_rounds, heartbeat_s=config.heartbeat_s,
+                            open_rounds=config.open_rounds, pipeline=config.pipeline,
+                            heartbeat_s=config.heartbeat_s,
                             liveness=config.liveness, min_deadline_s=config.min_deadline_s,
                             pause_grace_s=config.pause_grace_s, redundancy=checked.redundancy,
                             sync=checked.mode.sync, max_batch=config.max_batch,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from idlegrad.cli.main import EXIT_USAGE, build_parser
+from idlegrad.cli.main import EXIT_USAGE, build_parser, staleness_kind
 from idlegrad.common.errors import ConfigError
 from idlegrad.coordinator.target import Target
 
@@ -143,7 +143,13 @@ def test_version_and_help(run_cli):
 def test_parser_defaults():
     args = build_parser().parse_args(["coordinator", "--job", "digits"])
     assert (args.epochs, args.target, args.partitions, args.open_rounds, args.staleness,
-            args.max_staleness, args.job_arg) == (None, None, 1, 0, "inverse", 32, [])
+            args.max_staleness, args.job_arg) == (None, None, 1, 0, None, 32, [])
+    assert staleness_kind(args) == "inverse"
+    piped = build_parser().parse_args(["coordinator", "--job", "digits", "--pipeline", "2"])
+    assert (piped.pipeline, staleness_kind(piped)) == (2, "constant")
+    chosen = build_parser().parse_args(["coordinator", "--job", "digits", "--pipeline", "2",
+                                        "--staleness", "sqrt"])
+    assert staleness_kind(chosen) == "sqrt"
     from idlegrad.cli.worker_cli import settings_of
 
     # Worker defaults live in worker/config.py; the flags only override them.
